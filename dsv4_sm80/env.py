@@ -1,0 +1,141 @@
+"""The environment contract of dsv4-sm80, in one place.
+
+Nothing here imports torch or sglang: `sitecustomize` reads this module in every Python process
+before SGLang is imported (reference 01 §6 #1: SGLang spawns its schedulers, so each one is a
+fresh interpreter that runs `sitecustomize` again).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+SGLANG_VERSION = "0.5.16"
+SGLANG_COMMIT = "fdebc938f7f4d16fe6b9f55dcd9a767cf0899ea1"
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    default: str
+    choices: tuple[str, ...]
+    doc: str
+
+
+class EnvError(ValueError):
+    """An env knob holds a value outside its contract."""
+
+
+# The user-facing contract (README "Environment").
+PATCH = Knob(
+    "ENABLE_SGLANG_DSV4_A100_PATCH", "0", ("0", "1"),
+    "1: apply the SM80 datapath when SGLang imports its modules. 0 or unset: do nothing at all "
+    "(native SGLang, for A/B).",
+)
+INT8_INDEXER = Knob(
+    "SGLANG_DSV4_A100_INT8_INDEXER", "1", ("0", "1"),
+    "1: the C4 indexer cache is INT8 with an fp32 row scale (SM80 has no FP8).",
+)
+MOE_BACKEND = Knob(
+    "SGLANG_DSV4_MXFP4_MOE_BACKEND", "mxfp4_int8", ("mxfp4_int8", "marlin"),
+    "Routed experts: mxfp4_int8 = 4-bit resident, INT8 tensor cores (W4A8); "
+    "marlin = SGLang's MXFP4 Marlin W4A16 with the SM90 refusal lifted.",
+)
+SGLANG_ROOT = Knob(
+    "SGLANG_ROOT", "/sgl-workspace/sglang", (),
+    "The SGLang 0.5.16 git tree of the official image; read by the gate, never written.",
+)
+
+# Lab overrides: the only way to pass the gate on GPUs other than 4 x SM80. Never defaults;
+# every start that sees one prints a banner (see `lab_banner`).
+LAB_GPU_COUNT = Knob(
+    "DSV4_SM80_LAB_GPU_COUNT", "", (),
+    "Lab only: accept this many visible GPUs instead of 4.",
+)
+LAB_CC = Knob(
+    "DSV4_SM80_LAB_CC", "", (),
+    "Lab only: accept GPUs of this compute capability (e.g. 9.0 for the H200 test bed) "
+    "instead of 8.0. The SM80 datapath is still the one that runs.",
+)
+
+KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC)
+
+
+def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:
+    """The knob's value, its default when unset or empty; EnvError outside its choices."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(knob.name, "")
+    value = raw.strip() or knob.default
+    if knob.choices and value not in knob.choices:
+        raise EnvError(
+            f"{knob.name}={raw!r} is not one of {', '.join(knob.choices)}: {knob.doc}"
+        )
+    return value
+
+
+def patch_enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
+    return get(PATCH, environ) == "1"
+
+
+def lab_overrides(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    environ = os.environ if environ is None else environ
+    return {k.name: environ[k.name] for k in (LAB_GPU_COUNT, LAB_CC) if environ.get(k.name, "").strip()}
+
+
+def lab_banner(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    overrides = lab_overrides(environ)
+    if not overrides:
+        return None
+    items = ", ".join(f"{k}={v}" for k, v in overrides.items())
+    bar = "!" * 100
+    return (
+        f"{bar}\n!!! dsv4-sm80 LAB MODE: {items}\n"
+        "!!! The GPU gate is overridden for a test bed. This is not a supported A800 deployment;\n"
+        "!!! numbers measured here are not A800 numbers.\n"
+        f"{bar}"
+    )
+
+
+@dataclass(frozen=True)
+class ImportTimeDefault:
+    name: str
+    value: str
+    reason: str
+
+
+# SGLang knobs that must hold before SGLang's modules are imported, set by `sitecustomize` only
+# where the user has not set them (reference 02 §8 S0.1). Lines are sglang 0.5.16's.
+IMPORT_TIME_DEFAULTS = (
+    ImportTimeDefault(
+        "SGLANG_OPT_FP8_WO_A_GEMM", "0",
+        "srt/models/deepseek_v4.py:196 captures it at import; the FP8 wo_a einsum is DeepGEMM (SM90+)",
+    ),
+    ImportTimeDefault(
+        "SGLANG_OPT_USE_TOPK_V2", "0",
+        "srt/environ.py:1057; top-k v2 launches thread-block clusters (sm_90+, topk_v2.cuh:34)",
+    ),
+    ImportTimeDefault(
+        "SGLANG_OPT_FLASHMLA_SPARSE_PREFILL", "0",
+        "srt/environ.py:1022; FlashMLA sparse prefill ships sm_90a/sm_100a code only",
+    ),
+    ImportTimeDefault(
+        "SGLANG_OPT_DSV4_NONPAGED_INDEXER", "0",
+        "srt/environ.py:1010; the non-paged indexer calls DeepGEMM fp8_mqa_logits (SM90+)",
+    ),
+    ImportTimeDefault(
+        "SGLANG_OPT_USE_ONLINE_COMPRESS", "0",
+        "srt/environ.py:1015; pinned off: the SM80 compressor stores follow the offline path",
+    ),
+)
+
+
+def apply_import_time_defaults(environ=None) -> dict[str, str]:
+    """Set each default the user has not set; return what was set."""
+    environ = os.environ if environ is None else environ
+    applied = {}
+    for d in IMPORT_TIME_DEFAULTS:
+        if d.name not in environ:
+            environ[d.name] = d.value
+            applied[d.name] = d.value
+    return applied
