@@ -1,0 +1,166 @@
+"""Tiny checkpoints in the official DeepSeek-V4-Flash-0731 (and -Vision-Exp) format.
+
+Same names, key order, dtypes, shape formulas, shard layout, index and config field names as the
+real checkpoint (`dsv4_sm80.checkpoint.format`), at small widths (reference 04 §5). Every tensor
+is drawn from its own RNG seeded by (seed, name), so a file is reproducible and identical for any
+TP size. The fixture of every test and the default model of `serve` in lab mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ..checkpoint import format as fmt
+from ..checkpoint.safetensors_io import write_shard
+from .quant import fp8_block_quantize, mxfp4_quantize
+
+WEIGHT_STD = 0.02  # reference 04 §5.4: N(0, 0.02) linears, biases 0, norms 1
+HC_STD = 0.01
+
+
+@dataclass(frozen=True)
+class TinySize:
+    hidden: int = 512
+    layers: int = 5
+    heads: int = 64  # FlashMLA takes 64 or 128 query heads per rank: 64 for TP1
+    o_groups: int = 8
+    q_lora: int = 256
+    o_lora: int = 256
+    moe_inter: int = 512
+    experts: int = 16
+    vocab: int = 129280
+    markov_rank: int = 256
+
+
+PRESETS = {
+    # The GPU test bed's model (hidden 512, 5 layers, 64 heads, 16 experts; ~0.5 GB).
+    "tiny": TinySize(),
+    # CPU unit tests: small vocab and widths (~20 MB), same layer pattern.
+    "unit": TinySize(hidden=256, heads=64, o_groups=8, q_lora=128, o_lora=128, moe_inter=128,
+                     experts=8, vocab=1024, markov_rank=64),
+}
+
+VISION_TINY = OrderedDict([
+    # ViT head_dim 64 and rope_dim 32 as in the real model; patch, merge and pixel bounds real so
+    # the processor and sentinel alignment are exercised (reference 04 §5.3).
+    ("vision_n_layers", 2), ("vision_dim", 128), ("vision_n_heads", 2), ("vision_inter_dim", 256),
+    ("vision_patch_size", 14), ("vision_rope_theta", 10000.0), ("vision_downsample_ratio", 3),
+    ("vision_max_n_token", 384), ("vision_min_pixels", 147456), ("vision_max_wh_ratio", 8),
+])
+
+
+class TinyConfigError(ValueError):
+    pass
+
+
+def tiny_config(size: TinySize = TinySize(), vision: bool = False) -> OrderedDict:
+    """0731's config.json with only the width fields changed (reference 04 §5.3), same key order."""
+    s = size
+    problems = []
+    if s.hidden % 128:
+        problems.append(f"hidden {s.hidden} % 128 != 0 (FP8 128x128 blocks, Marlin tiles)")
+    if s.layers < 4:
+        problems.append(f"layers {s.layers} < 4 (need SWA, C4 and C128 layers and a C4 hash layer)")
+    if (s.heads * 512) % s.o_groups or (s.heads * 512 // s.o_groups) % 128:
+        problems.append(f"heads*512/o_groups = {s.heads * 512 / s.o_groups} must be a multiple of 128")
+    if s.q_lora % 128 or s.o_lora % 128:
+        problems.append("q_lora and o_lora must be multiples of 128")
+    if s.moe_inter % 128:
+        problems.append(f"moe_inter {s.moe_inter} % 128 != 0")
+    if s.experts < 6:
+        problems.append(f"experts {s.experts} < num_experts_per_tok 6")
+    if vision and s.vocab < 129262:
+        problems.append("a --vision checkpoint keeps the real vocabulary (image placeholder ids 129257-129261)")
+    if problems:
+        raise TinyConfigError("; ".join(problems))
+    cfg = fmt.vision_exp_config() if vision else fmt.flash_0731_config()
+    for key in list(fmt.VISION_EXP_FIELDS):
+        cfg.pop(key, None)
+    ratios = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, s.layers)]
+    cfg.update(
+        hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+        o_groups=s.o_groups, q_lora_rank=s.q_lora, o_lora_rank=s.o_lora,
+        moe_intermediate_size=s.moe_inter, n_routed_experts=s.experts, vocab_size=s.vocab,
+        compress_ratios=ratios + [0, 0, 0],
+        dspark_target_layer_ids=[s.layers - 3, s.layers - 2, s.layers - 1],
+        dspark_markov_rank=s.markov_rank,
+        dspark_noise_token_id=min(128799, s.vocab - 1),
+    )
+    if vision:
+        cfg.update(VISION_TINY)
+    return cfg
+
+
+def _rng(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _fill(spec: fmt.TensorSpec, seed: int, head_scale: float, vocab: int, experts: int) -> torch.Tensor:
+    torch_dtype = {"BF16": torch.bfloat16, "F32": torch.float32}.get(spec.dtype)
+    if spec.init == "ones":
+        return torch.ones(spec.shape, dtype=torch_dtype)
+    if spec.init == "zeros":
+        return torch.zeros(spec.shape, dtype=torch_dtype)
+    if spec.init == "tid2eid":  # k distinct experts per token id
+        k = spec.shape[1]
+        t = torch.arange(vocab, dtype=torch.int64).unsqueeze(1)
+        return (t * 7 + torch.arange(k)) % experts
+    std = {"normal": WEIGHT_STD, "head": WEIGHT_STD * head_scale, "hc_fn": HC_STD}[spec.init]
+    w = torch.randn(spec.shape, generator=_rng(seed, spec.name), dtype=torch.float32) * std
+    return w.to(torch_dtype)
+
+
+def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=print) -> dict:
+    """Write config.json, the shards and model.safetensors.index.json into out_dir."""
+    specs = fmt.inventory(config)
+    n_shards = fmt.shard_count(config)
+    vocab, experts = int(config["vocab_size"]), int(config["n_routed_experts"])
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+    weight_map, total, by_shard = OrderedDict(), 0, {}
+    for s in specs:
+        by_shard.setdefault(s.shard, []).append(s)
+    for shard in range(1, n_shards + 1):
+        name = fmt.shard_name(shard, n_shards)
+        tensors, pending_scale = [], {}
+        for s in by_shard[shard]:
+            if s.init == "pair":
+                data = pending_scale.pop(s.name)
+            elif s.init in ("fp8", "mxfp4"):
+                w = torch.randn(_dense_shape(s), generator=_rng(seed, s.name)) * WEIGHT_STD
+                q, scale = fp8_block_quantize(w) if s.init == "fp8" else mxfp4_quantize(w)
+                data = _raw(q)
+                pending_scale[s.name[: -len(".weight")] + ".scale"] = _raw(scale)
+            else:
+                data = _raw(_fill(s, seed, head_scale, vocab, experts))
+            assert len(data) == s.nbytes, (s.name, len(data), s.nbytes)
+            tensors.append((s.name, s.dtype, s.shape, data))
+            weight_map[s.name] = name
+            total += len(data)
+        assert not pending_scale, pending_scale
+        write_shard(os.path.join(out_dir, name), tensors)
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    summary = {"dir": out_dir, "tensors": len(specs), "shards": n_shards, "bytes": total,
+               "seed": seed, "head_scale": head_scale, "vision": fmt.has_vision(config)}
+    log(f"dsv4-sm80 make-tiny: {summary['tensors']} tensors, {n_shards} shards, "
+        f"{total / 2**20:.1f} MiB -> {out_dir}")
+    return summary
+
+
+def _dense_shape(spec: fmt.TensorSpec) -> tuple:
+    """The unquantized [out, in] shape behind a quantized weight spec."""
+    n_out, n_stored = spec.shape
+    return (n_out, n_stored * 2) if spec.init == "mxfp4" else (n_out, n_stored)

@@ -1,0 +1,79 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+PATCH = "ENABLE_SGLANG_DSV4_A100_PATCH"
+
+
+def clean_env(**overrides):
+    """The test process's environment without any dsv4-sm80 / lab knobs, plus overrides."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ENABLE_SGLANG_DSV4", "SGLANG_DSV4", "DSV4_SM80", "SGLANG_OPT_"))}
+    env.update({k: v for k, v in overrides.items() if v is not None})
+    return env
+
+
+def run_python(code, *, pythonpath=(), timeout=600, **env_overrides):
+    """Run `code` in a fresh interpreter that has the repository first on PYTHONPATH (as the
+    container's /sgl-workspace/platform is), so sitecustomize runs exactly as in production."""
+    env = clean_env(**env_overrides)
+    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, REPO])
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+def last_json(proc):
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def unit_ckpt(tmp_path_factory):
+    """A tiny official-format checkpoint (the `unit` preset), generated once per session."""
+    from dsv4_sm80.tiny.generate import PRESETS, generate, tiny_config
+
+    out = str(tmp_path_factory.mktemp("unit-ckpt"))
+    generate(out, tiny_config(PRESETS["unit"]), seed=0, log=lambda *_: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def unit_vision_ckpt(tmp_path_factory):
+    from dataclasses import replace
+
+    from dsv4_sm80.tiny.generate import PRESETS, generate, tiny_config
+
+    out = str(tmp_path_factory.mktemp("unit-vision-ckpt"))
+    size = replace(PRESETS["unit"], vocab=129280)
+    generate(out, tiny_config(size, vision=True), seed=0, log=lambda *_: None)
+    return out
+
+
+def _sglang_version():
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        return None
+    from dsv4_sm80 import upstream
+
+    return upstream.read_version(upstream.locate_sglang())
+
+
+def pytest_report_header(config):
+    v = _sglang_version()
+    if v is None:
+        return "dsv4-sm80: sglang is NOT installed - every test marked `sglang` will SKIP (CI installs 0.5.16)"
+    return f"dsv4-sm80: testing against the real sglang {v}"
+
+
+def pytest_sessionstart(session):
+    # CI sets this: there a missing SGLang is an error, never a quiet skip.
+    if os.environ.get("DSV4_SM80_REQUIRE_SGLANG") == "1" and _sglang_version() != "0.5.16":
+        pytest.exit(f"DSV4_SM80_REQUIRE_SGLANG=1 but sglang is {_sglang_version()!r}, not 0.5.16", returncode=3)
