@@ -1,0 +1,276 @@
+"""The one applier of the seam table.
+
+`install()` (called by `sitecustomize` when ENABLE_SGLANG_DSV4_A100_PATCH=1) puts a finder at the
+front of `sys.meta_path`. When SGLang imports a module that holds a seam target, the finder wraps
+that module's loader so that, for that module:
+
+1. before it executes: its file must be the 0.5.16 file (`upstream.FINGERPRINTS`);
+2. it executes unchanged;
+3. after it executes, before anyone can `from X import Y` a stale copy: each enabled seam is
+   applied exactly once, and copies already bound in other modules are re-pointed.
+
+A missing or changed target raises `SeamRefusal`, which derives from BaseException on purpose:
+SGLang imports some modules under `except Exception` (e.g. its model registry), and a refusal
+must stop the process rather than degrade into a missing model class.
+
+Why our own finder rather than SGLang 0.5.16's plugin entry points + HookRegistry (reference 05
+§5.1): HookRegistry logs and continues when a hook fails (`hook_registry.py`, apply_hooks), it
+applies only when `load_plugins()` runs, after many sglang modules are imported (so import-time
+constants and `from X import Y` copies are already taken), it needs a `.dist-info` on the path,
+and `SGLANG_PLUGINS` can silently exclude it. Patching at import time, with a fingerprint check
+before the module runs, keeps the refuse-or-run promise.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.abc
+import sys
+import threading
+import types
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Optional
+
+from . import env
+from .seams import SEAMS, Seam, by_module
+from .upstream import FINGERPRINTS, file_hash, module_relpath
+
+MARK = "__dsv4_sm80_seam__"
+
+
+class SeamRefusal(BaseException):
+    """A seam target is missing or is not SGLang 0.5.16's code. Nothing may run on top of it."""
+
+
+@dataclass
+class SeamStatus:
+    name: str
+    target: str
+    kind: str
+    upstream: str
+    toggle: str
+    state: str  # off | pending | applied | refused
+    detail: str = ""
+    applied_count: int = 0
+
+
+_lock = threading.RLock()
+_status: dict[str, SeamStatus] = {}
+_finder: Optional["SeamFinder"] = None
+
+
+def _toggle_text(seam: Seam) -> str:
+    return " and ".join((f"{env.PATCH.name}=1",) + seam.when)
+
+
+def _init_status(seams: Iterable[Seam], environ) -> None:
+    for s in seams:
+        if s.name in _status:
+            continue
+        try:
+            on = s.enabled(environ)
+        except env.EnvError as e:
+            on, detail = False, str(e)
+        else:
+            detail = "" if on else "toggle off"
+        _status[s.name] = SeamStatus(
+            s.name, s.target, s.kind, s.upstream, _toggle_text(s), "pending" if on else "off", detail
+        )
+
+
+def status() -> list[dict]:
+    """Every declared seam and what happened to it in this process."""
+    with _lock:
+        _init_status(SEAMS, None)
+        return [asdict(_status[s.name]) for s in SEAMS]
+
+
+def installed() -> bool:
+    return _finder is not None and _finder in sys.meta_path
+
+
+def _refuse(seam_name: str, message: str) -> SeamRefusal:
+    with _lock:
+        st = _status.get(seam_name)
+        if st is not None:
+            st.state, st.detail = "refused", message
+    return SeamRefusal(
+        f"dsv4-sm80 seam {seam_name}: {message}. The SM80 overlay only runs on SGLang "
+        f"{env.SGLANG_VERSION} @ {env.SGLANG_COMMIT[:8]}; use that tree, or set "
+        f"{env.PATCH.name}=0 to run SGLang natively (no SM80 datapath)."
+    )
+
+
+def verify_file(module_name: str, path: Optional[str], seams: list[Seam], fingerprints=None) -> None:
+    fingerprints = FINGERPRINTS if fingerprints is None else fingerprints
+    rel = module_relpath(module_name)
+    want = fingerprints.get(rel)
+    if path is None:
+        raise _refuse(seams[0].name, f"{module_name} has no source file to fingerprint")
+    got = file_hash(path)
+    if got != want:
+        raise _refuse(
+            seams[0].name,
+            f"{path} is not the 0.5.16 file (sha256 {got}, expected {want}); "
+            f"targets {', '.join(s.target for s in seams)} may have changed",
+        )
+
+
+def _resolve(dotted: str) -> Callable:
+    mod, _, attr = dotted.partition(":")
+    obj = importlib.import_module(mod)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _wrap(seam: Seam, original, replacement):
+    if seam.kind == "replace":
+        new = replacement
+    elif seam.kind == "before":
+
+        @functools.wraps(original)
+        def new(*args, **kwargs):
+            changed = replacement(*args, **kwargs)
+            if changed is not None:
+                args, kwargs = changed
+            return original(*args, **kwargs)
+
+    elif seam.kind == "around":
+
+        @functools.wraps(original)
+        def new(*args, **kwargs):
+            return replacement(original, *args, **kwargs)
+
+    else:  # validate_table() keeps this unreachable
+        raise ValueError(seam.kind)
+    try:
+        setattr(new, MARK, seam.name)
+        if new is not original:
+            new.__wrapped__ = original
+    except (AttributeError, TypeError):
+        pass
+    return new
+
+
+def apply_seam(seam: Seam, module: types.ModuleType) -> bool:
+    """Apply one seam to its (already executed) target module. False if it was already applied."""
+    with _lock:
+        _init_status([seam], None)
+        owner = module
+        for part in seam.attr_path[:-1]:
+            if not hasattr(owner, part):
+                raise _refuse(seam.name, f"target {seam.target} not found ({part!r} missing)")
+            owner = getattr(owner, part)
+        attr = seam.attr_path[-1]
+        raw = vars(owner).get(attr, _MISSING) if isinstance(owner, (type, types.ModuleType)) else _MISSING
+        if raw is _MISSING:
+            raise _refuse(seam.name, f"target {seam.target} not found ({attr!r} is not defined there)")
+        wrapper_type = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
+        original = raw.__func__ if wrapper_type else raw
+        st = _status[seam.name]
+        if seam.kind == "value":
+            new = _resolve(seam.replacement)()
+            if st.state == "applied" and original == new:
+                return False  # exactly once
+        else:
+            if getattr(original, MARK, None) == seam.name:
+                return False  # exactly once
+            new = _wrap(seam, original, _resolve(seam.replacement))
+        setattr(owner, attr, wrapper_type(new) if wrapper_type else new)
+        if isinstance(owner, types.ModuleType) and callable(original) and seam.kind != "value":
+            _repoint_copies(original, new, owner)
+        st.state, st.detail = "applied", f"{module.__name__} ({getattr(module, '__file__', '?')})"
+        st.applied_count += 1
+        return True
+
+
+_MISSING = object()
+
+
+def _repoint_copies(original, new, source_module) -> None:
+    """`from X import Y` taken while X was executing (circular imports) still points at the
+    original; re-point those bindings (the same service HookRegistry._propagate_patch gives)."""
+    for mod in list(sys.modules.values()):
+        if mod is source_module or not isinstance(mod, types.ModuleType):
+            continue
+        try:
+            items = list(vars(mod).items())
+        except TypeError:
+            continue
+        for name, value in items:
+            if value is original:
+                setattr(mod, name, new)
+
+
+def apply_module(module: types.ModuleType, seams: list[Seam]) -> None:
+    for s in seams:
+        apply_seam(s, module)
+
+
+class _SeamLoader(importlib.abc.Loader):
+    def __init__(self, inner, name: str, seams: list[Seam]):
+        self._inner, self._name, self._seams = inner, name, seams
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        verify_file(self._name, getattr(module, "__file__", None), self._seams)
+        self._inner.exec_module(module)
+        apply_module(module, self._seams)
+
+    def __getattr__(self, item):  # get_source, get_filename, is_package, ... (inspect, linecache)
+        return getattr(self._inner, item)
+
+
+class SeamFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, table: dict[str, list[Seam]]):
+        self.table = table
+
+    def find_spec(self, fullname, path, target=None):
+        seams = self.table.get(fullname)
+        if not seams:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            raise _refuse(seams[0].name, f"{fullname} is not loaded from a source file")
+        spec.loader = _SeamLoader(spec.loader, fullname, seams)
+        return spec
+
+
+def install(environ=None) -> bool:
+    """Arrange for every enabled seam to be applied when its module is imported. Idempotent.
+    With the patch off this does nothing and returns False."""
+    global _finder
+    with _lock:
+        _init_status(SEAMS, environ)
+        if not env.patch_enabled(environ):
+            return False
+        if installed():
+            return True
+        enabled = [s for s in SEAMS if s.enabled(environ)]
+        table = by_module(enabled)
+        _finder = SeamFinder(table)
+        sys.meta_path.insert(0, _finder)
+        for name, seams in table.items():  # modules imported before us (not from sitecustomize)
+            module = sys.modules.get(name)
+            if module is not None:
+                verify_file(name, getattr(module, "__file__", None), seams)
+                apply_module(module, seams)
+        return True
+
+
+def import_targets() -> list[dict]:
+    """Import every enabled seam's module so its seams apply now (doctor --apply, tests)."""
+    for name in sorted(by_module([s for s in SEAMS if _status.get(s.name) and _status[s.name].state != "off"])):
+        importlib.import_module(name)
+    return status()

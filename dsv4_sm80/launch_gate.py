@@ -1,0 +1,23 @@
+"""Replacement for the `launch.gate` seam: the gate, run inside SGLang's own launch.
+
+`Engine._launch_subprocesses` (srt/entrypoints/engine.py:765) is the one path by which both
+`sglang.Engine` and `python -m sglang.launch_server` start their scheduler processes, so running
+the gate first there means a PYTHONPATH-injected SGLang refuses exactly like `serve` does.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def before_launch(cls, server_args, *args, **kwargs):
+    import compat_check
+
+    compat_check.banner_once()
+    facts = compat_check.collect(model_path=server_args.model_path)
+    bad = compat_check.failures(compat_check.evaluate(facts))
+    if bad:
+        text = "dsv4-sm80 gate refused to launch SGLang:\n" + "\n".join(f.line() for f in bad)
+        print(text, file=sys.stderr, flush=True)
+        raise compat_check.GateRefused(text)
+    return None

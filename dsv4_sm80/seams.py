@@ -1,0 +1,115 @@
+"""The seam table: every SGLang 0.5.16 internal that dsv4-sm80 replaces, declared once.
+
+A seam names its target (`module:attr.path`), the replacement (`module:callable`, imported only
+when the target module is imported), how it is applied (`kind`), why, the upstream file:line it
+replaces, and its toggle. `dsv4_sm80.apply` is the only code that applies them: it checks the
+target file is the 0.5.16 file (`upstream.FINGERPRINTS`), that the target exists, applies the
+seam exactly once and records the result for `doctor`.
+
+Kinds:
+  before   hook(*args, **kwargs) runs first; it may return (args, kwargs) to replace them
+  around   hook(original, *args, **kwargs) returns the result
+  replace  the attribute becomes `replacement` (a function or class; `__wrapped__` = original)
+  value    the attribute becomes `replacement()` (module constants captured at import time)
+
+Toggles: every seam needs ENABLE_SGLANG_DSV4_A100_PATCH=1; `when` adds conditions on other knobs
+of `dsv4_sm80.env` ("KNOB=value"), e.g. a MoE seam used only by one backend.
+
+Later stages only add entries here, one block per datapath stage file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from . import env
+
+KINDS = ("before", "around", "replace", "value")
+
+
+@dataclass(frozen=True)
+class Seam:
+    name: str
+    target: str
+    kind: str
+    replacement: str
+    reason: str
+    upstream: str  # "srt/...py:LINE[-LINE]", relative to the sglang package
+    when: tuple[str, ...] = field(default=())
+
+    @property
+    def module(self) -> str:
+        return self.target.split(":", 1)[0]
+
+    @property
+    def attr_path(self) -> tuple[str, ...]:
+        return tuple(self.target.split(":", 1)[1].split("."))
+
+    @property
+    def upstream_file(self) -> str:
+        return self.upstream.split(":", 1)[0]
+
+    def enabled(self, environ: Optional[Mapping[str, str]] = None) -> bool:
+        if not env.patch_enabled(environ):
+            return False
+        knobs = {k.name: k for k in env.KNOBS}
+        for cond in self.when:
+            name, value = cond.split("=", 1)
+            if env.get(knobs[name], environ) != value:
+                return False
+        return True
+
+
+SEAMS: tuple[Seam, ...] = (
+    # --- launch: the gate runs inside SGLang too --------------------------------------------------
+    Seam(
+        name="launch.gate",
+        target="sglang.srt.entrypoints.engine:Engine._launch_subprocesses",
+        kind="before",
+        replacement="dsv4_sm80.launch_gate:before_launch",
+        reason=(
+            "Users who inject the overlay with PYTHONPATH and run `python -m sglang.launch_server` "
+            "(or sglang.Engine) bypass `serve` and the entrypoint; the compatibility gate must still "
+            "refuse before any scheduler process starts. Every launch path (Engine, HTTP server) "
+            "goes through this classmethod."
+        ),
+        upstream="srt/entrypoints/engine.py:765-790",
+    ),
+)
+
+
+def by_module(seams=SEAMS) -> dict[str, list[Seam]]:
+    out: dict[str, list[Seam]] = {}
+    for s in seams:
+        out.setdefault(s.module, []).append(s)
+    return out
+
+
+def validate_table(seams=SEAMS, fingerprints=None) -> list[str]:
+    """Problems with the declarations themselves (not with the installed SGLang)."""
+    from .upstream import FINGERPRINTS, module_relpath
+
+    fingerprints = FINGERPRINTS if fingerprints is None else fingerprints
+    knob_names = {k.name for k in env.KNOBS}
+    problems, names = [], set()
+    for s in seams:
+        if s.name in names:
+            problems.append(f"{s.name}: declared twice")
+        names.add(s.name)
+        if s.kind not in KINDS:
+            problems.append(f"{s.name}: kind {s.kind!r} not in {KINDS}")
+        if ":" not in s.target or ":" not in s.replacement:
+            problems.append(f"{s.name}: target and replacement must be 'module:attr'")
+            continue
+        if module_relpath(s.module) != s.upstream_file:
+            problems.append(f"{s.name}: upstream {s.upstream} is not the target's file {module_relpath(s.module)}")
+        if s.upstream_file not in fingerprints:
+            problems.append(f"{s.name}: no 0.5.16 fingerprint for {s.upstream_file}")
+        if not s.reason.strip():
+            problems.append(f"{s.name}: no reason")
+        for cond in s.when:
+            name, _, value = cond.partition("=")
+            if name not in knob_names or not value:
+                problems.append(f"{s.name}: toggle {cond!r} is not KNOB=value of dsv4_sm80.env")
+    return problems

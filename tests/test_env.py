@@ -1,0 +1,27 @@
+"""The env contract (dsv4_sm80.env)."""
+
+import pytest
+
+from dsv4_sm80 import env
+
+
+def test_defaults_and_choices():
+    assert env.get(env.PATCH, {}) == "0" and env.patch_enabled({}) is False
+    assert env.patch_enabled({"ENABLE_SGLANG_DSV4_A100_PATCH": "1"}) is True
+    assert env.get(env.MOE_BACKEND, {}) == "mxfp4_int8"
+    assert env.get(env.INT8_INDEXER, {}) == "1"
+    assert env.get(env.MOE_BACKEND, {"SGLANG_DSV4_MXFP4_MOE_BACKEND": "marlin"}) == "marlin"
+    with pytest.raises(env.EnvError, match="SGLANG_DSV4_MXFP4_MOE_BACKEND='int4' is not one of mxfp4_int8, marlin"):
+        env.get(env.MOE_BACKEND, {"SGLANG_DSV4_MXFP4_MOE_BACKEND": "int4"})
+
+
+def test_import_time_defaults_only_where_unset():
+    environ = {"SGLANG_OPT_USE_TOPK_V2": "1"}
+    applied = env.apply_import_time_defaults(environ)
+    assert "SGLANG_OPT_USE_TOPK_V2" not in applied and environ["SGLANG_OPT_USE_TOPK_V2"] == "1"
+    assert environ["SGLANG_OPT_FP8_WO_A_GEMM"] == "0" and applied["SGLANG_OPT_FP8_WO_A_GEMM"] == "0"
+    assert all(d.reason and d.name.startswith("SGLANG_") for d in env.IMPORT_TIME_DEFAULTS)
+
+
+def test_lab_overrides():
+    assert env.lab_overrides({"DSV4_SM80_LAB_CC": " ", "DSV4_SM80_LAB_GPU_COUNT": "2"}) == {"DSV4_SM80_LAB_GPU_COUNT": "2"}

@@ -1,0 +1,167 @@
+"""The seam table and its one applier, against the real sglang==0.5.16."""
+
+import json
+import os
+import re
+
+import pytest
+
+from conftest import last_json, run_python
+from dsv4_sm80 import apply
+from dsv4_sm80.seams import SEAMS, Seam, validate_table
+from dsv4_sm80.upstream import FINGERPRINTS, locate_sglang
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture(scope="module")
+def sglang_dir():
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; the seam tests need the real one")
+    return locate_sglang()
+
+
+def test_table_is_well_formed():
+    assert validate_table() == []
+    assert len({s.name for s in SEAMS}) == len(SEAMS) >= 1
+
+
+def test_table_rejects_bad_entries():
+    bad = Seam("x", "sglang.srt.entrypoints.engine:Engine.f", "wrap", "m:f", "", "srt/other.py:1", ("NOPE=1",))
+    problems = validate_table([bad, bad])
+    for phrase in ("declared twice", "kind 'wrap'", "is not the target's file", "no 0.5.16 fingerprint",
+                   "no reason", "toggle 'NOPE=1'"):
+        assert any(phrase in p for p in problems), (phrase, problems)
+
+
+def test_declared_lines_hold_the_target(sglang_dir):
+    """`upstream` file:line points at the definition it replaces, in the real 0.5.16 file."""
+    for s in SEAMS:
+        path = os.path.join(sglang_dir, s.upstream_file)
+        first = int(re.match(r"[^:]+:(\d+)", s.upstream).group(1))
+        line = open(path, encoding="utf-8").read().splitlines()[first - 1]
+        assert re.search(rf"\b(def|class)\s+{re.escape(s.attr_path[-1])}\b|^\s*{re.escape(s.attr_path[-1])}\s*[:=]",
+                         line), (s.name, line)
+
+
+APPLY_ALL = """
+import importlib, json, sys
+from dsv4_sm80.seams import SEAMS, by_module
+for name in by_module(SEAMS):
+    importlib.import_module(name)
+from dsv4_sm80 import apply
+marks = {}
+for s in SEAMS:
+    owner = sys.modules[s.module]
+    for part in s.attr_path[:-1]:
+        owner = getattr(owner, part)
+    raw = vars(owner)[s.attr_path[-1]]
+    raw = getattr(raw, "__func__", raw)
+    marks[s.name] = getattr(raw, apply.MARK, None)
+print(json.dumps({"status": apply.status(), "marks": marks}))
+"""
+
+
+def test_toggle_on_applies_every_seam_once(sglang_dir):
+    out = last_json(run_python(APPLY_ALL, ENABLE_SGLANG_DSV4_A100_PATCH="1"))
+    assert [(s["name"], s["state"], s["applied_count"]) for s in out["status"]] == \
+           [(s.name, "applied", 1) for s in SEAMS]
+    assert out["marks"] == {s.name: s.name for s in SEAMS}
+
+
+def test_toggle_off_applies_none(sglang_dir):
+    code = "import sys\npre = 'dsv4_sm80' in sys.modules\n" + APPLY_ALL.replace('"status"', '"pre": pre, "status"')
+    out = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="0"))
+    assert out["pre"] is False  # sitecustomize did not even import the patch body
+    assert {s["state"] for s in out["status"]} == {"off"}
+    assert set(out["marks"].values()) == {None}
+
+
+def test_idempotent(sglang_dir):
+    code = """
+import importlib, json, sys
+from dsv4_sm80 import apply
+from dsv4_sm80.seams import SEAMS
+import sglang.srt.entrypoints.engine as m
+seam = next(s for s in SEAMS if s.name == "launch.gate")
+again = apply.apply_seam(seam, m)
+reinstalled = apply.install()
+finders = sum(type(f).__name__ == "SeamFinder" for f in sys.meta_path)
+importlib.reload(m)  # re-executes the module: the fresh original gets the seam once more
+raw = vars(m.Engine)["_launch_subprocesses"].__func__
+print(json.dumps({"again": again, "reinstalled": reinstalled, "finders": finders,
+                  "count": apply.status()[0]["applied_count"], "marked": getattr(raw, apply.MARK, None),
+                  "double": hasattr(raw.__wrapped__, apply.MARK)}))
+"""
+    out = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1"))
+    assert out == {"again": False, "reinstalled": True, "finders": 1, "count": 2, "marked": "launch.gate",
+                   "double": False}
+
+
+def _farm(src: str, dst: str, changed_rel: str) -> str:
+    """A copy of the real sglang package made of symlinks, except one file that gets a local edit."""
+    parts = changed_rel.split("/")
+    os.makedirs(dst)
+    for i in range(len(parts)):
+        here_src = os.path.join(src, *parts[:i])
+        here_dst = os.path.join(dst, *parts[:i])
+        for entry in os.listdir(here_src):
+            if entry == parts[i] or os.path.exists(os.path.join(here_dst, entry)):
+                continue
+            os.symlink(os.path.join(here_src, entry), os.path.join(here_dst, entry))
+        if i < len(parts) - 1:
+            os.makedirs(os.path.join(here_dst, parts[i]))
+    with open(os.path.join(src, changed_rel)) as f, open(os.path.join(dst, changed_rel), "w") as g:
+        g.write(f.read() + "\n# a local edit\n")
+    return dst
+
+
+def test_changed_target_is_refused(sglang_dir, tmp_path):
+    root = tmp_path / "site"
+    _farm(sglang_dir, str(root / "sglang"), "srt/entrypoints/engine.py")
+    code = """
+import json
+try:
+    import sglang.srt.entrypoints.engine as m
+    print(json.dumps({"imported": m.__file__}))
+except BaseException as e:
+    print(json.dumps({"refused": type(e).__name__, "msg": str(e)}))
+"""
+    out = last_json(run_python(code, pythonpath=(str(root),), ENABLE_SGLANG_DSV4_A100_PATCH="1"))
+    assert out["refused"] == "SeamRefusal"
+    assert "seam launch.gate" in out["msg"] and "engine.py is not the 0.5.16 file" in out["msg"]
+    assert "ENABLE_SGLANG_DSV4_A100_PATCH=0" in out["msg"]
+    # native behaviour is untouched by the overlay when it is off
+    out = last_json(run_python(code, pythonpath=(str(root),), ENABLE_SGLANG_DSV4_A100_PATCH="0"))
+    assert out["imported"].startswith(str(root))
+    # doctor's static preview reports the same
+    from dsv4_sm80.cli import seam_preview
+
+    assert "is not the 0.5.16 file" in seam_preview(SEAMS[0], str(root / "sglang"))
+    assert seam_preview(SEAMS[0], sglang_dir) == "ok"
+
+
+def test_missing_target_is_refused(sglang_dir):
+    import sglang.srt.entrypoints.engine as m
+
+    ghost = Seam("test.ghost", "sglang.srt.entrypoints.engine:Engine.no_such_method", "replace",
+                 "dsv4_sm80.launch_gate:before_launch", "test", "srt/entrypoints/engine.py:1")
+    with pytest.raises(apply.SeamRefusal, match=r"test.ghost: target .*no_such_method not found"):
+        apply.apply_seam(ghost, m)
+    assert not isinstance(apply.SeamRefusal("x"), Exception)  # survives SGLang's `except Exception`
+
+
+def test_launch_gate_refuses_inside_sglang(sglang_dir, unit_ckpt):
+    """With the patch on, SGLang's own launch runs the gate before any scheduler starts."""
+    code = f"""
+import json, sglang
+try:
+    sglang.Engine(model_path={unit_ckpt!r}, skip_tokenizer_init=True, device="cpu")
+    print(json.dumps({{"started": True}}))
+except Exception as e:
+    print(json.dumps({{"refused": type(e).__name__, "msg": str(e)}}))
+"""
+    p = run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1")
+    out = last_json(p)
+    assert out["refused"] == "GateRefused", out
+    assert "FAIL gpu.count: found 0 visible GPUs" in out["msg"]
+    assert "dsv4-sm80 gate refused to launch SGLang" in p.stderr
