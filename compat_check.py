@@ -1,0 +1,586 @@
+"""The fail-fast gate of dsv4-sm80: run before SGLang starts (by `serve`, `doctor`, the container
+entrypoint, and, with the patch on, by SGLang's own launch through the `launch.gate` seam).
+
+Facts are collected in one place (`collect`); checks are pure functions of the facts, so the
+tests inject facts for every red line. Each failed check prints one line: the check, what was
+found, what was expected, what to do. Exit status non-zero on any failure; nothing starts.
+
+    python compat_check.py --model-path /models/DeepSeek-V4-Flash-0731 [--json]
+
+Order: compatibility (SGLang 0.5.16 @ fdebc938, exactly 4 visible GPUs of compute capability 8.0,
+config architecture, patch active), then the model path and its keys (index, every shard,
+native dtypes, no converted tensors, complete vision tensors).
+
+Lab overrides (DSV4_SM80_LAB_GPU_COUNT, DSV4_SM80_LAB_CC) relax only the GPU checks, are never
+defaults, and print a banner on every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from dsv4_sm80 import env, upstream
+from dsv4_sm80.checkpoint import format as fmt
+from dsv4_sm80.checkpoint.safetensors_io import SafetensorsError, read_header
+
+A800_MIN_MEMORY_GIB = 75.0  # an 80 GB card reports ~79.2 GiB; 40 GB A100s cannot hold the weights
+OFFICIAL = "the official, unconverted checkpoint (deepseek-ai/DeepSeek-V4-Flash-0731 or DeepSeek-V4-Flash-Vision-Exp)"
+
+
+# --- facts -------------------------------------------------------------------------------------
+
+@dataclass
+class SGLangFacts:
+    location: Optional[str] = None
+    version: Optional[str] = None
+    sglang_root: Optional[str] = None  # SGLANG_ROOT when it is a git tree
+    under_root: bool = False  # the imported package lives in SGLANG_ROOT/python
+    git_commit: Optional[str] = None
+    git_dirty: Optional[list] = None  # modified tracked files under python/ (None: git unavailable)
+    fingerprint_mismatch: dict = field(default_factory=dict)
+
+
+@dataclass
+class GpuFacts:
+    devices: list = field(default_factory=list)  # [{"index", "name", "cc", "memory_gib"}]
+    error: Optional[str] = None
+
+
+@dataclass
+class PatchFacts:
+    where: str = "this interpreter"
+    env_value: str = ""
+    sitecustomize: Optional[str] = None
+    ours: bool = False
+    hook_installed: bool = False
+    error: Optional[str] = None
+
+
+@dataclass
+class ModelFacts:
+    path: Optional[str] = None
+    is_dir: bool = False
+    config: Optional[dict] = None
+    config_error: Optional[str] = None
+    index: Optional[dict] = None
+    index_error: Optional[str] = None
+    headers: dict = field(default_factory=dict)  # shard file -> ShardHeader
+    shard_errors: dict = field(default_factory=dict)  # shard file -> problem
+
+
+@dataclass
+class Facts:
+    sglang: SGLangFacts
+    gpus: GpuFacts
+    patch: PatchFacts
+    model: ModelFacts
+    lab: dict = field(default_factory=dict)
+
+
+def collect_sglang(environ=None) -> SGLangFacts:
+    environ = os.environ if environ is None else environ
+    f = SGLangFacts()
+    f.location = upstream.locate_sglang()
+    if f.location is None:
+        return f
+    f.version = upstream.read_version(f.location)
+    f.fingerprint_mismatch = upstream.mismatches(f.location)
+    root = env.get(env.SGLANG_ROOT, environ)
+    if os.path.exists(os.path.join(root, ".git")):
+        f.sglang_root = root
+        f.under_root = os.path.realpath(f.location).startswith(os.path.realpath(os.path.join(root, "python")) + os.sep)
+        f.git_commit = upstream.read_git_head(root)
+        if shutil.which("git"):
+            r = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no", "--", "python"],
+                               capture_output=True, text=True, timeout=60)
+            if r.returncode == 0:
+                f.git_dirty = [line[3:] for line in r.stdout.splitlines() if line.strip()]
+    return f
+
+
+_GPU_PROBE = r"""
+import ctypes, json
+out = {"devices": [], "error": None}
+try:
+    cu = ctypes.CDLL("libcuda.so.1")
+except OSError as e:
+    out["error"] = "libcuda.so.1 cannot be loaded (%s): no NVIDIA driver on this machine" % e
+else:
+    rc = cu.cuInit(0)
+    if rc == 100:
+        out["error"] = "the driver reports no CUDA device (CUDA_ERROR_NO_DEVICE)"
+    elif rc:
+        out["error"] = "cuInit failed with CUDA error %d" % rc
+    else:
+        n = ctypes.c_int()
+        cu.cuDeviceGetCount(ctypes.byref(n))
+        for i in range(n.value):
+            d, major, minor, mem = ctypes.c_int(), ctypes.c_int(), ctypes.c_int(), ctypes.c_size_t()
+            name = ctypes.create_string_buffer(256)
+            cu.cuDeviceGet(ctypes.byref(d), i)
+            cu.cuDeviceGetAttribute(ctypes.byref(major), 75, d)
+            cu.cuDeviceGetAttribute(ctypes.byref(minor), 76, d)
+            cu.cuDeviceGetName(name, 256, d)
+            cu.cuDeviceTotalMem_v2(ctypes.byref(mem), d)
+            out["devices"].append({"index": i, "name": name.value.decode(errors="replace"),
+                                   "cc": "%d.%d" % (major.value, minor.value),
+                                   "memory_gib": round(mem.value / 2**30, 1)})
+print(json.dumps(out))
+"""
+
+
+def collect_gpus() -> GpuFacts:
+    """Visible GPUs (CUDA_VISIBLE_DEVICES applies) from the driver, in a child process so this one
+    never initialises CUDA (SGLang forks and spawns after the gate)."""
+    try:
+        r = subprocess.run([sys.executable, "-I", "-S", "-c", _GPU_PROBE], capture_output=True, text=True, timeout=120)
+        return GpuFacts(**json.loads(r.stdout.strip().splitlines()[-1]))
+    except Exception as e:  # the probe itself broke: report it as the GPU fact
+        return GpuFacts(error=f"GPU probe failed: {type(e).__name__}: {e}")
+
+
+def collect_patch_here() -> PatchFacts:
+    f = PatchFacts(env_value=os.environ.get(env.PATCH.name, ""))
+    mod = sys.modules.get("sitecustomize")
+    f.sitecustomize = getattr(mod, "__file__", None)
+    state = getattr(mod, "DSV4_SM80_STATE", False)
+    f.ours = state is not False
+    if isinstance(state, dict):
+        f.error = state.get("error")
+    from dsv4_sm80 import apply
+
+    f.hook_installed = apply.installed()
+    return f
+
+
+_PATCH_PROBE = r"""
+import json, os, sys
+m = sys.modules.get("sitecustomize")
+state = getattr(m, "DSV4_SM80_STATE", False)
+try:
+    from dsv4_sm80 import apply
+    hooked = apply.installed()
+except Exception:
+    hooked = False
+print(json.dumps({"sitecustomize": getattr(m, "__file__", None), "ours": state is not False,
+                  "hook_installed": hooked, "error": state.get("error") if isinstance(state, dict) else None,
+                  "env_value": os.environ.get("ENABLE_SGLANG_DSV4_A100_PATCH", "")}))
+"""
+
+
+def collect_patch_in(environ: dict) -> PatchFacts:
+    """Whether a Python process started with `environ` (the one `serve` launches) gets the patch."""
+    r = subprocess.run([sys.executable, "-c", _PATCH_PROBE], env=environ, capture_output=True, text=True, timeout=120)
+    try:
+        return PatchFacts(where="the launch environment", **json.loads(r.stdout.strip().splitlines()[-1]))
+    except Exception:
+        return PatchFacts(where="the launch environment", error=f"probe failed: {r.stderr.strip()[-300:]}")
+
+
+def collect_model(path: Optional[str]) -> ModelFacts:
+    f = ModelFacts(path=path)
+    if not path:
+        return f
+    f.is_dir = os.path.isdir(path)
+    if not f.is_dir:
+        return f
+    try:
+        with open(os.path.join(path, "config.json")) as fh:
+            f.config = json.load(fh)
+    except (OSError, ValueError) as e:
+        f.config_error = f"{type(e).__name__}: {e}"
+    try:
+        with open(os.path.join(path, "model.safetensors.index.json")) as fh:
+            f.index = json.load(fh)
+        if not isinstance(f.index.get("weight_map"), dict):
+            raise ValueError("no weight_map")
+    except (OSError, ValueError) as e:
+        f.index, f.index_error = None, f"{type(e).__name__}: {e}"
+        return f
+    for shard in sorted(set(f.index["weight_map"].values())):
+        p = os.path.join(path, shard)
+        if not os.path.isfile(p):
+            f.shard_errors[shard] = "missing"
+            continue
+        try:
+            f.headers[shard] = read_header(p)
+        except (OSError, SafetensorsError) as e:
+            f.shard_errors[shard] = str(e)
+    return f
+
+
+def collect(model_path: Optional[str] = None, patch_environ: Optional[dict] = None) -> Facts:
+    return Facts(
+        sglang=collect_sglang(),
+        gpus=collect_gpus(),
+        patch=collect_patch_in(patch_environ) if patch_environ is not None else collect_patch_here(),
+        model=collect_model(model_path),
+        lab=env.lab_overrides(),
+    )
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+@dataclass
+class Finding:
+    check: str
+    status: str  # pass | fail | skip
+    found: str = ""
+    expected: str = ""
+    fix: str = ""
+
+    def line(self) -> str:
+        if self.status == "fail":
+            return f"FAIL {self.check}: found {self.found}; expected {self.expected}; fix: {self.fix}"
+        return f"{self.status.upper()} {self.check}: {self.found}"
+
+
+def _ok(check, found):
+    return Finding(check, "pass", found)
+
+
+def _fail(check, found, expected, fix):
+    return Finding(check, "fail", found, expected, fix)
+
+
+def _skip(check, why):
+    return Finding(check, "skip", why)
+
+
+def check_sglang(f: SGLangFacts) -> list[Finding]:
+    want = f"SGLang {env.SGLANG_VERSION} @ {env.SGLANG_COMMIT[:8]}"
+    if f.location is None:
+        return [_fail("sglang.installed", "no importable sglang package", want,
+                      "run inside the official lmsysorg/sglang:v0.5.16 image or install sglang==0.5.16")]
+    out = [_ok("sglang.installed", f.location)]
+    if f.version and f.version.startswith("0.5.17"):
+        out.append(_fail("sglang.version", f"{f.version} (the 0.5.17 dev-preview)", want,
+                         "dsv4-sm80 must never be mixed with the 0.5.17 dev-preview image; use the v0.5.16 image"))
+    elif f.version != env.SGLANG_VERSION:
+        out.append(_fail("sglang.version", f"{f.version}", want, "use the SGLang v0.5.16 image / sglang==0.5.16"))
+    else:
+        out.append(_ok("sglang.version", f.version))
+    if f.sglang_root:
+        if not f.under_root:
+            out.append(_fail("sglang.location", f"sglang imported from {f.location}",
+                             f"the tree at SGLANG_ROOT={f.sglang_root}/python",
+                             "put SGLANG_ROOT/python on PYTHONPATH after the overlay directories"))
+        if f.git_commit != env.SGLANG_COMMIT:
+            out.append(_fail("sglang.commit", f"git HEAD {f.git_commit} at {f.sglang_root}", env.SGLANG_COMMIT,
+                             "check out fdebc938 (v0.5.16); never the 0.5.17 dev-preview"))
+        else:
+            out.append(_ok("sglang.commit", f"git HEAD {f.git_commit[:12]} at {f.sglang_root}"))
+        if f.git_dirty:
+            out.append(_fail("sglang.tree_clean", f"{len(f.git_dirty)} modified files under {f.sglang_root}/python "
+                             f"(e.g. {f.git_dirty[0]})", "the untouched 0.5.16 tree",
+                             "restore it (git checkout -- python); dsv4-sm80 patches at runtime only"))
+    if f.fingerprint_mismatch:
+        rel, what = next(iter(f.fingerprint_mismatch.items()))
+        out.append(_fail("sglang.fingerprint", f"{len(f.fingerprint_mismatch)} of {len(upstream.FINGERPRINTS)} "
+                         f"fingerprinted files differ (e.g. {rel}: {what})", f"the files of {want}",
+                         "use the untouched v0.5.16 tree; a modified or other-version SGLang cannot take the seams"))
+    else:
+        out.append(_ok("sglang.fingerprint", f"{len(upstream.FINGERPRINTS)} files match {want}"))
+    return out
+
+
+def _lab_value(lab, name):
+    v = lab.get(name)
+    return None if v is None else v.strip()
+
+
+def check_gpus(f: GpuFacts, lab: dict) -> list[Finding]:
+    want_count, want_cc = 4, "8.0"
+    lab_count, lab_cc = _lab_value(lab, env.LAB_GPU_COUNT.name), _lab_value(lab, env.LAB_CC.name)
+    fix_lab = "run on 4 x A800/A100 80GB (SM80)"
+    out = []
+    if lab_count is not None:
+        if not lab_count.isdigit() or int(lab_count) < 1:
+            return [_fail("gpu.count", f"{env.LAB_GPU_COUNT.name}={lab_count!r}", "a positive integer", "fix the lab override")]
+        want_count = int(lab_count)
+    if lab_cc is not None:
+        want_cc = lab_cc
+    devs = f.devices
+    desc = ": " + ", ".join(f"{d['name']} (cc {d['cc']})" for d in devs) if devs else ""
+    suffix = f" ({f.error})" if f.error else ""
+    if len(devs) != want_count:
+        out.append(_fail("gpu.count", f"{len(devs)} visible GPUs{suffix}{desc}",
+                         f"exactly {want_count}" + ("" if lab_count else " (4 x A800 80GB, tensor parallel 4)"),
+                         f"{fix_lab}; CUDA_VISIBLE_DEVICES must list exactly four" if not lab_count else "check the lab machine"))
+    else:
+        out.append(_ok("gpu.count", f"{len(devs)} visible GPUs{desc}"))
+    if not devs:
+        out.append(_skip("gpu.capability", "no GPU"))
+        out.append(_skip("gpu.memory", "no GPU"))
+        return out
+    bad = [d for d in devs if d["cc"] != want_cc]
+    if bad:
+        out.append(_fail("gpu.capability", f"compute capability {', '.join(sorted({d['cc'] for d in bad}))} "
+                         f"on {len(bad)} GPU(s) ({bad[0]['name']})", f"every GPU {want_cc}" + ("" if lab_cc else " (SM80: A800/A100)"),
+                         f"{fix_lab}; SM90+ GPUs should run native SGLang ({env.PATCH.name}=0)" if not lab_cc else "check the lab machine"))
+    else:
+        out.append(_ok("gpu.capability", f"all {want_cc}"))
+    small = [d for d in devs if d["memory_gib"] < A800_MIN_MEMORY_GIB]
+    if small:
+        out.append(_fail("gpu.memory", f"{small[0]['memory_gib']} GiB on {small[0]['name']}",
+                         f">= {A800_MIN_MEMORY_GIB} GiB per GPU (weights alone are ~39 GiB per GPU at TP4)",
+                         "use 80 GB cards"))
+    else:
+        out.append(_ok("gpu.memory", f"min {min(d['memory_gib'] for d in devs)} GiB"))
+    return out
+
+
+def check_patch(f: PatchFacts) -> Finding:
+    want = f"{env.PATCH.name}=1 and dsv4-sm80's sitecustomize with its seam finder installed"
+    if f.env_value.strip() != "1":
+        return _fail("patch.active", f"{env.PATCH.name}={f.env_value!r} in {f.where}", want,
+                     f"export {env.PATCH.name}=1 (0 runs SGLang natively, which has no SM80 datapath for DSV4)")
+    if not f.ours:
+        return _fail("patch.active", f"sitecustomize {f.sitecustomize} in {f.where} is not dsv4-sm80's", want,
+                     "put the overlay directory first on PYTHONPATH "
+                     "(/sgl-workspace/platform:/sgl-workspace/sm80-patch:/sgl-workspace/sglang/python)")
+    if f.error or not f.hook_installed:
+        return _fail("patch.active", f"the patch did not install in {f.where}: {f.error or 'no seam finder'}", want,
+                     "fix the reported error (see the dsv4-sm80 line printed at interpreter start)")
+    return _ok("patch.active", f"{f.where}: {f.sitecustomize}")
+
+
+def check_model_config(m: ModelFacts) -> list[Finding]:
+    if not m.path:
+        return [_skip("model.path", "no model path given")]
+    if not m.is_dir:
+        return [_fail("model.path", f"{m.path} is not a directory", "a local checkpoint directory",
+                      f"download {OFFICIAL} and pass its directory")]
+    if m.config is None:
+        return [_fail("model.config", f"config.json unreadable ({m.config_error})", "the checkpoint's config.json",
+                      f"use {OFFICIAL}")]
+    out = [_ok("model.config", os.path.join(m.path, "config.json"))]
+    arch, mt = m.config.get("architectures"), m.config.get("model_type")
+    out.append(_ok("model.architecture", str(arch)) if arch == ["DeepseekV4ForCausalLM"] else
+               _fail("model.architecture", str(arch), "['DeepseekV4ForCausalLM']",
+                     "dsv4-sm80 serves DeepSeek-V4-Flash / -Vision-Exp only"))
+    out.append(_ok("model.model_type", mt) if mt == "deepseek_v4" else
+               _fail("model.model_type", repr(mt), "'deepseek_v4'",
+                     "V4.1 (deepseek_v41) and converted configs are not supported; use " + OFFICIAL))
+    return out
+
+
+def check_model_files(m: ModelFacts) -> list[Finding]:
+    names = ("model.quantization_config", "model.index", "model.shards", "model.keys",
+             "model.dense_fp8", "model.experts", "model.vision", "model.tensors")
+    if not m.path or not m.is_dir or m.config is None:
+        return [_skip(n, "needs a readable model directory") for n in names]
+    out = []
+    q = m.config.get("quantization_config") or {}
+    want_q = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+    bad_q = {k: q.get(k) for k, v in want_q.items() if q.get(k) != v}
+    out.append(_ok("model.quantization_config", "fp8 e4m3, ue8m0, [128, 128]") if not bad_q else
+               _fail("model.quantization_config", f"{bad_q}", str(want_q),
+                     f"the config was altered (converted checkpoint?); use {OFFICIAL}"))
+    if m.index is None:
+        out.append(_fail("model.index", f"model.safetensors.index.json unreadable ({m.index_error})",
+                         "the index with a weight_map", f"re-download {OFFICIAL}"))
+        return out + [_skip(n, "needs the index") for n in names[2:]]
+    wm = m.index["weight_map"]
+    out.append(_ok("model.index", f"{len(wm)} tensors in {len(set(wm.values()))} shards"))
+    shard_problems = dict(m.shard_errors)
+    for shard, h in m.headers.items():
+        if h.file_size < h.expected_file_size:
+            shard_problems[shard] = f"truncated: {h.file_size} bytes, header needs {h.expected_file_size}"
+        elif h.file_size > h.expected_file_size:
+            shard_problems[shard] = f"{h.file_size} bytes, header describes {h.expected_file_size}"
+    actual = {}
+    for name, shard in wm.items():
+        h = m.headers.get(shard)
+        if h is None:
+            continue
+        t = h.tensors.get(name)
+        if t is None:
+            shard_problems.setdefault(shard, f"index lists {name} but the shard does not hold it")
+            continue
+        actual[name] = (t["dtype"], tuple(t["shape"]))
+    for shard, h in m.headers.items():
+        for name, t in h.tensors.items():
+            actual.setdefault(name, (t["dtype"], tuple(t["shape"])))
+    if shard_problems:
+        shard, why = sorted(shard_problems.items())[0]
+        out.append(_fail("model.shards", f"{len(shard_problems)} bad shard file(s): {shard}: {why}",
+                         "every shard named by the index present and complete",
+                         "re-download the named file(s) and verify them against the hub's sha256"))
+        return out + [_skip(n, "needs every shard complete") for n in names[3:]]
+    else:
+        out.append(_ok("model.shards", f"{len(m.headers)} shards complete"))
+    try:
+        specs = fmt.inventory(m.config)
+    except fmt.FormatError as e:
+        out.append(_fail("model.keys", f"config cannot describe a DSV4 checkpoint: {e}", "the official config.json",
+                         f"use {OFFICIAL}"))
+        return out + [_skip(n, "needs the key inventory") for n in names[4:]]
+    out += _compare_inventory(specs, actual, fmt.has_vision(m.config))
+    return out
+
+
+def _first(items, n=1):
+    return ", ".join(items[:n])
+
+
+def _compare_inventory(specs, actual: dict, vision: bool) -> list[Finding]:
+    expected = {s.name: s for s in specs}
+    missing = [s for s in specs if s.name not in actual]
+    extra = [n for n in actual if n not in expected]
+    wrong = [(s, actual[s.name]) for s in specs if s.name in actual and actual[s.name] != (s.dtype, s.shape)]
+
+    def fam(items, families):
+        return [x for x in items if (x[0] if isinstance(x, tuple) else x).family in families]
+
+    def show(spec, got=None):
+        s = f"{spec.name} {got[0]} {list(got[1])}" if got else spec.name
+        return s
+
+    out = []
+    # keys: names that are not the native scheme, missing or unknown (structure, not dtype)
+    vision_extra = [n for n in extra if n.startswith(("vision.", "aligner.", "image_")) or n.endswith(".bias_vl")]
+    other_extra = [n for n in extra if n not in vision_extra]
+    core_missing = [s for s in missing if s.family in (fmt.PLAIN,)]
+    if other_extra or core_missing:
+        bits = []
+        if other_extra:
+            bits.append(f"{len(other_extra)} unexpected keys (e.g. {_first(sorted(other_extra))})")
+        if core_missing:
+            bits.append(f"{len(core_missing)} keys missing (e.g. {core_missing[0].name})")
+        hf = any(n.startswith("model.layers.") or n.endswith("weight_scale_inv") for n in other_extra)
+        out.append(_fail("model.keys", "; ".join(bits) + (" - HF-style names: a converted checkpoint" if hf else ""),
+                         f"the {len(specs)} native keys the config implies (embed.weight, layers.N.attn.wq_a.weight, ...)",
+                         f"use {OFFICIAL}; never a converted one"))
+    else:
+        out.append(_ok("model.keys", f"{len(specs)} native keys"))
+
+    # dense FP8 block linears
+    w_missing, w_wrong = fam(missing, {fmt.FP8_WEIGHT, fmt.FP8_SCALE}), fam(wrong, {fmt.FP8_WEIGHT, fmt.FP8_SCALE})
+    if w_missing or w_wrong:
+        converted = [(s, g) for s, g in w_wrong if s.family == fmt.FP8_WEIGHT and g[0] in ("BF16", "F16", "F32")
+                     and s.name[:-len(".weight")] + ".scale" not in actual]
+        if converted:
+            s, g = converted[0]
+            found = (f"{len(converted)} FP8 linears stored as {g[0]} without their .scale (e.g. {show(s, g)}): "
+                     "a converted checkpoint")
+        elif w_wrong:
+            s, g = w_wrong[0]
+            found = f"{len(w_wrong)} dense FP8 tensors with another dtype/shape (e.g. {show(s, g)}, expected {s.dtype} {list(s.shape)})"
+        else:
+            found = f"{len(w_missing)} dense FP8 tensors missing (e.g. {w_missing[0].name})"
+        out.append(_fail("model.dense_fp8", found,
+                         "F8_E4M3 weight + F8_E8M0 scale [ceil(out/128), ceil(in/128)] for every dense linear",
+                         f"use {OFFICIAL}: dsv4-sm80 dequantizes to BF16 at load, it never needs converted weights"))
+    else:
+        out.append(_ok("model.dense_fp8", f"{sum(s.family == fmt.FP8_WEIGHT for s in specs)} FP8 block linears"))
+
+    # routed experts (MXFP4)
+    e_missing, e_wrong = fam(missing, {fmt.EXPERT_WEIGHT, fmt.EXPERT_SCALE}), fam(wrong, {fmt.EXPERT_WEIGHT, fmt.EXPERT_SCALE})
+    if e_missing or e_wrong:
+        if e_wrong:
+            s, g = e_wrong[0]
+            found = f"{len(e_wrong)} expert tensors re-typed or reshaped (e.g. {show(s, g)}, expected {s.dtype} {list(s.shape)})"
+        else:
+            found = f"{len(e_missing)} expert tensors missing (e.g. {e_missing[0].name})"
+        out.append(_fail("model.experts", found, "MXFP4 as shipped: I8 [out, in/2] + F8_E8M0 [out, in/32]",
+                         f"use {OFFICIAL}; experts stay 4-bit and are widened in the kernel"))
+    else:
+        out.append(_ok("model.experts", f"{sum(s.family == fmt.EXPERT_WEIGHT for s in specs)} MXFP4 expert weights"))
+
+    # vision
+    if vision:
+        v_missing, v_wrong = fam(missing, {fmt.VISION}), fam(wrong, {fmt.VISION})
+        if v_missing or v_wrong:
+            if v_wrong:
+                s, g = v_wrong[0]
+                found = f"{len(v_wrong)} vision tensors altered (e.g. {show(s, g)}, expected {s.dtype} {list(s.shape)})"
+            else:
+                found = f"{len(v_missing)} vision tensors missing (e.g. {v_missing[0].name})"
+            out.append(_fail("model.vision", found, "every vision.*, aligner.*, image_* tensor BF16 as shipped (+ F32 bias_vl)",
+                             f"use {OFFICIAL}; the text-only converter drops or corrupts vision tensors"))
+        else:
+            out.append(_ok("model.vision", f"{sum(s.family == fmt.VISION for s in specs)} vision-side tensors"))
+    elif vision_extra:
+        out.append(_fail("model.vision", f"{len(vision_extra)} vision tensors (e.g. {vision_extra[0]}) but no vision_* fields in config.json",
+                         "vision_* config fields with vision tensors (Vision-Exp) or neither (Flash)",
+                         f"the config was altered; use {OFFICIAL}"))
+    else:
+        out.append(_skip("model.vision", "text-only checkpoint"))
+
+    # remaining tensors (BF16 / F32 / I64 as shipped)
+    p_wrong = fam(wrong, {fmt.PLAIN})
+    if p_wrong:
+        s, g = p_wrong[0]
+        out.append(_fail("model.tensors", f"{len(p_wrong)} tensors with another dtype/shape (e.g. {show(s, g)})",
+                         f"as shipped (e.g. {s.name} {s.dtype} {list(s.shape)})", f"use {OFFICIAL}"))
+    else:
+        out.append(_ok("model.tensors", "BF16 / F32 / I64 tensors as shipped"))
+    return out
+
+
+def evaluate(facts: Facts) -> list[Finding]:
+    """Every check, in the gate's order: compatibility first, then the model files."""
+    return (check_sglang(facts.sglang) + check_gpus(facts.gpus, facts.lab)
+            + check_model_config(facts.model) + [check_patch(facts.patch)] + check_model_files(facts.model))
+
+
+# --- report ------------------------------------------------------------------------------------
+
+class GateRefused(RuntimeError):
+    """The gate failed; the message holds one line per failed check."""
+
+
+def failures(findings) -> list[Finding]:
+    return [f for f in findings if f.status == "fail"]
+
+
+def report(facts: Facts, findings, as_json=False) -> str:
+    if as_json:
+        return json.dumps({
+            "ok": not failures(findings),
+            "lab_overrides": facts.lab,
+            "checks": [asdict(f) for f in findings],
+            "facts": {
+                "sglang": asdict(facts.sglang), "gpus": asdict(facts.gpus), "patch": asdict(facts.patch),
+                "model": {"path": facts.model.path, "shards_read": len(facts.model.headers),
+                          "architectures": (facts.model.config or {}).get("architectures")},
+            },
+        }, indent=2)
+    lines = [f.line() for f in findings]
+    bad = failures(findings)
+    lines.append(f"gate: {'REFUSED, ' + str(len(bad)) + ' check(s) failed' if bad else 'passed'}")
+    return "\n".join(lines)
+
+
+def banner_once(stream=sys.stderr):
+    b = env.lab_banner()
+    if b:
+        print(b, file=stream, flush=True)
+
+
+def run(model_path=None, patch_environ=None, as_json=False, stream=sys.stdout) -> int:
+    banner_once()
+    facts = collect(model_path, patch_environ)
+    findings = evaluate(facts)
+    print(report(facts, findings, as_json), file=stream, flush=True)
+    return 1 if failures(findings) else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="compat_check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-path")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    return run(args.model_path, as_json=args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

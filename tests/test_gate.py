@@ -1,0 +1,384 @@
+"""The gate's decision for each red line, from injected facts (and real checkpoint files).
+
+Each bad input must fail exactly the check it violates, with a one-line message naming what was
+found, what was expected and what to do.
+"""
+
+import json
+import os
+import shutil
+import struct
+
+import pytest
+
+import compat_check as cc
+from compat_check import Facts, GpuFacts, PatchFacts, SGLangFacts
+from dsv4_sm80.checkpoint.safetensors_io import read_header, write_shard
+
+A800 = [{"index": i, "name": "NVIDIA A800-SXM4-80GB", "cc": "8.0", "memory_gib": 79.3} for i in range(4)]
+H200 = [{"index": 0, "name": "NVIDIA H200", "cc": "9.0", "memory_gib": 139.8}]
+
+
+def good_sglang(**kw):
+    return SGLangFacts(**{"location": "/usr/lib/python3/dist-packages/sglang", "version": "0.5.16", **kw})
+
+
+def good_patch(**kw):
+    return PatchFacts(**{"env_value": "1", "sitecustomize": "/sgl-workspace/platform/sitecustomize.py",
+                         "ours": True, "hook_installed": True, **kw})
+
+
+def facts(model=None, sglang=None, gpus=None, patch=None, lab=None):
+    return Facts(sglang=sglang or good_sglang(), gpus=gpus or GpuFacts(devices=list(A800)),
+                 patch=patch or good_patch(), model=cc.collect_model(model), lab=lab or {})
+
+
+def failed(f):
+    out = {x.check: x for x in cc.failures(cc.evaluate(f))}
+    for x in out.values():
+        assert x.found and x.expected and x.fix, x
+        assert "\n" not in x.line()
+    return out
+
+
+def assert_only(f, check, *phrases):
+    bad = failed(f)
+    assert list(bad) == [check], [b.line() for b in bad.values()]
+    line = bad[check].line()
+    for p in phrases:
+        assert p in line, line
+    return line
+
+
+# --- the good cases -------------------------------------------------------------------------------
+
+def test_good_checkpoint_passes(unit_ckpt):
+    assert failed(facts(unit_ckpt)) == {}
+
+
+def test_good_vision_checkpoint_passes(unit_vision_ckpt):
+    findings = cc.evaluate(facts(unit_vision_ckpt))
+    assert not cc.failures(findings)
+    assert next(f for f in findings if f.check == "model.vision").status == "pass"
+
+
+def test_lab_overrides_admit_the_h200_and_are_loud(capsys):
+    lab = {"DSV4_SM80_LAB_GPU_COUNT": "1", "DSV4_SM80_LAB_CC": "9.0"}
+    assert failed(facts(gpus=GpuFacts(devices=H200), lab=lab)) == {}
+    from dsv4_sm80 import env
+
+    banner = env.lab_banner(lab)
+    assert "LAB MODE" in banner and "DSV4_SM80_LAB_CC=9.0" in banner and "not A800 numbers" in banner
+    assert env.lab_banner({}) is None
+
+
+def test_report_json_and_text(unit_ckpt):
+    f = facts(unit_ckpt, gpus=GpuFacts(error="libcuda.so.1 cannot be loaded"))
+    findings = cc.evaluate(f)
+    doc = json.loads(cc.report(f, findings, as_json=True))
+    assert doc["ok"] is False
+    assert [c["check"] for c in doc["checks"] if c["status"] == "fail"] == ["gpu.count"]
+    text = cc.report(f, findings)
+    assert text.splitlines()[-1] == "gate: REFUSED, 1 check(s) failed"
+
+
+# --- SGLang red lines -----------------------------------------------------------------------------
+
+def test_no_sglang():
+    assert_only(facts(sglang=SGLangFacts()), "sglang.installed", "no importable sglang", "0.5.16")
+
+
+def test_wrong_version():
+    assert_only(facts(sglang=good_sglang(version="0.5.15")), "sglang.version", "found 0.5.15", "0.5.16 @ fdebc938")
+
+
+def test_dev_preview_refused():
+    line = assert_only(facts(sglang=good_sglang(version="0.5.17.dev0")), "sglang.version", "0.5.17 dev-preview")
+    assert "never be mixed" in line
+
+
+def test_wrong_commit():
+    sg = good_sglang(sglang_root="/sgl-workspace/sglang", under_root=True, git_commit="1c0019da" + "0" * 32, git_dirty=[])
+    assert_only(facts(sglang=sg), "sglang.commit", "git HEAD 1c0019da", "fdebc938f7f4")
+
+
+def test_touched_tree():
+    from dsv4_sm80 import env
+
+    sg = good_sglang(sglang_root="/sgl-workspace/sglang", under_root=True, git_commit=env.SGLANG_COMMIT,
+                     git_dirty=["python/sglang/srt/models/deepseek_v4.py"])
+    assert_only(facts(sglang=sg), "sglang.tree_clean", "1 modified files", "deepseek_v4.py", "git checkout")
+
+
+def test_sglang_not_from_root():
+    from dsv4_sm80 import env
+
+    sg = good_sglang(sglang_root="/sgl-workspace/sglang", under_root=False, git_commit=env.SGLANG_COMMIT, git_dirty=[])
+    assert_only(facts(sglang=sg), "sglang.location", "SGLANG_ROOT")
+
+
+def test_fingerprint_mismatch():
+    sg = good_sglang(fingerprint_mismatch={"srt/models/deepseek_v4.py": "sha256 abc, expected y_fz"})
+    assert_only(facts(sglang=sg), "sglang.fingerprint", "srt/models/deepseek_v4.py", "untouched v0.5.16")
+
+
+# --- GPU red lines --------------------------------------------------------------------------------
+
+def test_no_gpu():
+    line = assert_only(facts(gpus=GpuFacts(error="libcuda.so.1 cannot be loaded: no NVIDIA driver")),
+                       "gpu.count", "found 0 visible GPUs", "no NVIDIA driver", "expected exactly 4")
+
+
+def test_eight_gpus():
+    eight = [dict(A800[0], index=i) for i in range(8)]
+    assert_only(facts(gpus=GpuFacts(devices=eight)), "gpu.count", "found 8 visible GPUs", "CUDA_VISIBLE_DEVICES")
+
+
+def test_hopper_refused_without_lab():
+    four_h = [dict(H200[0], index=i) for i in range(4)]
+    assert_only(facts(gpus=GpuFacts(devices=four_h)), "gpu.capability", "compute capability 9.0", "every GPU 8.0",
+                "ENABLE_SGLANG_DSV4_A100_PATCH=0")
+
+
+def test_40gb_cards_refused():
+    small = [dict(d, name="NVIDIA A100-SXM4-40GB", memory_gib=39.4) for d in A800]
+    assert_only(facts(gpus=GpuFacts(devices=small)), "gpu.memory", "39.4 GiB", "80 GB")
+
+
+def test_bad_lab_override():
+    assert_only(facts(lab={"DSV4_SM80_LAB_GPU_COUNT": "two"}), "gpu.count", "'two'", "positive integer")
+
+
+# --- patch ------------------------------------------------------------------------------------------
+
+def test_patch_off():
+    assert_only(facts(patch=good_patch(env_value="0")), "patch.active", "ENABLE_SGLANG_DSV4_A100_PATCH='0'",
+                "export ENABLE_SGLANG_DSV4_A100_PATCH=1")
+
+
+def test_foreign_sitecustomize():
+    p = good_patch(ours=False, sitecustomize="/usr/lib/python3.12/sitecustomize.py")
+    assert_only(facts(patch=p), "patch.active", "not dsv4-sm80's", "/sgl-workspace/platform")
+
+
+def test_patch_failed_to_install():
+    p = good_patch(hook_installed=False, error="ModuleNotFoundError: No module named 'dsv4_sm80'")
+    assert_only(facts(patch=p), "patch.active", "did not install", "dsv4_sm80")
+
+
+# --- model files ------------------------------------------------------------------------------------
+
+def clone(src, dst):
+    """Copy a checkpoint cheaply (hard links); files that a test rewrites are replaced, not edited."""
+    shutil.copytree(src, dst, copy_function=os.link)
+    for f in ("config.json", "model.safetensors.index.json"):
+        os.unlink(os.path.join(dst, f))
+        shutil.copy(os.path.join(src, f), os.path.join(dst, f))
+    return str(dst)
+
+
+def rewrite(ckpt, fn, only=None):
+    """Rewrite every shard through fn(name, dtype, shape, data) -> [(name, dtype, shape, data), ...];
+    then rebuild the index from the headers."""
+    wm = {}
+    for f in sorted(x for x in os.listdir(ckpt) if x.endswith(".safetensors")):
+        path = os.path.join(ckpt, f)
+        h = read_header(path)
+        if only is None or f in only:
+            blob = open(path, "rb").read()
+            tensors = []
+            for name, t in h.tensors.items():
+                b, e = t["data_offsets"]
+                tensors += fn(name, t["dtype"], tuple(t["shape"]), blob[8 + h.header_len + b: 8 + h.header_len + e])
+            os.unlink(path)
+            write_shard(path, tensors)
+            h = read_header(path)
+        wm.update({n: f for n in h.tensors})
+    index = json.load(open(os.path.join(ckpt, "model.safetensors.index.json")))
+    index["weight_map"] = wm
+    json.dump(index, open(os.path.join(ckpt, "model.safetensors.index.json"), "w"))
+
+
+def edit_config(ckpt, **changes):
+    p = os.path.join(ckpt, "config.json")
+    cfg = json.load(open(p))
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    json.dump(cfg, open(p, "w"))
+
+
+def test_model_path_missing(tmp_path):
+    assert_only(facts(str(tmp_path / "nope")), "model.path", "is not a directory")
+
+
+def test_wrong_architecture(unit_ckpt, tmp_path):
+    ck = clone(unit_ckpt, tmp_path / "c")
+    edit_config(ck, architectures=["DeepseekV3ForCausalLM"])
+    assert_only(facts(ck), "model.architecture", "DeepseekV3ForCausalLM", "['DeepseekV4ForCausalLM']")
+
+
+def test_v41_model_type(unit_ckpt, tmp_path):
+    ck = clone(unit_ckpt, tmp_path / "c")
+    edit_config(ck, model_type="deepseek_v41")
+    assert_only(facts(ck), "model.model_type", "'deepseek_v41'", "V4.1")
+
+
+def test_quantization_config_removed(unit_ckpt, tmp_path):
+    ck = clone(unit_ckpt, tmp_path / "c")
+    edit_config(ck, quantization_config=None)
+    assert_only(facts(ck), "model.quantization_config", "quant_method", "altered")
+
+
+def test_index_missing(unit_ckpt, tmp_path):
+    ck = clone(unit_ckpt, tmp_path / "c")
+    os.unlink(os.path.join(ck, "model.safetensors.index.json"))
+    assert_only(facts(ck), "model.index", "model.safetensors.index.json unreadable")
+
+
+def test_missing_shard(unit_ckpt, tmp_path):
+    ck = clone(unit_ckpt, tmp_path / "c")
+    os.unlink(os.path.join(ck, "model-00004-of-00010.safetensors"))
+    assert_only(facts(ck), "model.shards", "model-00004-of-00010.safetensors: missing", "re-download")
+
+
+def test_truncated_shard(unit_ckpt, tmp_path):
+    ck = clone(unit_ckpt, tmp_path / "c")
+    p = os.path.join(ck, "model-00007-of-00010.safetensors")
+    data = open(p, "rb").read()
+    os.unlink(p)
+    open(p, "wb").write(data[:-4096])
+    assert_only(facts(ck), "model.shards", "model-00007-of-00010.safetensors: truncated")
+
+
+def test_converted_bf16_linears_refused(unit_ckpt, tmp_path):
+    """The community converter's output: dense FP8 linears as BF16, their .scale dropped."""
+    import torch
+
+    ck = clone(unit_ckpt, tmp_path / "c")
+
+    def to_bf16(name, dtype, shape, data):
+        if dtype == "F8_E4M3":
+            w = torch.frombuffer(bytearray(data), dtype=torch.float8_e4m3fn).view(shape).to(torch.bfloat16)
+            return [(name, "BF16", shape, w.view(torch.uint8).numpy().tobytes())]
+        if name.endswith(".scale") and ".experts." not in name:
+            return []
+        return [(name, dtype, shape, data)]
+
+    rewrite(ck, to_bf16)
+    line = assert_only(facts(ck), "model.dense_fp8", "stored as BF16 without their .scale", "a converted checkpoint",
+                       "never needs converted weights")
+    assert "layers.0.attn.wq_a.weight BF16" in line
+
+
+def test_retyped_experts_refused(unit_ckpt, tmp_path):
+    ck = clone(unit_ckpt, tmp_path / "c")
+
+    def to_fp8(name, dtype, shape, data):
+        if ".experts." in name and name.endswith(".weight"):
+            return [(name, "F8_E4M3", (shape[0], shape[1] * 2), data + data)]
+        return [(name, dtype, shape, data)]
+
+    rewrite(ck, to_fp8, only={"model-00003-of-00010.safetensors"})
+    assert_only(facts(ck), "model.experts", "re-typed", "layers.1.ffn.experts.0.w1.weight F8_E4M3", "I8 [out, in/2]")
+
+
+def test_hf_style_names_refused(unit_ckpt, tmp_path):
+    ck = clone(unit_ckpt, tmp_path / "c")
+
+    def hf(name, dtype, shape, data):
+        if name.startswith("layers.0."):
+            name = "model." + name.replace(".scale", ".weight_scale_inv")
+        return [(name, dtype, shape, data)]
+
+    rewrite(ck, hf, only={"model-00002-of-00010.safetensors"})
+    bad = failed(facts(ck))
+    assert "HF-style names: a converted checkpoint" in bad["model.keys"].line()
+    assert set(bad) <= {"model.keys", "model.dense_fp8", "model.experts"}
+
+
+def test_vision_tensors_dropped(unit_vision_ckpt, tmp_path):
+    """What the text-only converter does to Vision-Exp: vision tensors gone, config unchanged."""
+    ck = clone(unit_vision_ckpt, tmp_path / "c")
+    rewrite(ck, lambda n, d, s, b: [] if n.startswith(("vision.", "aligner.")) else [(n, d, s, b)])
+    assert_only(facts(ck), "model.vision", "vision tensors missing", "text-only converter")
+
+
+def test_vision_tensors_altered(unit_vision_ckpt, tmp_path):
+    ck = clone(unit_vision_ckpt, tmp_path / "c")
+
+    def to_f16(name, dtype, shape, data):
+        if name == "aligner.w2.weight":
+            return [(name, "F16", shape, data)]
+        return [(name, dtype, shape, data)]
+
+    rewrite(ck, to_f16)
+    assert_only(facts(ck), "model.vision", "1 vision tensors altered", "aligner.w2.weight F16")
+
+
+def test_vision_tensors_without_vision_config(unit_vision_ckpt, tmp_path):
+    ck = clone(unit_vision_ckpt, tmp_path / "c")
+    edit_config(ck, **{k: None for k in json.load(open(os.path.join(ck, "config.json"))) if k.startswith("vision_")})
+    line = failed(facts(ck))["model.vision"].line()
+    assert "no vision_* fields in config.json" in line
+
+
+# --- the real collectors ------------------------------------------------------------------------------
+
+def test_git_head_reader(tmp_path):
+    from dsv4_sm80.upstream import read_git_head
+
+    sha = "fdebc938f7f4d16fe6b9f55dcd9a767cf0899ea1"
+    g = tmp_path / "detached" / ".git"
+    g.mkdir(parents=True)
+    (g / "HEAD").write_text(sha + "\n")
+    assert read_git_head(str(tmp_path / "detached")) == sha
+    g = tmp_path / "packed" / ".git"
+    g.mkdir(parents=True)
+    (g / "HEAD").write_text("ref: refs/heads/main\n")
+    (g / "packed-refs").write_text(f"# pack-refs with: peeled\n{sha} refs/heads/main\n")
+    assert read_git_head(str(tmp_path / "packed")) == sha
+    (g / "refs" / "heads").mkdir(parents=True)
+    (g / "refs" / "heads" / "main").write_text("1" * 40 + "\n")
+    assert read_git_head(str(tmp_path / "packed")) == "1" * 40
+
+
+def test_collect_git_facts(tmp_path, monkeypatch):
+    """A git tree at SGLANG_ROOT is read (commit and cleanliness) when sglang is imported from it."""
+    import subprocess
+
+    if shutil.which("git") is None:
+        pytest.skip("git binary not installed: the gate then reads HEAD without it (tested above)")
+    root = tmp_path / "sglang"
+    (root / "python" / "sglang").mkdir(parents=True)
+    (root / "python" / "sglang" / "__init__.py").write_text("")
+    (root / "python" / "sglang" / "_version.py").write_text("__version__ = version = '0.5.16'\n")
+    run = lambda *a: subprocess.run(["git", "-C", str(root), *a], check=True, capture_output=True)
+    run("init", "-q")
+    run("-c", "user.email=t@t", "-c", "user.name=t", "add", ".")
+    run("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x")
+    monkeypatch.setattr(cc.upstream, "locate_sglang", lambda: str(root / "python" / "sglang"))
+    f = cc.collect_sglang({"SGLANG_ROOT": str(root)})
+    assert f.under_root and f.version == "0.5.16" and len(f.git_commit) == 40 and f.git_dirty == []
+    (root / "python" / "sglang" / "__init__.py").write_text("# edited\n")
+    f = cc.collect_sglang({"SGLANG_ROOT": str(root)})
+    assert f.git_dirty == ["python/sglang/__init__.py"]
+    bad = failed(Facts(f, GpuFacts(devices=list(A800)), good_patch(), cc.collect_model(None)))
+    assert {"sglang.commit", "sglang.tree_clean", "sglang.fingerprint"} <= set(bad)
+
+
+@pytest.mark.sglang
+def test_collect_real_sglang():
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    f = cc.collect_sglang({"SGLANG_ROOT": "/nonexistent"})
+    assert f.version == "0.5.16" and f.fingerprint_mismatch == {}
+    assert [x.status for x in cc.check_sglang(f)] == ["pass", "pass", "pass"]
+
+
+def test_gpu_probe_runs():
+    g = cc.collect_gpus()
+    assert g.error or g.devices  # on the CPU CI machine: the driver-missing error, never an exception
+    if not g.devices:
+        assert "libcuda" in g.error or "no CUDA device" in g.error
