@@ -1,0 +1,170 @@
+"""python -m dsv4_sm80 doctor | serve | make-tiny"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import sys
+
+from . import env, upstream
+from .seams import SEAMS, Seam
+
+ROOT_DIRS = sorted({  # where sitecustomize/compat_check and the dsv4_sm80 package live
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+})
+
+
+# --- doctor ------------------------------------------------------------------------------------
+
+def _defined(tree: ast.Module, path: tuple) -> bool:
+    """Is module attribute path (e.g. ('Engine', '_launch_subprocesses')) defined in the source?"""
+    scope = tree.body
+    for i, name in enumerate(path):
+        found = None
+        for node in scope:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+                found = node
+            elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+                found = node
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
+                found = node
+        if found is None:
+            return False
+        if i < len(path) - 1:
+            if not isinstance(found, ast.ClassDef):
+                return False
+            scope = found.body
+    return True
+
+
+def seam_preview(seam: Seam, pkg_dir) -> str:
+    """Static check, without importing SGLang: is the target file the 0.5.16 one, is the target there?"""
+    if pkg_dir is None:
+        return "no sglang package"
+    path = os.path.join(pkg_dir, seam.upstream_file)
+    if not os.path.isfile(path):
+        return f"missing file {seam.upstream_file}"
+    if upstream.file_hash(path) != upstream.FINGERPRINTS.get(seam.upstream_file):
+        return f"{seam.upstream_file} is not the 0.5.16 file"
+    if not _defined(ast.parse(open(path, encoding="utf-8").read()), seam.attr_path):
+        return f"target {seam.target} not defined"
+    return "ok"
+
+
+def doctor(args) -> int:
+    import compat_check
+
+    from . import apply
+
+    compat_check.banner_once()
+    facts = compat_check.collect(args.model_path)
+    findings = compat_check.evaluate(facts)
+    if args.apply and env.patch_enabled():
+        apply.import_targets()
+    states = apply.status()
+    pkg = facts.sglang.location
+    for st in states:
+        st["target_check"] = seam_preview(next(s for s in SEAMS if s.name == st["name"]), pkg)
+    seam_bad = [s for s in states if s["target_check"] != "ok" or s["state"] == "refused"]
+    gate_bad = compat_check.failures(findings)
+    if args.json:
+        report = json.loads(compat_check.report(facts, findings, as_json=True))
+        report["seams"] = states
+        report["ok"] = not gate_bad and not seam_bad
+        print(json.dumps(report, indent=2))
+    else:
+        print("== gate")
+        print(compat_check.report(facts, findings))
+        print(f"== seams ({len(states)} declared; {env.PATCH.name}={os.environ.get(env.PATCH.name, '')!r})")
+        for st in states:
+            detail = f" - {st['detail']}" if st["detail"] else ""
+            print(f"{st['state'].upper():8s} {st['name']}: {st['target']} [{st['kind']}, upstream {st['upstream']}, "
+                  f"toggle {st['toggle']}] target {st['target_check']}{detail}")
+        applied = sum(s["state"] == "applied" for s in states)
+        print(f"seams: {applied} applied in this process" + ("" if env.patch_enabled() else " (patch off: none is applied)"))
+    return 1 if gate_bad or seam_bad else 0
+
+
+# --- serve -------------------------------------------------------------------------------------
+
+def _lab_model() -> str:
+    """The embedded default model of lab mode: the tiny checkpoint, generated once."""
+    from .tiny.generate import PRESETS, generate, tiny_config
+
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dsv4_sm80", "tiny-s0")
+    if not os.path.isfile(os.path.join(cache, "model.safetensors.index.json")):
+        generate(cache, tiny_config(PRESETS["tiny"]), seed=0, head_scale=12.0)
+    return cache
+
+
+def serve(args, rest) -> int:
+    import compat_check
+
+    model = args.model_path
+    lab = env.lab_overrides()
+    if model is None:
+        if not lab:
+            print("serve: --model-path is required (the official checkpoint directory); "
+                  "only lab mode has an embedded default model", file=sys.stderr)
+            return 2
+        model = _lab_model()
+        if not any(a.startswith("--tokenizer") or a == "--skip-tokenizer-init" for a in rest):
+            rest = ["--skip-tokenizer-init", *rest]  # the tiny checkpoint ships no tokenizer
+    launch_env = dict(os.environ)
+    launch_env[env.PATCH.name] = "1"
+    path = [p for p in launch_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    launch_env["PYTHONPATH"] = os.pathsep.join([d for d in ROOT_DIRS if d not in path] + path)
+    rc = compat_check.run(model, patch_environ=launch_env)
+    if rc:
+        return rc
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, *rest]
+    print("serve:", " ".join(cmd), flush=True)
+    os.execvpe(sys.executable, cmd, launch_env)
+
+
+# --- make-tiny ---------------------------------------------------------------------------------
+
+def make_tiny(args) -> int:
+    from dataclasses import replace
+
+    from .tiny.generate import PRESETS, TinyConfigError, generate, tiny_config
+
+    size = PRESETS[args.preset]
+    overrides = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "o_groups", "q_lora", "o_lora",
+                                                "moe_inter", "experts", "vocab") if getattr(args, k) is not None}
+    try:
+        config = tiny_config(replace(size, **overrides), vision=args.vision)
+    except TinyConfigError as e:
+        print(f"make-tiny: {e}", file=sys.stderr)
+        return 2
+    generate(args.out_dir, config, seed=args.seed, head_scale=args.head_scale)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dsv4_sm80")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("doctor", help="the gate and the seam status")
+    d.add_argument("--model-path")
+    d.add_argument("--json", action="store_true")
+    d.add_argument("--apply", action="store_true", help="import every seam target now (imports SGLang)")
+    s = sub.add_parser("serve", help="gate, then SGLang's launch_server with the patch on; "
+                                     "unknown arguments go to SGLang")
+    s.add_argument("--model-path")
+    t = sub.add_parser("make-tiny", help="write a tiny official-format checkpoint")
+    t.add_argument("out_dir")
+    t.add_argument("--preset", default="tiny", choices=("tiny", "unit"))
+    for k in ("hidden", "layers", "heads", "o_groups", "q_lora", "o_lora", "moe_inter", "experts", "vocab"):
+        t.add_argument("--" + k.replace("_", "-"), dest=k, type=int)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--vision", action="store_true", help="add the Vision-Exp tensors and config fields")
+    t.add_argument("--head-scale", type=float, default=1.0,
+                   help="scale the LM head for peaked next-token distributions (e.g. 12)")
+    args, rest = ap.parse_known_args(argv)
+    if args.cmd == "serve":
+        return serve(args, rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    return doctor(args) if args.cmd == "doctor" else make_tiny(args)
