@@ -1,0 +1,152 @@
+"""GPU test bed: real `sglang.Engine` (TP1, tokenizer skipped) on the tiny official-format checkpoint.
+
+Runs on any CUDA machine where sglang 0.5.16 imports. The patch state comes from the environment
+(ENABLE_SGLANG_DSV4_A100_PATCH, read by sitecustomize at interpreter start), so run it twice to A/B:
+
+    ENABLE_SGLANG_DSV4_A100_PATCH=0 python tests/gpu/engine_bed.py --out native.json
+    ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_LAB_GPU_COUNT=1 \
+        python tests/gpu/engine_bed.py --out patched.json --teacher-from native.json
+
+What it records (JSON): greedy continuations of prompts of ~20, 300 and 3000 token ids (3000 makes
+the C4 indexer select sparsely: the C4 pool exceeds index_topk=512 past 2048 tokens), batched and
+one at a time, with their logprobs; and teacher-forced per-position top-k logprobs over fixed
+sequences (prompt + continuation), the measure "same output as native" is judged by.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+
+def prompt_ids(length: int, vocab: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed * 1_000_003 + length)
+    return [rng.randrange(1000, min(vocab, 128000)) for _ in range(length)]
+
+
+def _pairs(entries):
+    """SGLang logprob entries (logprob, token_id, text) -> [[token_id, logprob], ...]."""
+    return [[e[1], e[0]] for e in entries if e is not None]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ckpt", default="/tmp/dsv4-tiny")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--head-scale", type=float, default=12.0,
+                    help="LM-head scale of a generated checkpoint (peaked outputs; 1.0 = flat)")
+    ap.add_argument("--lengths", default="20,300,3000")
+    ap.add_argument("--max-new", type=int, default=16)
+    ap.add_argument("--teacher-new", type=int, default=64)
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--teacher-from", help="reuse the teacher-forced sequences of an earlier run")
+    ap.add_argument("--moe-runner-backend", default="marlin",
+                    help="native SM90 needs marlin (auto misroutes MXFP4 experts)")
+    ap.add_argument("--cuda-graph", action="store_true")
+    ap.add_argument("--mem-fraction", type=float, default=0.6)
+    args = ap.parse_args(argv)
+
+    from dsv4_sm80 import env
+
+    patch = env.patch_enabled()
+    if not os.path.isfile(os.path.join(args.ckpt, "model.safetensors.index.json")):
+        from dsv4_sm80.tiny.generate import PRESETS, generate, tiny_config
+
+        generate(args.ckpt, tiny_config(PRESETS[args.preset]), head_scale=args.head_scale)
+    config = json.load(open(os.path.join(args.ckpt, "config.json")))
+    vocab = int(config["vocab_size"])
+    lengths = [int(x) for x in args.lengths.split(",")]
+    prompts = [prompt_ids(n, vocab, seed=7) for n in lengths]
+
+    import sglang
+    import torch
+
+    record = {
+        "patch": patch, "env": {k: os.environ.get(k) for k in sorted(os.environ) if k.startswith(("SGLANG_", "ENABLE_SGLANG", "DSV4_SM80"))},
+        "gpu": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
+        "sglang": sglang.__version__, "torch": torch.__version__, "ckpt": args.ckpt,
+        "config": {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                          "n_routed_experts", "vocab_size", "compress_ratios")},
+        "args": vars(args), "timings": {},
+    }
+    t0 = time.time()
+    engine = sglang.Engine(
+        model_path=args.ckpt, skip_tokenizer_init=True, tp_size=1,
+        moe_runner_backend=args.moe_runner_backend, disable_cuda_graph=not args.cuda_graph,
+        mem_fraction_static=args.mem_fraction, random_seed=0, log_level="warning",
+    )
+    record["timings"]["engine_start_s"] = round(time.time() - t0, 1)
+    greedy = {"temperature": 0.0, "max_new_tokens": args.max_new}
+    try:
+        t0 = time.time()
+        batched = engine.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True, top_logprobs_num=5)
+        record["timings"]["first_batch_s"] = round(time.time() - t0, 1)
+        alone = [engine.generate(input_ids=p, sampling_params=greedy, return_logprob=True, top_logprobs_num=5)
+                 for p in prompts]
+        if args.teacher_from:
+            seqs = [r["sequence"] for r in json.load(open(args.teacher_from))["teacher"]]
+        else:
+            long_greedy = dict(greedy, max_new_tokens=args.teacher_new)
+            cont = engine.generate(input_ids=prompts, sampling_params=long_greedy)
+            seqs = [p + c["output_ids"] for p, c in zip(prompts, cont)]
+        t0 = time.time()
+        tf = engine.generate(input_ids=seqs, sampling_params={"temperature": 0.0, "max_new_tokens": 1},
+                             return_logprob=True, logprob_start_len=0, top_logprobs_num=args.top)
+        record["timings"]["teacher_forced_s"] = round(time.time() - t0, 1)
+    finally:
+        engine.shutdown()
+
+    record["prompts"] = []
+    for n, p, b, a in zip(lengths, prompts, batched, alone):
+        lp = [e[0] for e in b["meta_info"]["output_token_logprobs"]]
+        record["prompts"].append({
+            "length": n, "prompt": p,
+            "batched": {"output_ids": b["output_ids"], "logprobs": lp,
+                        "top5": [_pairs(x) for x in b["meta_info"]["output_top_logprobs"]]},
+            "alone": {"output_ids": a["output_ids"], "logprobs": [e[0] for e in a["meta_info"]["output_token_logprobs"]]},
+            "finite": all(math.isfinite(x) for x in lp),
+        })
+    record["teacher"] = []
+    for s, r in zip(seqs, tf):
+        mi = r["meta_info"]
+        record["teacher"].append({
+            "sequence": s,
+            "input_logprobs": [e[0] for e in mi["input_token_logprobs"]],
+            "top": [_pairs(x) if x else [] for x in mi["input_top_logprobs"]],
+        })
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(record, f)
+
+    print(f"engine_bed: patch={'on' if patch else 'off'} gpu={record['gpu']} sm{''.join(map(str, record['capability']))} "
+          f"sglang {record['sglang']} timings={record['timings']}")
+    ok = True
+    for pr in record["prompts"]:
+        lp = pr["batched"]["logprobs"]
+        agree = sum(x == y for x, y in zip(pr["batched"]["output_ids"], pr["alone"]["output_ids"]))
+        ok &= pr["finite"] and len(pr["batched"]["output_ids"]) == args.max_new
+        print(f"  prompt {pr['length']:5d} ids -> {pr['batched']['output_ids']}  finite={pr['finite']} "
+              f"mean logprob {sum(lp) / len(lp):.3f}  batched-vs-alone agree {agree}/{len(lp)}")
+    for t in record["teacher"]:
+        top1 = [row[0][1] for row in t["top"] if row]
+        finite = all(math.isfinite(x) for x in top1)
+        distinct = len({row[0][0] for row in t["top"] if row})
+        ok &= finite and distinct > 1
+        print(f"  teacher-forced {len(t['sequence']):5d} positions: top-1 logprob mean {sum(top1) / len(top1):.3f} "
+              f"min {min(top1):.3f}, {distinct} distinct top-1 ids, finite={finite}")
+    print("engine_bed:", "OK" if ok else "FAILED", "->", args.out)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
