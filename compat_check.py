@@ -415,8 +415,7 @@ def check_model_files(m: ModelFacts) -> list[Finding]:
                          "every shard named by the index present and complete",
                          "re-download the named file(s) and verify them against the hub's sha256"))
         return out + [_skip(n, "needs every shard complete") for n in names[3:]]
-    else:
-        out.append(_ok("model.shards", f"{len(m.headers)} shards complete"))
+    out.append(_ok("model.shards", f"{len(m.headers)} shards complete"))
     try:
         specs = fmt.inventory(m.config)
     except fmt.FormatError as e:
@@ -425,10 +424,6 @@ def check_model_files(m: ModelFacts) -> list[Finding]:
         return out + [_skip(n, "needs the key inventory") for n in names[4:]]
     out += _compare_inventory(specs, actual, fmt.has_vision(m.config))
     return out
-
-
-def _first(items, n=1):
-    return ", ".join(items[:n])
 
 
 def _compare_inventory(specs, actual: dict, vision: bool) -> list[Finding]:
@@ -452,7 +447,7 @@ def _compare_inventory(specs, actual: dict, vision: bool) -> list[Finding]:
     if other_extra or core_missing:
         bits = []
         if other_extra:
-            bits.append(f"{len(other_extra)} unexpected keys (e.g. {_first(sorted(other_extra))})")
+            bits.append(f"{len(other_extra)} unexpected keys (e.g. {sorted(other_extra)[0]})")
         if core_missing:
             bits.append(f"{len(core_missing)} keys missing (e.g. {core_missing[0].name})")
         hf = any(n.startswith("model.layers.") or n.endswith("weight_scale_inv") for n in other_extra)

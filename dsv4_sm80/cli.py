@@ -11,9 +11,6 @@ import sys
 from . import env, upstream
 from .seams import SEAMS, Seam
 
-ROOT_DIRS = sorted({  # where sitecustomize/compat_check and the dsv4_sm80 package live
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-})
 
 
 # --- doctor ------------------------------------------------------------------------------------
@@ -114,8 +111,11 @@ def serve(args, rest) -> int:
             rest = ["--skip-tokenizer-init", *rest]  # the tiny checkpoint ships no tokenizer
     launch_env = dict(os.environ)
     launch_env[env.PATCH.name] = "1"
+    # The platform directory (sitecustomize, compat_check) first, then the patch body's directory.
+    overlay = [os.path.dirname(os.path.abspath(compat_check.__file__)),
+               os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
     path = [p for p in launch_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    launch_env["PYTHONPATH"] = os.pathsep.join([d for d in ROOT_DIRS if d not in path] + path)
+    launch_env["PYTHONPATH"] = os.pathsep.join([d for d in dict.fromkeys(overlay) if d not in path] + path)
     rc = compat_check.run(model, patch_environ=launch_env)
     if rc:
         return rc
