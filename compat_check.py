@@ -432,18 +432,26 @@ def _compare_inventory(specs, actual: dict, vision: bool) -> list[Finding]:
     extra = [n for n in actual if n not in expected]
     wrong = [(s, actual[s.name]) for s in specs if s.name in actual and actual[s.name] != (s.dtype, s.shape)]
 
-    def fam(items, families):
-        return [x for x in items if (x[0] if isinstance(x, tuple) else x).family in families]
+    def family(check, families, noun, wrong_phrase, want, fix, ok_text):
+        """One check over a tensor family: the first re-typed/reshaped tensor, else the first missing."""
+        miss = [s for s in missing if s.family in families]
+        bad = [(s, g) for s, g in wrong if s.family in families]
+        if bad:
+            s, g = bad[0]
+            return _fail(check, f"{len(bad)} {noun} tensors {wrong_phrase} (e.g. {s.name} {g[0]} {list(g[1])}, "
+                                f"expected {s.dtype} {list(s.shape)})", want, fix)
+        if miss:
+            return _fail(check, f"{len(miss)} {noun} tensors missing (e.g. {miss[0].name})", want, fix)
+        return _ok(check, ok_text)
 
-    def show(spec, got=None):
-        s = f"{spec.name} {got[0]} {list(got[1])}" if got else spec.name
-        return s
+    def count(fam_name):
+        return sum(s.family == fam_name for s in specs)
 
     out = []
     # keys: names that are not the native scheme, missing or unknown (structure, not dtype)
     vision_extra = [n for n in extra if n.startswith(("vision.", "aligner.", "image_")) or n.endswith(".bias_vl")]
     other_extra = [n for n in extra if n not in vision_extra]
-    core_missing = [s for s in missing if s.family in (fmt.PLAIN,)]
+    core_missing = [s for s in missing if s.family == fmt.PLAIN]
     if other_extra or core_missing:
         bits = []
         if other_extra:
@@ -457,52 +465,29 @@ def _compare_inventory(specs, actual: dict, vision: bool) -> list[Finding]:
     else:
         out.append(_ok("model.keys", f"{len(specs)} native keys"))
 
-    # dense FP8 block linears
-    w_missing, w_wrong = fam(missing, {fmt.FP8_WEIGHT, fmt.FP8_SCALE}), fam(wrong, {fmt.FP8_WEIGHT, fmt.FP8_SCALE})
-    if w_missing or w_wrong:
-        converted = [(s, g) for s, g in w_wrong if s.family == fmt.FP8_WEIGHT and g[0] in ("BF16", "F16", "F32")
-                     and s.name[:-len(".weight")] + ".scale" not in actual]
-        if converted:
-            s, g = converted[0]
-            found = (f"{len(converted)} FP8 linears stored as {g[0]} without their .scale (e.g. {show(s, g)}): "
-                     "a converted checkpoint")
-        elif w_wrong:
-            s, g = w_wrong[0]
-            found = f"{len(w_wrong)} dense FP8 tensors with another dtype/shape (e.g. {show(s, g)}, expected {s.dtype} {list(s.shape)})"
-        else:
-            found = f"{len(w_missing)} dense FP8 tensors missing (e.g. {w_missing[0].name})"
-        out.append(_fail("model.dense_fp8", found,
-                         "F8_E4M3 weight + F8_E8M0 scale [ceil(out/128), ceil(in/128)] for every dense linear",
-                         f"use {OFFICIAL}: dsv4-sm80 dequantizes to BF16 at load, it never needs converted weights"))
+    # dense FP8 block linears; the community converter's signature is named as such
+    dense_want = "F8_E4M3 weight + F8_E8M0 scale [ceil(out/128), ceil(in/128)] for every dense linear"
+    dense_fix = f"use {OFFICIAL}: dsv4-sm80 dequantizes to BF16 at load, it never needs converted weights"
+    converted = [(s, g) for s, g in wrong if s.family == fmt.FP8_WEIGHT and g[0] in ("BF16", "F16", "F32")
+                 and s.name[:-len(".weight")] + ".scale" not in actual]
+    if converted:
+        s, g = converted[0]
+        out.append(_fail("model.dense_fp8", f"{len(converted)} FP8 linears stored as {g[0]} without their .scale "
+                         f"(e.g. {s.name} {g[0]} {list(g[1])}): a converted checkpoint", dense_want, dense_fix))
     else:
-        out.append(_ok("model.dense_fp8", f"{sum(s.family == fmt.FP8_WEIGHT for s in specs)} FP8 block linears"))
+        out.append(family("model.dense_fp8", {fmt.FP8_WEIGHT, fmt.FP8_SCALE}, "dense FP8", "with another dtype/shape",
+                          dense_want, dense_fix, f"{count(fmt.FP8_WEIGHT)} FP8 block linears"))
 
-    # routed experts (MXFP4)
-    e_missing, e_wrong = fam(missing, {fmt.EXPERT_WEIGHT, fmt.EXPERT_SCALE}), fam(wrong, {fmt.EXPERT_WEIGHT, fmt.EXPERT_SCALE})
-    if e_missing or e_wrong:
-        if e_wrong:
-            s, g = e_wrong[0]
-            found = f"{len(e_wrong)} expert tensors re-typed or reshaped (e.g. {show(s, g)}, expected {s.dtype} {list(s.shape)})"
-        else:
-            found = f"{len(e_missing)} expert tensors missing (e.g. {e_missing[0].name})"
-        out.append(_fail("model.experts", found, "MXFP4 as shipped: I8 [out, in/2] + F8_E8M0 [out, in/32]",
-                         f"use {OFFICIAL}; experts stay 4-bit and are widened in the kernel"))
-    else:
-        out.append(_ok("model.experts", f"{sum(s.family == fmt.EXPERT_WEIGHT for s in specs)} MXFP4 expert weights"))
+    out.append(family("model.experts", {fmt.EXPERT_WEIGHT, fmt.EXPERT_SCALE}, "expert", "re-typed or reshaped",
+                      "MXFP4 as shipped: I8 [out, in/2] + F8_E8M0 [out, in/32]",
+                      f"use {OFFICIAL}; experts stay 4-bit and are widened in the kernel",
+                      f"{count(fmt.EXPERT_WEIGHT)} MXFP4 expert weights"))
 
-    # vision
     if vision:
-        v_missing, v_wrong = fam(missing, {fmt.VISION}), fam(wrong, {fmt.VISION})
-        if v_missing or v_wrong:
-            if v_wrong:
-                s, g = v_wrong[0]
-                found = f"{len(v_wrong)} vision tensors altered (e.g. {show(s, g)}, expected {s.dtype} {list(s.shape)})"
-            else:
-                found = f"{len(v_missing)} vision tensors missing (e.g. {v_missing[0].name})"
-            out.append(_fail("model.vision", found, "every vision.*, aligner.*, image_* tensor BF16 as shipped (+ F32 bias_vl)",
-                             f"use {OFFICIAL}; the text-only converter drops or corrupts vision tensors"))
-        else:
-            out.append(_ok("model.vision", f"{sum(s.family == fmt.VISION for s in specs)} vision-side tensors"))
+        out.append(family("model.vision", {fmt.VISION}, "vision", "altered",
+                          "every vision.*, aligner.*, image_* tensor BF16 as shipped (+ F32 bias_vl)",
+                          f"use {OFFICIAL}; the text-only converter drops or corrupts vision tensors",
+                          f"{count(fmt.VISION)} vision-side tensors"))
     elif vision_extra:
         out.append(_fail("model.vision", f"{len(vision_extra)} vision tensors (e.g. {vision_extra[0]}) but no vision_* fields in config.json",
                          "vision_* config fields with vision tensors (Vision-Exp) or neither (Flash)",
@@ -510,11 +495,11 @@ def _compare_inventory(specs, actual: dict, vision: bool) -> list[Finding]:
     else:
         out.append(_skip("model.vision", "text-only checkpoint"))
 
-    # remaining tensors (BF16 / F32 / I64 as shipped)
-    p_wrong = fam(wrong, {fmt.PLAIN})
+    # remaining tensors (BF16 / F32 / I64 as shipped); missing ones are model.keys' finding
+    p_wrong = [(s, g) for s, g in wrong if s.family == fmt.PLAIN]
     if p_wrong:
         s, g = p_wrong[0]
-        out.append(_fail("model.tensors", f"{len(p_wrong)} tensors with another dtype/shape (e.g. {show(s, g)})",
+        out.append(_fail("model.tensors", f"{len(p_wrong)} tensors with another dtype/shape (e.g. {s.name} {g[0]} {list(g[1])})",
                          f"as shipped (e.g. {s.name} {s.dtype} {list(s.shape)})", f"use {OFFICIAL}"))
     else:
         out.append(_ok("model.tensors", "BF16 / F32 / I64 tensors as shipped"))

@@ -102,10 +102,8 @@ def _refuse(seam_name: str, message: str) -> SeamRefusal:
     )
 
 
-def verify_file(module_name: str, path: Optional[str], seams: list[Seam], fingerprints=None) -> None:
-    fingerprints = FINGERPRINTS if fingerprints is None else fingerprints
-    rel = module_relpath(module_name)
-    want = fingerprints.get(rel)
+def verify_file(module_name: str, path: Optional[str], seams: list[Seam]) -> None:
+    want = FINGERPRINTS.get(module_relpath(module_name))
     if path is None:
         raise _refuse(seams[0].name, f"{module_name} has no source file to fingerprint")
     got = file_hash(path)
@@ -154,6 +152,9 @@ def _wrap(seam: Seam, original, replacement):
     return new
 
 
+_MISSING = object()
+
+
 def apply_seam(seam: Seam, module: types.ModuleType) -> bool:
     """Apply one seam to its (already executed) target module. False if it was already applied."""
     with _lock:
@@ -184,9 +185,6 @@ def apply_seam(seam: Seam, module: types.ModuleType) -> bool:
         st.state, st.detail = "applied", f"{module.__name__} ({getattr(module, '__file__', '?')})"
         st.applied_count += 1
         return True
-
-
-_MISSING = object()
 
 
 def _repoint_copies(original, new, source_module) -> None:
@@ -270,7 +268,7 @@ def install(environ=None) -> bool:
 
 
 def import_targets() -> list[dict]:
-    """Import every enabled seam's module so its seams apply now (doctor --apply, tests)."""
-    for name in sorted(by_module([s for s in SEAMS if _status.get(s.name) and _status[s.name].state != "off"])):
+    """Import every enabled seam's module so its seams apply now (doctor --apply)."""
+    for name in sorted(by_module([s for s in SEAMS if s.enabled()])):
         importlib.import_module(name)
     return status()

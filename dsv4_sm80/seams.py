@@ -106,6 +106,8 @@ def validate_table(seams=SEAMS, fingerprints=None) -> list[str]:
             problems.append(f"{s.name}: upstream {s.upstream} is not the target's file {module_relpath(s.module)}")
         if s.upstream_file not in fingerprints:
             problems.append(f"{s.name}: no 0.5.16 fingerprint for {s.upstream_file}")
+        if s.kind == "replace" and sum(x.replacement == s.replacement for x in seams) > 1:
+            problems.append(f"{s.name}: replacement {s.replacement} is shared (it carries the seam's mark)")
         if not s.reason.strip():
             problems.append(f"{s.name}: no reason")
         for cond in s.when:

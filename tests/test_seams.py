@@ -27,9 +27,10 @@ def test_table_is_well_formed():
 
 def test_table_rejects_bad_entries():
     bad = Seam("x", "sglang.srt.entrypoints.engine:Engine.f", "wrap", "m:f", "", "srt/other.py:1", ("NOPE=1",))
-    problems = validate_table([bad, bad])
+    shared = Seam("y", "sglang.srt.entrypoints.engine:Engine.g", "replace", "m:f", "r", "srt/entrypoints/engine.py:1")
+    problems = validate_table([bad, bad, shared, shared])
     for phrase in ("declared twice", "kind 'wrap'", "is not the target's file", "no 0.5.16 fingerprint",
-                   "no reason", "toggle 'NOPE=1'"):
+                   "no reason", "toggle 'NOPE=1'", "replacement m:f is shared"):
         assert any(phrase in p for p in problems), (phrase, problems)
 
 
