@@ -61,6 +61,7 @@ class PatchFacts:
     ours: bool = False
     hook_installed: bool = False
     error: Optional[str] = None
+    knobs: dict = field(default_factory=dict)  # the import-time SGLang knobs, as that process sees them
 
 
 @dataclass
@@ -157,6 +158,7 @@ def collect_patch_here() -> PatchFacts:
     from dsv4_sm80 import apply
 
     f.hook_installed = apply.installed()
+    f.knobs = {d.name: os.environ.get(d.name) for d in env.IMPORT_TIME_DEFAULTS}
     return f
 
 
@@ -165,13 +167,14 @@ import json, os, sys
 m = sys.modules.get("sitecustomize")
 state = getattr(m, "DSV4_SM80_STATE", False)
 try:
-    from dsv4_sm80 import apply
+    from dsv4_sm80 import apply, env
     hooked = apply.installed()
+    knobs = {d.name: os.environ.get(d.name) for d in env.IMPORT_TIME_DEFAULTS}
 except Exception:
-    hooked = False
+    hooked, knobs = False, {}
 print(json.dumps({"sitecustomize": getattr(m, "__file__", None), "ours": state is not False,
                   "hook_installed": hooked, "error": state.get("error") if isinstance(state, dict) else None,
-                  "env_value": os.environ.get("ENABLE_SGLANG_DSV4_A100_PATCH", "")}))
+                  "env_value": os.environ.get("ENABLE_SGLANG_DSV4_A100_PATCH", ""), "knobs": knobs}))
 """
 
 
@@ -352,6 +355,19 @@ def check_patch(f: PatchFacts) -> Finding:
     return _ok("patch.active", f"{f.where}: {f.sitecustomize}")
 
 
+def check_sglang_knobs(f: PatchFacts) -> Finding:
+    """The import-time SGLang knobs the SM80 datapath needs (env.IMPORT_TIME_DEFAULTS): sitecustomize
+    sets them where unset; a user value that differs would put an SM90-only kernel on the path."""
+    if f.env_value.strip() != "1" or not f.hook_installed:
+        return _skip("patch.sglang_knobs", "patch not active")
+    bad = [d for d in env.IMPORT_TIME_DEFAULTS if f.knobs.get(d.name) != d.value]
+    if bad:
+        d = bad[0]
+        return _fail("patch.sglang_knobs", f"{d.name}={f.knobs.get(d.name)!r} in {f.where}",
+                     f"{d.name}={d.value} ({d.reason})", f"unset {d.name} (dsv4-sm80 sets it) or set it to {d.value}")
+    return _ok("patch.sglang_knobs", ", ".join(f"{d.name}={d.value}" for d in env.IMPORT_TIME_DEFAULTS))
+
+
 def check_model_config(m: ModelFacts) -> list[Finding]:
     if not m.path:
         return [_skip("model.path", "no model path given")]
@@ -509,7 +525,8 @@ def _compare_inventory(specs, actual: dict, vision: bool) -> list[Finding]:
 def evaluate(facts: Facts) -> list[Finding]:
     """Every check, in the gate's order: compatibility first, then the model files."""
     return (check_sglang(facts.sglang) + check_gpus(facts.gpus, facts.lab)
-            + check_model_config(facts.model) + [check_patch(facts.patch)] + check_model_files(facts.model))
+            + check_model_config(facts.model) + [check_patch(facts.patch), check_sglang_knobs(facts.patch)]
+            + check_model_files(facts.model))
 
 
 # --- report ------------------------------------------------------------------------------------

@@ -24,8 +24,11 @@ def good_sglang(**kw):
 
 
 def good_patch(**kw):
+    from dsv4_sm80 import env
+
     return PatchFacts(**{"env_value": "1", "sitecustomize": "/sgl-workspace/platform/sitecustomize.py",
-                         "ours": True, "hook_installed": True, **kw})
+                         "ours": True, "hook_installed": True,
+                         "knobs": {d.name: d.value for d in env.IMPORT_TIME_DEFAULTS}, **kw})
 
 
 def facts(model=None, sglang=None, gpus=None, patch=None, lab=None):
@@ -164,6 +167,15 @@ def test_foreign_sitecustomize():
 def test_patch_failed_to_install():
     p = good_patch(hook_installed=False, error="ModuleNotFoundError: No module named 'dsv4_sm80'")
     assert_only(facts(patch=p), "patch.active", "did not install", "dsv4_sm80")
+
+
+def test_sm90_only_sglang_knob_refused():
+    from dsv4_sm80 import env
+
+    knobs = {d.name: d.value for d in env.IMPORT_TIME_DEFAULTS}
+    knobs["SGLANG_OPT_FP8_WO_A_GEMM"] = "1"
+    assert_only(facts(patch=good_patch(knobs=knobs)), "patch.sglang_knobs", "SGLANG_OPT_FP8_WO_A_GEMM='1'",
+                "DeepGEMM", "unset SGLANG_OPT_FP8_WO_A_GEMM")
 
 
 # --- model files ------------------------------------------------------------------------------------
