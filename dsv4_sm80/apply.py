@@ -135,6 +135,14 @@ def _wrap(seam: Seam, original, replacement):
                 args, kwargs = changed
             return original(*args, **kwargs)
 
+    elif seam.kind == "after":
+
+        @functools.wraps(original)
+        def new(*args, **kwargs):
+            result = original(*args, **kwargs)
+            changed = replacement(result, *args, **kwargs)
+            return result if changed is None else changed
+
     elif seam.kind == "around":
 
         @functools.wraps(original)

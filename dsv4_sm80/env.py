@@ -42,6 +42,11 @@ MOE_BACKEND = Knob(
     "Routed experts: mxfp4_int8 = 4-bit resident, INT8 tensor cores (W4A8); "
     "marlin = SGLang's MXFP4 Marlin W4A16 with the SM90 refusal lifted.",
 )
+DENSE = Knob(
+    "SGLANG_DSV4_A100_DENSE", "bf16", ("bf16", "fp8_marlin"),
+    "Dense FP8 block linears: bf16 = dequantized exactly to BF16 at load, BF16 tensor cores; "
+    "fp8_marlin = kept 1 byte/weight through SGLang's FP8-Marlin W8A16 (wo_a, main_proj stay BF16).",
+)
 SGLANG_ROOT = Knob(
     "SGLANG_ROOT", "/sgl-workspace/sglang", (),
     "The SGLang 0.5.16 git tree of the official image; read by the gate, never written.",
@@ -59,7 +64,7 @@ LAB_CC = Knob(
     "instead of 8.0. The SM80 datapath is still the one that runs.",
 )
 
-KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC)
+KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC)
 
 
 def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:

@@ -8,6 +8,7 @@ seam exactly once and records the result for `doctor`.
 
 Kinds:
   before   hook(*args, **kwargs) runs first; it may return (args, kwargs) to replace them
+  after    hook(result, *args, **kwargs) runs last; it may return a new result
   around   hook(original, *args, **kwargs) returns the result
   replace  the attribute becomes `replacement` (a function or class; `__wrapped__` = original)
   value    the attribute becomes `replacement()` (module constants captured at import time)
@@ -25,7 +26,7 @@ from typing import Mapping, Optional
 
 from . import env
 
-KINDS = ("before", "around", "replace", "value")
+KINDS = ("before", "after", "around", "replace", "value")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,50 @@ SEAMS: tuple[Seam, ...] = (
             "goes through this classmethod."
         ),
         upstream="srt/entrypoints/engine.py:765-790",
+    ),
+    # --- dense: FP8 block linears -> BF16 at load (linear.py) ------------------------------------------
+    Seam(
+        name="dense.quant_method",
+        target="sglang.srt.layers.quantization.fp8:Fp8Config.get_quant_method",
+        kind="around",
+        replacement="dsv4_sm80.linear:select_quant_method",
+        reason=(
+            "SM80 has no FP8 tensor cores: every FP8 block linear DSV4 builds gets the SM80 method "
+            "(exact BF16 at load, BF16 GEMM) or, with SGLANG_DSV4_A100_DENSE=fp8_marlin, SGLang's own "
+            "FP8-Marlin W8A16 forced on as an A800 selects it, also when a lab run is on SM90."
+        ),
+        upstream="srt/layers/quantization/fp8.py:336-354",
+    ),
+    Seam(
+        name="dense.wo_a_fp8_param",
+        target="sglang.srt.models.deepseek_v4:MqaAttentionBase.__init__",
+        kind="around",
+        replacement="dsv4_sm80.linear:build_wo_a_from_checkpoint",
+        reason=(
+            "wo_a is dequantized on the CPU, whole and unsharded, in every rank when the FP8 wo_a GEMM "
+            "(DeepGEMM, SM90+) is off; building it with the FP8 quant config lets each rank load its "
+            "FP8 shard and convert it on the GPU while the forward keeps its BF16 einsum."
+        ),
+        upstream="srt/models/deepseek_v4.py:378-511",
+    ),
+    Seam(
+        name="dense.wo_a_no_cpu_dequant",
+        target="sglang.srt.models.deepseek_v4:_dequant_fp8_wo_a",
+        kind="replace",
+        replacement="dsv4_sm80.linear:keep_wo_a_fp8_for_gpu",
+        reason=(
+            "With wo_a built as an FP8 parameter pair (dense.wo_a_fp8_param) its weight and scale must "
+            "reach the loader unchanged; the DSPARK draft binds this same function by name."
+        ),
+        upstream="srt/models/deepseek_v4.py:3112-3128",
+    ),
+    Seam(
+        name="dense.load_summary",
+        target="sglang.srt.model_loader.loader:DefaultModelLoader.load_weights_and_postprocess",
+        kind="after",
+        replacement="dsv4_sm80.linear:log_load_summary",
+        reason="One line per GPU after loading: tensors converted, bytes before/after, seconds.",
+        upstream="srt/model_loader/loader.py:804-849",
     ),
 )
 

@@ -53,7 +53,10 @@ def test_doctor_json(no_gpu):
     doc = json.loads(p.stdout)
     assert p.returncode == 1 and doc["ok"] is False
     assert {c["check"] for c in doc["checks"] if c["status"] == "fail"} == {"gpu.count"}
-    assert [s["name"] for s in doc["seams"]] == ["launch.gate"] and doc["seams"][0]["target_check"] == "ok"
+    from dsv4_sm80.seams import SEAMS
+
+    assert [s["name"] for s in doc["seams"]] == [s.name for s in SEAMS]
+    assert {s["target_check"] for s in doc["seams"]} == {"ok"}
 
 
 @pytest.mark.sglang
@@ -63,7 +66,9 @@ def test_doctor_patch_off_applies_no_seam(no_gpu):
     assert "seams: 0 applied in this process (patch off: none is applied)" in p.stdout
     assert "OFF      launch.gate" in p.stdout and "FAIL patch.active" in p.stdout
     p = cli("doctor", "--apply", ENABLE_SGLANG_DSV4_A100_PATCH="1")
-    assert "APPLIED  launch.gate" in p.stdout and "seams: 1 applied in this process" in p.stdout
+    from dsv4_sm80.seams import SEAMS
+
+    assert "APPLIED  launch.gate" in p.stdout and f"seams: {len(SEAMS)} applied in this process" in p.stdout
 
 
 def test_serve_refuses_on_this_machine(no_gpu, unit_ckpt):

@@ -1,0 +1,207 @@
+"""Dense stage (dsv4_sm80/linear.py): exact FP8-block -> BF16 conversion, and the SM80 linear
+method inside real SGLang 0.5.16 linear layers on the CPU.
+
+The reference is float64 arithmetic from the formats' definitions: e4m3 decoded from its bits
+(test_tiny.e4m3_table), the scale 2^(b-127), and round-to-nearest-even onto the BF16 grid (8
+significant bits, subnormals down to 2^-133, overflow to inf) written here with frexp.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import last_json, run_python
+from test_tiny import e4m3_table, load_raw
+
+BF16_MAX = (2 - 2.0 ** -7) * 2.0 ** 127
+
+
+def round_to_bf16(x: np.ndarray) -> np.ndarray:
+    ax = np.abs(x)
+    _, e = np.frexp(ax)  # ax = m * 2^e, m in [0.5, 1)
+    q = np.maximum(e - 8, -133).astype(np.float64)  # spacing of the BF16 grid around ax
+    r = np.round(ax / np.exp2(q)) * np.exp2(q)  # numpy rounds half to even
+    r = np.where(r > BF16_MAX, np.inf, r)
+    return np.copysign(r, x)
+
+
+def reference(w_bytes: np.ndarray, scale_bytes: np.ndarray) -> np.ndarray:
+    w = e4m3_table()[w_bytes]
+    s = np.exp2(scale_bytes.astype(np.float64) - 127)
+    full = np.repeat(np.repeat(s, 128, 0), 128, 1)[: w.shape[0], : w.shape[1]]
+    return round_to_bf16(w * full)
+
+
+def as_fp8(b: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(b.astype(np.uint8)).view(torch.float8_e4m3fn)
+
+
+def as_e8m0(b: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(b.astype(np.uint8)).view(torch.float8_e8m0fnu)
+
+
+def test_every_e4m3_code_at_every_scale_byte():
+    """All 254 non-NaN e4m3 codes times every finite E8M0 byte (0..254), exactly."""
+    from dsv4_sm80.linear import to_bf16_blocks
+
+    codes = np.array([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=np.uint8)
+    w = np.zeros((255 * 128, 256), dtype=np.uint8)
+    w[:, : len(codes)] = codes  # block row i holds every code once per row
+    scale = np.arange(255, dtype=np.uint8).reshape(255, 1).repeat(2, axis=1)
+    got = to_bf16_blocks(as_fp8(w), as_e8m0(scale)).double().numpy()
+    want = reference(w, scale)
+    assert np.array_equal(got, want)
+    assert np.isinf(got).any() and (got[np.nonzero(w)] == 0).any()  # the extremes really were exercised
+    # the range real checkpoints hold (scales 2^-30..2^0) is lossless: no rounding at all
+    mid = slice(97 * 128, 128 * 128)
+    assert np.array_equal(got[mid], (e4m3_table()[w] * np.exp2(np.repeat(scale[:, :1], 128, 0) - 127.0))[mid])
+
+
+def test_odd_shapes_and_float32_scales():
+    from dsv4_sm80.linear import to_bf16_blocks
+
+    rng = np.random.default_rng(0)
+    for n, k in ((200, 300), (1, 129), (257, 128), (128, 1000)):
+        w = rng.integers(0, 256, (n, k), dtype=np.uint8)
+        w[(w & 0x7F) == 0x7F] = 0x11  # no NaN codes
+        scale = rng.integers(100, 140, (-(-n // 128), -(-k // 128)), dtype=np.uint8)
+        want = reference(w, scale)
+        assert np.array_equal(to_bf16_blocks(as_fp8(w), as_e8m0(scale)).double().numpy(), want)
+        s32 = torch.from_numpy(np.exp2(scale.astype(np.float64) - 127).astype(np.float32))
+        assert np.array_equal(to_bf16_blocks(as_fp8(w), s32).double().numpy(), want)
+
+
+def test_bad_inputs():
+    from dsv4_sm80.linear import to_bf16_blocks
+
+    w = as_fp8(np.zeros((256, 256)))
+    with pytest.raises(ValueError, match=r"scale shape \(1, 2\) does not match weight 256x256: expected \(2, 2\)"):
+        to_bf16_blocks(w, torch.ones(1, 2))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        to_bf16_blocks(torch.zeros(256, 256, dtype=torch.bfloat16), torch.ones(2, 2))
+
+
+def test_wo_a_wrapper_keeps_the_fp8_quant_config():
+    from dsv4_sm80.linear import build_wo_a_from_checkpoint
+
+    class QC:
+        weight_block_size = [128, 128]
+
+    seen = build_wo_a_from_checkpoint(lambda self, *a, **k: (a, k), None, "cfg", 3, QC(), "p",
+                                      compress_ratio=0, wo_a_fp8=False, wo_a_keeps_quant_config=False)
+    assert seen[1] == {"compress_ratio": 0, "wo_a_fp8": False, "wo_a_keeps_quant_config": True}
+    seen = build_wo_a_from_checkpoint(lambda self, *a, **k: (a, k), None, "cfg", 3, None, "p")
+    assert seen[1] == {}  # an unquantized model is left alone
+
+
+LAYERS = """
+import json, os, sys
+import numpy as np, torch
+sys.path.insert(0, {tests!r})
+from test_tiny import load_raw
+from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:{port}", local_rank=0, backend="gloo")
+initialize_model_parallel(1)
+from sglang.srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from sglang.srt.layers.quantization.fp8 import Fp8Config
+qc = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[128, 128])
+ckpt = {ckpt!r}
+cfg = json.load(open(os.path.join(ckpt, "config.json")))
+H, q, D, M = cfg["hidden_size"], cfg["q_lora_rank"], cfg["head_dim"], cfg["moe_intermediate_size"]
+nh, G, o = cfg["num_attention_heads"], cfg["o_groups"], cfg["o_lora_rank"]
+specs = {{  # checkpoint name -> (sglang class, in, out, prefix)
+    "layers.2.attn.wq_b": (ColumnParallelLinear, q, nh * D, "model.layers.2.self_attn.wq_b"),
+    "layers.2.attn.wo_a": (ColumnParallelLinear, nh * D // G, G * o, "model.layers.2.self_attn.wo_a"),
+    "layers.2.attn.wo_b": (RowParallelLinear, G * o, H, "model.layers.2.self_attn.wo_b"),
+    "layers.2.attn.indexer.wq_b": (ReplicatedLinear, q, 64 * 128, "model.layers.2.self_attn.indexer.wq_b"),
+    "layers.3.ffn.shared_experts.w2": (RowParallelLinear, M, H, "model.layers.3.mlp.shared_experts.down_proj"),
+    "mtp.0.main_proj": (ReplicatedLinear, 3 * H, H, "model.stages.0.main_proj"),
+}}
+out = {{}}
+for name, (cls, n_in, n_out, prefix) in specs.items():
+    layer = cls(n_in, n_out, bias=False, quant_config=qc, prefix=prefix)
+    method = layer.quant_method
+    rec = {{"method": type(method).__name__, "use_marlin": bool(getattr(method, "use_marlin", False))}}
+    for part in ("weight", "scale"):
+        _, raw = load_raw(ckpt, f"{{name}}.{{part}}")
+        t = torch.from_numpy(raw.copy())
+        t = t.view(torch.float8_e4m3fn) if part == "weight" else t.view(torch.float8_e8m0fnu)
+        param = layer.weight if part == "weight" else layer.weight_scale_inv
+        param.weight_loader(param, t)
+    rec["loaded_dtype"] = str(layer.weight.dtype)
+    if rec["method"] == "Sm80Bf16LinearMethod":
+        method.process_weights_after_loading(layer)
+        rec["after_dtype"] = str(layer.weight.dtype)
+        rec["scale_left"] = hasattr(layer, "weight_scale_inv")
+        np.save(os.path.join({outdir!r}, name + ".npy"), layer.weight.float().numpy())
+        x = torch.randn(5, n_in, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        y = method.apply(layer, x)
+        rec["apply_matches"] = bool(torch.equal(y, torch.nn.functional.linear(x, layer.weight)))
+    out[name] = rec
+# a scale that never loaded is refused, naming the layer
+layer = ReplicatedLinear(128, 128, bias=False, quant_config=qc, prefix="model.layers.9.self_attn.wq_a")
+try:
+    layer.quant_method.process_weights_after_loading(layer)
+    out["unloaded"] = "accepted"
+except Exception as e:
+    out["unloaded"] = f"{{type(e).__name__}}: {{e}}"
+from dsv4_sm80 import linear
+out["summary"] = linear.load_summary()
+print(json.dumps(out))
+"""
+
+
+def _run_layers(ckpt, outdir, dense, port):
+    code = LAYERS.format(tests=os.path.dirname(__file__), port=port, ckpt=ckpt, outdir=str(outdir))
+    return last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", SGLANG_DSV4_A100_DENSE=dense))
+
+
+@pytest.mark.sglang
+def test_bf16_mode_in_real_sglang_layers(unit_ckpt, tmp_path):
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    out = _run_layers(unit_ckpt, tmp_path, "bf16", 29561)
+    for name in ("layers.2.attn.wq_b", "layers.2.attn.wo_a", "layers.2.attn.wo_b", "layers.2.attn.indexer.wq_b",
+                 "layers.3.ffn.shared_experts.w2", "mtp.0.main_proj"):
+        rec = out[name]
+        assert rec["method"] == "Sm80Bf16LinearMethod" and rec["loaded_dtype"] == "torch.float8_e4m3fn", (name, rec)
+        assert rec["after_dtype"] == "torch.bfloat16" and not rec["scale_left"] and rec["apply_matches"], (name, rec)
+        _, w = load_raw(unit_ckpt, name + ".weight")
+        _, s = load_raw(unit_ckpt, name + ".scale")
+        assert np.array_equal(np.load(tmp_path / f"{name}.npy").astype(np.float64), reference(w, s)), name
+    assert out["unloaded"].startswith("DenseLoadError: dsv4-sm80 dense: model.layers.9.self_attn.wq_a: "
+                                      "weight_scale_inv was never loaded")
+    assert out["summary"].startswith("dsv4-sm80 dense (bf16): 6 FP8 block linears converted to BF16")
+
+
+@pytest.mark.sglang
+def test_fp8_marlin_mode_keeps_fp8_except_wo_a_and_main_proj(unit_ckpt, tmp_path):
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    out = _run_layers(unit_ckpt, tmp_path, "fp8_marlin", 29562)
+    for name in ("layers.2.attn.wq_b", "layers.2.attn.wo_b", "layers.2.attn.indexer.wq_b",
+                 "layers.3.ffn.shared_experts.w2"):
+        assert out[name] == {"method": "Fp8LinearMethod", "use_marlin": True,
+                             "loaded_dtype": "torch.float8_e4m3fn"}, (name, out[name])
+    for name in ("layers.2.attn.wo_a", "mtp.0.main_proj"):  # BF16 in both modes; main_proj never re-quantized
+        assert out[name]["method"] == "Sm80Bf16LinearMethod" and out[name]["after_dtype"] == "torch.bfloat16"
+    # the four above and the script's scale-less wq_a: counted when the method is selected
+    assert "5 kept FP8 through SGLang's FP8-Marlin W8A16" in out["summary"]
+
+
+@pytest.mark.sglang
+def test_patch_off_leaves_sglangs_method():
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    code = """
+import json
+from sglang.srt.layers.quantization.fp8 import Fp8Config
+import sglang.srt.models.deepseek_v4 as m
+print(json.dumps({"wrapped": hasattr(Fp8Config.get_quant_method, "__wrapped__"),
+                  "dequant": m._dequant_fp8_wo_a.__module__}))
+"""
+    assert last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="0")) == {
+        "wrapped": False, "dequant": "sglang.srt.models.deepseek_v4"}
+    code_on = code.replace('"dequant": m._dequant_fp8_wo_a.__module__', '"dequant": m._dequant_fp8_wo_a.__module__')
+    assert last_json(run_python(code_on, ENABLE_SGLANG_DSV4_A100_PATCH="1")) == {
+        "wrapped": True, "dequant": "dsv4_sm80.linear"}
