@@ -18,6 +18,7 @@ are BF16 in both modes.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import time
@@ -67,7 +68,6 @@ class _Stats:
     bytes_after: int = 0
     seconds: float = 0.0
     layer: str = ""
-    layer_count: int = 0
     marlin: int = 0
     by_layer: dict = field(default_factory=dict)
 
@@ -114,13 +114,9 @@ def load_summary() -> str:
     return text
 
 
-def reset_stats() -> None:
-    global _stats
-    _stats = _Stats()
-
-
 # --- the linear method ---------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def _method_class():
     """Built lazily: the base class lives in sglang, which may only be imported once SGLang is."""
     from sglang.srt.layers.quantization.fp8 import Fp8LinearMethod
@@ -159,14 +155,8 @@ def _method_class():
     return Sm80Bf16LinearMethod
 
 
-_CLS = None
-
-
 def sm80_bf16_method(quant_config, prefix: str = ""):
-    global _CLS
-    if _CLS is None:
-        _CLS = _method_class()
-    return _CLS(quant_config, prefix)
+    return _method_class()(quant_config, prefix)
 
 
 # --- seam replacements -------------------------------------------------------------------------
