@@ -162,29 +162,19 @@ def collect_patch_here() -> PatchFacts:
     return f
 
 
-_PATCH_PROBE = r"""
-import json, os, sys
-m = sys.modules.get("sitecustomize")
-state = getattr(m, "DSV4_SM80_STATE", False)
-try:
-    from dsv4_sm80 import apply, env
-    hooked = apply.installed()
-    knobs = {d.name: os.environ.get(d.name) for d in env.IMPORT_TIME_DEFAULTS}
-except Exception:
-    hooked, knobs = False, {}
-print(json.dumps({"sitecustomize": getattr(m, "__file__", None), "ours": state is not False,
-                  "hook_installed": hooked, "error": state.get("error") if isinstance(state, dict) else None,
-                  "env_value": os.environ.get("ENABLE_SGLANG_DSV4_A100_PATCH", ""), "knobs": knobs}))
-"""
+_PATCH_PROBE = "import dataclasses, json, compat_check; print(json.dumps(dataclasses.asdict(compat_check.collect_patch_here())))"
 
 
 def collect_patch_in(environ: dict) -> PatchFacts:
-    """Whether a Python process started with `environ` (the one `serve` launches) gets the patch."""
+    """Whether a Python process started with `environ` (the one `serve` launches) gets the patch:
+    the same collection as for this interpreter, run in such a process."""
     r = subprocess.run([sys.executable, "-c", _PATCH_PROBE], env=environ, capture_output=True, text=True, timeout=120)
+    where = "the launch environment"
     try:
-        return PatchFacts(where="the launch environment", **json.loads(r.stdout.strip().splitlines()[-1]))
+        return PatchFacts(**dict(json.loads(r.stdout.strip().splitlines()[-1]), where=where))
     except Exception:
-        return PatchFacts(where="the launch environment", error=f"probe failed: {r.stderr.strip()[-300:]}")
+        return PatchFacts(where=where, env_value=environ.get(env.PATCH.name, ""),
+                          error=f"probe failed: {r.stderr.strip()[-300:]}")
 
 
 def collect_model(path: Optional[str]) -> ModelFacts:

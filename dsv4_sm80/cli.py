@@ -40,11 +40,13 @@ def seam_preview(seam: Seam, pkg_dir) -> str:
     """Static check, without importing SGLang: is the target file the 0.5.16 one, is the target there?"""
     if pkg_dir is None:
         return "no sglang package"
-    path = os.path.join(pkg_dir, seam.upstream_file)
-    if not os.path.isfile(path):
-        return f"missing file {seam.upstream_file}"
-    if upstream.file_hash(path) != upstream.FINGERPRINTS.get(seam.upstream_file):
-        return f"{seam.upstream_file} is not the 0.5.16 file"
+    rel = seam.upstream_file
+    problem = upstream.mismatches(pkg_dir, {rel: upstream.FINGERPRINTS.get(rel)}).get(rel)
+    if problem == "missing":
+        return f"missing file {rel}"
+    if problem:
+        return f"{rel} is not the 0.5.16 file"
+    path = os.path.join(pkg_dir, rel)
     if not _defined(ast.parse(open(path, encoding="utf-8").read()), seam.attr_path):
         return f"target {seam.target} not defined"
     return "ok"
