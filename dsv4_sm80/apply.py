@@ -180,7 +180,7 @@ def apply_seam(seam: Seam, module: types.ModuleType) -> bool:
         original = raw.__func__ if wrapper_type else raw
         st = _status[seam.name]
         if seam.kind == "value":
-            new = _resolve(seam.replacement)()
+            new = _resolve(seam.replacement)(original)
             if st.state == "applied" and original == new:
                 return False  # exactly once
         else:

@@ -64,7 +64,13 @@ LAB_CC = Knob(
     "instead of 8.0. The SM80 datapath is still the one that runs.",
 )
 
-KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC)
+LOAD_REPORT = Knob(
+    "DSV4_SM80_LOAD_REPORT", "", (),
+    "Diagnostics: after each model loads, append its dense-linear inventory (one JSON line per "
+    "rank and model: module, method, dtype, bytes) to this file.",
+)
+
+KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC, LOAD_REPORT)
 
 
 def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:

@@ -182,6 +182,12 @@ def select_quant_method(original, self, layer, prefix):
     return method
 
 
+def with_sm80_loader_name(names):
+    """Value of linear.WEIGHT_LOADER_V2_SUPPORTED (linear.py:58): SGLang's list plus the SM80 method,
+    which creates its parameters with Fp8LinearMethod.create_weights and so needs the same loader."""
+    return list(names) if "Sm80Bf16LinearMethod" in names else [*names, "Sm80Bf16LinearMethod"]
+
+
 def build_wo_a_from_checkpoint(original, self, *args, **kwargs):
     """Around MqaAttentionBase.__init__ (deepseek_v4.py:378): build `wo_a` with the checkpoint's FP8
     quant config so each TP rank loads its FP8 shard and converts it on the GPU, instead of the
@@ -201,9 +207,69 @@ def keep_wo_a_fp8_for_gpu(weights):
     return weights
 
 
-def log_load_summary(result, *args, **kwargs):
-    """After DefaultModelLoader.load_weights_and_postprocess (loader.py:804): the one-line summary."""
+def dense_inventory(model) -> list[dict]:
+    """Every linear of `model` that has a quant method and a `weight`: its method, weight dtype,
+    and resident bytes (weight plus any scale). Fused MoE layers hold `w13_weight`/`w2_weight`
+    instead and are the MoE stage's business."""
+    rows = []
+    for name, mod in model.named_modules():
+        method, weight = getattr(mod, "quant_method", None), getattr(mod, "weight", None)
+        if method is None or not isinstance(weight, torch.Tensor):
+            continue
+        nbytes = sum(t.numel() * t.element_size() for attr in ("weight", "weight_scale_inv", "weight_scale")
+                     if isinstance(t := getattr(mod, attr, None), torch.Tensor))
+        rows.append({"name": name, "method": type(method).__name__,
+                     "marlin": bool(getattr(method, "use_marlin", False)),
+                     "dtype": str(weight.dtype).removeprefix("torch."), "shape": list(weight.shape),
+                     "bytes": nbytes})
+    return rows
+
+
+def off_path(rows: list[dict]) -> list[dict]:
+    """Linears left where an A800 cannot run them: an FP8 weight not repacked for Marlin, or an
+    Fp8LinearMethod that would call SGLang's native FP8 GEMM (DeepGEMM/CUTLASS, SM89+)."""
+    return [r for r in rows if r["dtype"].startswith("float8")
+            or (r["method"] == "Fp8LinearMethod" and not r["marlin"])]
+
+
+def check_dense_state(model) -> list[dict]:
+    rows = dense_inventory(model)
+    bad = off_path(rows)
+    if bad:
+        names = ", ".join(f"{r['name']} ({r['method']}, {r['dtype']})" for r in bad[:4])
+        more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+        raise DenseLoadError(
+            f"dsv4-sm80 dense.state: found {len(bad)} linear(s) on SGLang's native FP8 path after loading "
+            f"{type(model).__name__}: {names}{more}; expected every FP8 block linear BF16 "
+            f"(SGLANG_DSV4_A100_DENSE=bf16) or FP8-Marlin W8A16 (fp8_marlin); fix: this SGLang build "
+            "constructs a linear the seam table does not route - report it with this line"
+        )
+    return rows
+
+
+def _write_report(model, rows: list[dict], summary: str) -> None:
+    path = env.get(env.LOAD_REPORT)
+    if not path:
+        return
+    import json
+
+    line = {"rank": _rank(), "model": type(model).__name__, "dense": env.get(env.DENSE),
+            "summary": summary, "linears": rows}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def log_load_summary(result, model, *args, **kwargs):
+    """After DefaultModelLoader.load_weights_and_postprocess (loader.py:804), once per model (the
+    target, then a speculative draft): refuse if any linear is left on the native FP8 path, print
+    the one-line summary with the dense bytes now resident, and start counting afresh."""
+    global _stats
     if _stats.layer:
         _log_layer(_stats.layer)
-    _say(load_summary(), every_rank=True)
+    rows = check_dense_state(model)
+    resident = sum(r["bytes"] for r in rows)
+    summary = f"{load_summary()}; dense linears resident {resident / 2**30:.3f} GiB ({type(model).__name__})"
+    _say(summary, every_rank=True)
+    _write_report(model, rows, summary)
+    _stats = _Stats()
     return result

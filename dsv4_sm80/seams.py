@@ -11,7 +11,8 @@ Kinds:
   after    hook(result, *args, **kwargs) runs last; it may return a new result
   around   hook(original, *args, **kwargs) returns the result
   replace  the attribute becomes `replacement` (a function or class; `__wrapped__` = original)
-  value    the attribute becomes `replacement()` (module constants captured at import time)
+  value    the attribute becomes `replacement(original)` (module constants captured at import time);
+           the replacement must be idempotent (applied exactly once is checked by equality)
 
 Toggles: every seam needs ENABLE_SGLANG_DSV4_A100_PATCH=1; `when` adds conditions on other knobs
 of `dsv4_sm80.env` ("KNOB=value"), e.g. a MoE seam used only by one backend.
@@ -89,6 +90,19 @@ SEAMS: tuple[Seam, ...] = (
             "FP8-Marlin W8A16 forced on as an A800 selects it, also when a lab run is on SM90."
         ),
         upstream="srt/layers/quantization/fp8.py:336-354",
+    ),
+    Seam(
+        name="dense.weight_loader_v2",
+        target="sglang.srt.layers.linear:WEIGHT_LOADER_V2_SUPPORTED",
+        kind="value",
+        replacement="dsv4_sm80.linear:with_sm80_loader_name",
+        reason=(
+            "Linear layers pick their weight loader by the quant method's class name (linear.py:367, "
+            ":1449); the SM80 method loads the checkpoint's FP8 weight and block scale exactly as "
+            "Fp8LinearMethod does, so it needs the block-scale-aware v2 loader - with v1 the fused "
+            "wqkv_a and shared-expert gate_up narrow their 128-row block scales by weight rows."
+        ),
+        upstream="srt/layers/linear.py:58-79",
     ),
     Seam(
         name="dense.wo_a_fp8_param",

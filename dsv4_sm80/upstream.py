@@ -22,6 +22,7 @@ FINGERPRINTS = {
     "srt/configs/deepseek_v4.py": "mt9wMKT2o5RZk00ovdPn-43vH1JLuRznhiEvTUBMMm8",
     "srt/entrypoints/engine.py": "P8AQEtXgYFB2dXOjHqalsHRH6IE20jy3_YRUdD2sHbQ",
     "srt/environ.py": "YNnQIwAT_aKG8_D8nCyfnTMq0EQkowbIzoossDXtFnU",
+    "srt/layers/linear.py": "G5lsFNeYBej1kf9M3mxjbfhtDnXlmwuxL7t4FKNwE8w",
     "srt/layers/moe/fused_moe_triton/fused_marlin_moe.py": "wMBnsnz1oz4Qa6T-YvTZpydAaftS-W5Uq6PfGzkHDCU",
     "srt/layers/moe/fused_moe_triton/layer.py": "GqmkVKNyZHamxS6LLCii4NGQfUYMEytMQc9IGtiliEw",
     "srt/layers/moe/moe_runner/marlin.py": "K74ScDcr7oU5k0O9ypY1OVukC_yvWEHmxKfx2Q49TSk",

@@ -7,7 +7,6 @@ found, what was expected and what to do.
 import json
 import os
 import shutil
-import struct
 
 import pytest
 
@@ -128,7 +127,7 @@ def test_fingerprint_mismatch():
 # --- GPU red lines --------------------------------------------------------------------------------
 
 def test_no_gpu():
-    line = assert_only(facts(gpus=GpuFacts(error="libcuda.so.1 cannot be loaded: no NVIDIA driver")),
+    assert_only(facts(gpus=GpuFacts(error="libcuda.so.1 cannot be loaded: no NVIDIA driver")),
                        "gpu.count", "found 0 visible GPUs", "no NVIDIA driver", "expected exactly 4")
 
 

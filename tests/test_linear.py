@@ -2,11 +2,10 @@
 method inside real SGLang 0.5.16 linear layers on the CPU.
 
 The reference is float64 arithmetic from the formats' definitions: e4m3 decoded from its bits
-(test_tiny.e4m3_table), the scale 2^(b-127), and round-to-nearest-even onto the BF16 grid (8
-significant bits, subnormals down to 2^-133, overflow to inf) written here with frexp.
+(tests/reference.py), the scale 2^(b-127), and round-to-nearest-even onto the BF16 grid (8
+significant bits, subnormals down to 2^-133, overflow to inf) written there with frexp.
 """
 
-import json
 import os
 
 import numpy as np
@@ -14,25 +13,7 @@ import pytest
 import torch
 
 from conftest import last_json, run_python
-from test_tiny import e4m3_table, load_raw
-
-BF16_MAX = (2 - 2.0 ** -7) * 2.0 ** 127
-
-
-def round_to_bf16(x: np.ndarray) -> np.ndarray:
-    ax = np.abs(x)
-    _, e = np.frexp(ax)  # ax = m * 2^e, m in [0.5, 1)
-    q = np.maximum(e - 8, -133).astype(np.float64)  # spacing of the BF16 grid around ax
-    r = np.round(ax / np.exp2(q)) * np.exp2(q)  # numpy rounds half to even
-    r = np.where(r > BF16_MAX, np.inf, r)
-    return np.copysign(r, x)
-
-
-def reference(w_bytes: np.ndarray, scale_bytes: np.ndarray) -> np.ndarray:
-    w = e4m3_table()[w_bytes]
-    s = np.exp2(scale_bytes.astype(np.float64) - 127)
-    full = np.repeat(np.repeat(s, 128, 0), 128, 1)[: w.shape[0], : w.shape[1]]
-    return round_to_bf16(w * full)
+from reference import dequant_fp8_bf16 as reference, e4m3_table, load_raw
 
 
 def as_fp8(b: np.ndarray) -> torch.Tensor:
@@ -101,43 +82,47 @@ LAYERS = """
 import json, os, sys
 import numpy as np, torch
 sys.path.insert(0, {tests!r})
-from test_tiny import load_raw
+from reference import load_raw
 from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
 init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:{port}", local_rank=0, backend="gloo")
 initialize_model_parallel(1)
-from sglang.srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from sglang.srt.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from sglang.srt.layers.quantization.fp8 import Fp8Config
 qc = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[128, 128])
 ckpt = {ckpt!r}
 cfg = json.load(open(os.path.join(ckpt, "config.json")))
 H, q, D, M = cfg["hidden_size"], cfg["q_lora_rank"], cfg["head_dim"], cfg["moe_intermediate_size"]
 nh, G, o = cfg["num_attention_heads"], cfg["o_groups"], cfg["o_lora_rank"]
-specs = {{  # checkpoint name -> (sglang class, in, out, prefix)
+specs = {{  # checkpoint name -> (sglang class, in, out, prefix); "+"-joined names are fused shards
     "layers.2.attn.wq_b": (ColumnParallelLinear, q, nh * D, "model.layers.2.self_attn.wq_b"),
     "layers.2.attn.wo_a": (ColumnParallelLinear, nh * D // G, G * o, "model.layers.2.self_attn.wo_a"),
     "layers.2.attn.wo_b": (RowParallelLinear, G * o, H, "model.layers.2.self_attn.wo_b"),
     "layers.2.attn.indexer.wq_b": (ReplicatedLinear, q, 64 * 128, "model.layers.2.self_attn.indexer.wq_b"),
+    "layers.3.ffn.shared_experts.w1+layers.3.ffn.shared_experts.w3":
+        (MergedColumnParallelLinear, H, [M, M], "model.layers.3.mlp.shared_experts.gate_up_proj"),
     "layers.3.ffn.shared_experts.w2": (RowParallelLinear, M, H, "model.layers.3.mlp.shared_experts.down_proj"),
     "mtp.0.main_proj": (ReplicatedLinear, 3 * H, H, "model.stages.0.main_proj"),
 }}
-out = {{}}
+out, layers = {{}}, {{}}
 for name, (cls, n_in, n_out, prefix) in specs.items():
-    layer = cls(n_in, n_out, bias=False, quant_config=qc, prefix=prefix)
+    layer = layers[name] = cls(n_in, n_out, bias=False, quant_config=qc, prefix=prefix)
     method = layer.quant_method
     rec = {{"method": type(method).__name__, "use_marlin": bool(getattr(method, "use_marlin", False))}}
-    for part in ("weight", "scale"):
-        _, raw = load_raw(ckpt, f"{{name}}.{{part}}")
-        t = torch.from_numpy(raw.copy())
-        t = t.view(torch.float8_e4m3fn) if part == "weight" else t.view(torch.float8_e8m0fnu)
-        param = layer.weight if part == "weight" else layer.weight_scale_inv
-        param.weight_loader(param, t)
+    shards = name.split("+")
+    for shard_id, shard in enumerate(shards):
+        for part in ("weight", "scale"):
+            _, raw = load_raw(ckpt, f"{{shard}}.{{part}}")
+            t = torch.from_numpy(raw.copy())
+            t = t.view(torch.float8_e4m3fn) if part == "weight" else t.view(torch.float8_e8m0fnu)
+            param = layer.weight if part == "weight" else layer.weight_scale_inv
+            param.weight_loader(param, t, *([shard_id] if len(shards) > 1 else []))
     rec["loaded_dtype"] = str(layer.weight.dtype)
     if rec["method"] == "Sm80Bf16LinearMethod":
         method.process_weights_after_loading(layer)
         rec["after_dtype"] = str(layer.weight.dtype)
         rec["scale_left"] = hasattr(layer, "weight_scale_inv")
         np.save(os.path.join({outdir!r}, name + ".npy"), layer.weight.float().numpy())
-        x = torch.randn(5, n_in, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        x = torch.randn(5, layer.input_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         y = method.apply(layer, x)
         rec["apply_matches"] = bool(torch.equal(y, torch.nn.functional.linear(x, layer.weight)))
     out[name] = rec
@@ -150,30 +135,48 @@ except Exception as e:
     out["unloaded"] = f"{{type(e).__name__}}: {{e}}"
 from dsv4_sm80 import linear
 out["summary"] = linear.load_summary()
+# the after-load state check over a model made of these layers, and its report line
+holder = torch.nn.ModuleDict({{k.replace(".", "_").replace("+", "__"): v for k, v in layers.items()}})
+try:
+    linear.log_load_summary(None, holder, iter(()), torch.device("cpu"))
+    out["state"] = [json.loads(l) for l in open(os.environ["DSV4_SM80_LOAD_REPORT"])]
+except Exception as e:
+    out["state"] = f"{{type(e).__name__}}: {{e}}"
 print(json.dumps(out))
 """
 
 
 def _run_layers(ckpt, outdir, dense, port):
     code = LAYERS.format(tests=os.path.dirname(__file__), port=port, ckpt=ckpt, outdir=str(outdir))
-    return last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", SGLANG_DSV4_A100_DENSE=dense))
+    return last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", SGLANG_DSV4_A100_DENSE=dense,
+                                DSV4_SM80_LOAD_REPORT=str(outdir / "report.jsonl")))
 
 
 @pytest.mark.sglang
 def test_bf16_mode_in_real_sglang_layers(unit_ckpt, tmp_path):
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
     out = _run_layers(unit_ckpt, tmp_path, "bf16", 29561)
-    for name in ("layers.2.attn.wq_b", "layers.2.attn.wo_a", "layers.2.attn.wo_b", "layers.2.attn.indexer.wq_b",
-                 "layers.3.ffn.shared_experts.w2", "mtp.0.main_proj"):
+    names = [n for n in out if n.count(".") > 1]
+    assert len(names) == 7
+    for name in names:
         rec = out[name]
         assert rec["method"] == "Sm80Bf16LinearMethod" and rec["loaded_dtype"] == "torch.float8_e4m3fn", (name, rec)
         assert rec["after_dtype"] == "torch.bfloat16" and not rec["scale_left"] and rec["apply_matches"], (name, rec)
-        _, w = load_raw(unit_ckpt, name + ".weight")
-        _, s = load_raw(unit_ckpt, name + ".scale")
-        assert np.array_equal(np.load(tmp_path / f"{name}.npy").astype(np.float64), reference(w, s)), name
+        # fused shards (gate_up = w1 + w3) load through the block-scale-aware v2 loader: each its own rows
+        want = np.concatenate([reference(load_raw(unit_ckpt, f"{shard}.weight")[1],
+                                         load_raw(unit_ckpt, f"{shard}.scale")[1]) for shard in name.split("+")])
+        assert np.array_equal(np.load(tmp_path / f"{name}.npy").astype(np.float64), want), name
     assert out["unloaded"].startswith("DenseLoadError: dsv4-sm80 dense: model.layers.9.self_attn.wq_a: "
                                       "weight_scale_inv was never loaded")
-    assert out["summary"].startswith("dsv4-sm80 dense (bf16): 6 FP8 block linears converted to BF16")
+    assert out["summary"].startswith("dsv4-sm80 dense (bf16): 7 FP8 block linears converted to BF16")
+    # the after-load check passes and reports every linear BF16, with its resident bytes
+    (report,) = out["state"]
+    assert report["model"] == "ModuleDict" and report["dense"] == "bf16" and report["rank"] == 0
+    assert {r["name"]: (r["method"], r["dtype"]) for r in report["linears"]} == {
+        n.replace(".", "_").replace("+", "__"): ("Sm80Bf16LinearMethod", "bfloat16") for n in names}
+    assert sum(r["bytes"] for r in report["linears"]) == sum(
+        np.load(tmp_path / f"{n}.npy").size * 2 for n in names)
+    assert "dense linears resident" in report["summary"]
 
 
 @pytest.mark.sglang
@@ -181,13 +184,17 @@ def test_fp8_marlin_mode_keeps_fp8_except_wo_a_and_main_proj(unit_ckpt, tmp_path
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
     out = _run_layers(unit_ckpt, tmp_path, "fp8_marlin", 29562)
     for name in ("layers.2.attn.wq_b", "layers.2.attn.wo_b", "layers.2.attn.indexer.wq_b",
-                 "layers.3.ffn.shared_experts.w2"):
+                 "layers.3.ffn.shared_experts.w1+layers.3.ffn.shared_experts.w3", "layers.3.ffn.shared_experts.w2"):
         assert out[name] == {"method": "Fp8LinearMethod", "use_marlin": True,
                              "loaded_dtype": "torch.float8_e4m3fn"}, (name, out[name])
     for name in ("layers.2.attn.wo_a", "mtp.0.main_proj"):  # BF16 in both modes; main_proj never re-quantized
         assert out[name]["method"] == "Sm80Bf16LinearMethod" and out[name]["after_dtype"] == "torch.bfloat16"
-    # the four above and the script's scale-less wq_a: counted when the method is selected
-    assert "5 kept FP8 through SGLang's FP8-Marlin W8A16" in out["summary"]
+    # the five above and the script's scale-less wq_a: counted when the method is selected
+    assert "6 kept FP8 through SGLang's FP8-Marlin W8A16" in out["summary"]
+    # Marlin repacks on the GPU only; an FP8 weight left as it loaded is refused by the after-load check
+    assert out["state"].startswith("DenseLoadError: dsv4-sm80 dense.state: found 5 linear(s) on SGLang's "
+                                   "native FP8 path after loading ModuleDict: layers_2_attn_wq_b "
+                                   "(Fp8LinearMethod, float8_e4m3fn)"), out["state"]
 
 
 @pytest.mark.sglang

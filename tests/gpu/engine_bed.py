@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-runner-backend", default="marlin",
                     help="native SM90 needs marlin (auto misroutes MXFP4 experts)")
     ap.add_argument("--cuda-graph", action="store_true")
+    ap.add_argument("--speculative-algorithm", help="e.g. DSPARK (draft stages bundled in the checkpoint)")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
     args = ap.parse_args(argv)
 
@@ -80,10 +81,11 @@ def main(argv=None) -> int:
         "args": vars(args), "timings": {},
     }
     t0 = time.time()
+    extra = {"speculative_algorithm": args.speculative_algorithm} if args.speculative_algorithm else {}
     engine = sglang.Engine(
         model_path=args.ckpt, skip_tokenizer_init=True, tp_size=1,
         moe_runner_backend=args.moe_runner_backend, disable_cuda_graph=not args.cuda_graph,
-        mem_fraction_static=args.mem_fraction, random_seed=0, log_level="warning",
+        mem_fraction_static=args.mem_fraction, random_seed=0, log_level="warning", **extra,
     )
     record["timings"]["engine_start_s"] = round(time.time() - t0, 1)
     greedy = {"temperature": 0.0, "max_new_tokens": args.max_new}
@@ -144,6 +146,16 @@ def main(argv=None) -> int:
         ok &= finite and distinct > 1
         print(f"  teacher-forced {len(t['sequence']):5d} positions: top-1 logprob mean {sum(top1) / len(top1):.3f} "
               f"min {min(top1):.3f}, {distinct} distinct top-1 ids, finite={finite}")
+    report = env.get(env.LOAD_REPORT)
+    if report and os.path.isfile(report):  # written by the patch's after-load check, one line per model
+        for line in open(report):
+            rep = json.loads(line)
+            kinds = {}
+            for r in rep["linears"]:
+                key = f"{r['method']}/{r['dtype']}"
+                kinds[key] = kinds.get(key, 0) + 1
+            print(f"  load report {rep['model']} rank {rep['rank']}: {kinds}")
+            print(f"    {rep['summary']}")
     print("engine_bed:", "OK" if ok else "FAILED", "->", args.out)
     return 0 if ok else 1
 
