@@ -267,8 +267,9 @@ def log_load_summary(result, model, *args, **kwargs):
     if _stats.layer:
         _log_layer(_stats.layer)
     rows = check_dense_state(model)
-    resident = sum(r["bytes"] for r in rows)
-    summary = f"{load_summary()}; dense linears resident {resident / 2**30:.3f} GiB ({type(model).__name__})"
+    resident = sum(r["bytes"] for r in rows if r["method"] in ("Sm80Bf16LinearMethod", "Fp8LinearMethod"))
+    summary = (f"{load_summary()}; FP8-checkpoint linears resident {resident / 2**30:.3f} GiB "
+               f"({type(model).__name__})")
     _say(summary, every_rank=True)
     _write_report(model, rows, summary)
     _stats = _Stats()

@@ -176,7 +176,7 @@ def test_bf16_mode_in_real_sglang_layers(unit_ckpt, tmp_path):
         n.replace(".", "_").replace("+", "__"): ("Sm80Bf16LinearMethod", "bfloat16") for n in names}
     assert sum(r["bytes"] for r in report["linears"]) == sum(
         np.load(tmp_path / f"{n}.npy").size * 2 for n in names)
-    assert "dense linears resident" in report["summary"]
+    assert "FP8-checkpoint linears resident" in report["summary"]
 
 
 @pytest.mark.sglang

@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     if wanted != seen_ckpt:
         fail(f"FP8 linears of the checkpoint not found as modules: {sorted(wanted - seen_ckpt)}; "
              f"unexpected: {sorted(seen_ckpt - wanted)}")
-    record["dense_resident_bytes"] = sum(r["bytes"] for r in rows)
+    record["dense_resident_bytes"] = sum(r["bytes"] for r in rows if checkpoint_parts(r["name"]) is not None)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
           f"methods {sorted({(r['method'], r['dtype']) for r in checked})}")
     print(f"  max rel err vs fp32 reference product: this path {max(r['rel_err'] for r in checked):.2e}, "
           f"BF16 GEMM of the reference weight {max(r['rel_err_bf16_gemm'] for r in checked):.2e}")
-    print(f"  dense resident {record['dense_resident_bytes'] / 2**20:.1f} MiB; GPU peak allocated during load "
+    print(f"  FP8-checkpoint linears resident {record['dense_resident_bytes'] / 2**20:.1f} MiB; GPU peak allocated during load "
           f"{peak_load / 2**20:.1f} MiB, after {record['allocated_after_load'] / 2**20:.1f} MiB")
     for line in record["failures"]:
         print("  FAIL", line)
