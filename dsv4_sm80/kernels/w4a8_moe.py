@@ -1,0 +1,248 @@
+"""W4A8 fused MoE for SM80: MXFP4 experts stay 4-bit in memory, the GEMMs run on INT8 tensor cores.
+
+Why Triton: the kernel must run at tiny sizes on the CPU (TRITON_INTERPRET=1) for CI, be capture-safe
+for CUDA graphs, and compile for sm_80 without touching SGLang's build; Triton's `tl.dot` on int8
+operands lowers to `mma.sync ... s8.s8.s32` on SM80. (A JIT CUDA kernel through SGLang's `load_jit`
+would need a GPU to test at all.)
+
+The math (reference: `w4a8_moe_ref.py`):
+- An MXFP4 weight is an E2M1 code c (1 sign, 2 exponent, 1 mantissa bits) times 2^(e-127) per 32
+  consecutive K. Twice an E2M1 value is an integer in {0, +-1, +-2, +-3, +-4, +-6, +-8, +-12}, so the
+  kernel decodes each code to that INT8 integer q, and w = q * 2^(e-127) / 2 exactly.
+- Activations are quantized to INT8 dynamically, one fp32 scale per row and group of K: the layer input
+  per token (or per token and `input_group` columns), the intermediate per (token, expert) pair and
+  BLOCK_N columns, computed in the gate-up kernel's epilogue (no extra pass). The intermediate's
+  rounding dominates the error (silu(gate) * up is heavy-tailed); measured in tests/test_w4a8_moe.py.
+- For each 32-wide K group the INT8 dot accumulates exactly in int32; it is then scaled by that
+  group's weight scale in fp32. The weight side loses nothing; only the activation rounding to INT8 is
+  lossy (measured in the tests and the benchmark).
+- Gate-up computes the gate (rows [0, I)) and up (rows [I, 2I)) tiles of the same columns together, applies
+  the clamped SiLU-GLU (gate <= limit, |up| <= limit, silu(gate) * up), and quantizes the result; the down
+  kernel multiplies by the router weight; the sum over top-k and the routed scaling factor (once) follow.
+
+Weight layout the kernels read (`repack_mxfp4_for_w4a8`, done on the GPU at load, in place, 4 bits per
+weight): per expert [N, K/2] bytes where, in each 64-wide K chunk, byte j holds the code of k = j in its
+low nibble and of k = 32 + j in its high nibble, so one byte tile feeds two 32-deep INT8 dots. Scales stay
+the checkpoint's E8M0 bytes [N, K/32].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 32  # MXFP4 scale group along K
+CHUNK = 64  # K per byte tile: two groups, low and high nibbles
+
+
+def repack_mxfp4_for_w4a8(packed: torch.Tensor, experts_per_step: int = 16) -> torch.Tensor:
+    """Checkpoint MXFP4 bytes [E, N, K/2] (low nibble = even k) -> the kernel's layout, in place.
+
+    Works expert slice by expert slice so the transient is a few experts' codes, not the layer's."""
+    e_total, n, half_k = packed.shape
+    k = half_k * 2
+    if k % CHUNK:
+        raise ValueError(f"K={k} must be a multiple of {CHUNK}")
+    raw = packed.view(torch.uint8)
+    for e0 in range(0, e_total, experts_per_step):
+        b = raw[e0:e0 + experts_per_step]
+        codes = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(b.shape[0], n, k // CHUNK, 2, GROUP)
+        b.copy_((codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(b.shape))
+    return packed
+
+
+def quantize_rows_int8(x: torch.Tensor, group: int = 0):
+    """Symmetric INT8 per row (group=0) or per row and `group` columns: x ~ q * s, s = max|x| / 127
+    (fp32; all-zero groups get s = 1). Rounds half away from zero, as the kernel's epilogue does.
+    Returns q [rows, cols] int8 and s [rows, groups] fp32."""
+    xf = x.float()
+    rows, cols = xf.shape
+    g = xf.view(rows, 1 if not group else cols // group, -1)
+    s = g.abs().amax(dim=-1, keepdim=True) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    v = g / s
+    q = torch.clamp(torch.sign(v) * torch.floor(v.abs() + 0.5), -127, 127).to(torch.int8)
+    return q.view(rows, cols), s.view(rows, -1)
+
+
+@triton.jit
+def _e2m1x2(c):
+    """4-bit E2M1 code (int32 0..15) -> twice its value, an integer in [-12, 12]."""
+    m = c & 7
+    big = (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0)
+    v = tl.where(m < 4, m, big)
+    return tl.where(c >= 8, -v, v)
+
+
+@triton.jit
+def _e8m0(e):
+    """E8M0 byte (int32) -> 2^(e-127) in fp32 (e=0 flushes to 0, as Marlin's MXFP4 path does)."""
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _w4a8_moe_kernel(
+    a_ptr, a_scale_ptr, b_ptr, bs_ptr, c_ptr, c_scale_ptr,
+    sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_w_ptr,
+    N, K, num_pairs, a_row_div, a_scale_groups, limit,
+    stride_am, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, c_scale_groups,
+    GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = ids < num_pairs
+    a_rows = tl.where(row_ok, ids // a_row_div, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_j = tl.arange(0, 32)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_base = b_ptr + expert * stride_be
+    bs_base = bs_ptr + expert * stride_bse
+    for k0 in range(0, K, 64):
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
+        a0 = tl.load(a_ptrs, mask=row_ok[:, None], other=0)
+        a1 = tl.load(a_ptrs + 32, mask=row_ok[:, None], other=0)
+        if A_GROUP:  # activation scale per (row, group of A_GROUP columns of K)
+            sa = tl.load(a_scale_ptr + a_rows * a_scale_groups + k0 // A_GROUP, mask=row_ok, other=0.0)
+        b_ptrs = b_base + offs_n[None, :] * stride_bn + (k0 // 2 + offs_j)[:, None]
+        byte = tl.load(b_ptrs, mask=n_ok[None, :], other=0).to(tl.int32) & 0xFF
+        s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
+        s0 = _e8m0(tl.load(s_ptrs, mask=n_ok, other=0).to(tl.int32) & 0xFF)
+        s1 = _e8m0(tl.load(s_ptrs + 1, mask=n_ok, other=0).to(tl.int32) & 0xFF)
+        lo = _e2m1x2(byte & 0xF).to(tl.int8)
+        hi = _e2m1x2(byte >> 4).to(tl.int8)
+        part = (tl.dot(a0, lo, out_dtype=tl.int32).to(tl.float32) * s0[None, :]
+                + tl.dot(a1, hi, out_dtype=tl.int32).to(tl.float32) * s1[None, :])
+        if A_GROUP:
+            part = part * sa[:, None]
+        acc += part
+        if GATED:  # the up rows of the same columns sit N rows further
+            byte = tl.load(b_ptrs + N * stride_bn, mask=n_ok[None, :], other=0).to(tl.int32) & 0xFF
+            s0 = _e8m0(tl.load(s_ptrs + N * stride_bsn, mask=n_ok, other=0).to(tl.int32) & 0xFF)
+            s1 = _e8m0(tl.load(s_ptrs + N * stride_bsn + 1, mask=n_ok, other=0).to(tl.int32) & 0xFF)
+            lo = _e2m1x2(byte & 0xF).to(tl.int8)
+            hi = _e2m1x2(byte >> 4).to(tl.int8)
+            part = (tl.dot(a0, lo, out_dtype=tl.int32).to(tl.float32) * s0[None, :]
+                    + tl.dot(a1, hi, out_dtype=tl.int32).to(tl.float32) * s1[None, :])
+            if A_GROUP:
+                part = part * sa[:, None]
+            acc_up += part
+
+    if not A_GROUP:  # one activation scale per row
+        sa = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
+        acc = acc * sa[:, None]
+        acc_up = acc_up * sa[:, None]
+    acc = acc * 0.5  # the codes were twice the E2M1 values
+    out_rows = tl.where(row_ok, ids, 0).to(tl.int64)
+    if GATED:
+        gate = tl.minimum(acc, limit)
+        up = tl.minimum(tl.maximum(acc_up * 0.5, -limit), limit)
+        h = gate * tl.sigmoid(gate) * up
+        h = tl.where(n_ok[None, :], h, 0.0)
+        # INT8 per (pair, this tile's columns): the scale the down kernel reads per K group
+        s = tl.max(tl.abs(h), axis=1) / 127.0
+        s = tl.where(s > 0, s, 1.0)
+        v = h / s[:, None]
+        q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(-v + 0.5))
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
+        tl.store(c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :], q,
+                 mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(c_scale_ptr + out_rows * c_scale_groups + pid_n, s, mask=row_ok)
+    else:
+        if MUL_WEIGHT:
+            w = tl.load(topk_w_ptr + out_rows, mask=row_ok, other=0.0)
+            acc = acc * w[:, None]
+        tl.store(c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :], acc,
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sort the (token, k) pairs by expert and pad each expert's run to a multiple of block_m.
+
+    Returns sorted_ids [P + E*(block_m-1)] (pair index, or P for padding), block_expert [blocks]
+    (-1 past the end), num_padded [1] (device). No host sync: capture-safe."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    pairs = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    order = torch.argsort(flat, stable=True)
+    sorted_expert = flat[order]
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    pos = starts[sorted_expert] + torch.arange(pairs, device=dev) - first_of_expert[sorted_expert]
+    cap = pairs + num_experts * (block_m - 1)
+    sorted_ids = torch.full((cap,), pairs, dtype=torch.int32, device=dev)
+    sorted_ids[pos] = order.to(torch.int32)
+    blocks = (cap + block_m - 1) // block_m
+    block_start = torch.arange(blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(ends, block_start, right=True)
+    block_expert = torch.where(block_start < ends[-1], block_expert, -1).to(torch.int32)
+    if cap % block_m:
+        sorted_ids = torch.cat([sorted_ids, sorted_ids.new_full((blocks * block_m - cap,), pairs)])
+    return sorted_ids, block_expert, ends[-1:].to(torch.int32)
+
+
+def w4a8_moe(
+    x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, swiglu_limit: float = 10.0,
+    routed_scaling_factor: float = 1.0, input_group: int = 0, block_m: int = 16, block_n: int = 64,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The routed-expert output for x [T, H] (bf16): sum_k w_k * down_e(act(gate_up_e(x))) * scaling.
+
+    w13 [E, 2I, H/2] and w2 [E, H, I/2]: MXFP4 bytes in the kernel layout (repack_mxfp4_for_w4a8);
+    scales [E, 2I, H/32], [E, H, I/32]: E8M0 (float8_e8m0fnu or uint8). topk_* [T, top_k]."""
+    t, h = x.shape
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    if h % CHUNK or inter % CHUNK or inter % block_n or block_n % CHUNK:
+        raise ValueError(f"hidden {h} and intermediate {inter} must be multiples of {CHUNK}, intermediate "
+                         f"of block_n={block_n}, and block_n of {CHUNK}")
+    pairs = t * top_k
+    dev = x.device
+    sorted_ids, block_expert, num_padded = align_by_expert(topk_ids, e, block_m)
+    if input_group % CHUNK:
+        raise ValueError(f"input_group={input_group} must be a multiple of {CHUNK} (0: one scale per token)")
+    xq, xs = quantize_rows_int8(x, input_group)
+    hq = torch.empty((pairs, inter), dtype=torch.int8, device=dev)
+    groups = inter // block_n
+    hs = torch.empty((pairs, groups), dtype=torch.float32, device=dev)
+    w13b, w13s = w13.view(torch.uint8), w13_scale.view(torch.uint8)
+    w2b, w2s = w2.view(torch.uint8), w2_scale.view(torch.uint8)
+    blocks = block_expert.numel()
+    _w4a8_moe_kernel[(blocks * triton.cdiv(inter, block_n),)](
+        xq, xs, w13b, w13s, hq, hs, sorted_ids, block_expert, num_padded, topk_weights,
+        inter, h, pairs, top_k, xs.shape[1], float(swiglu_limit),
+        xq.stride(0), w13b.stride(0), w13b.stride(1), w13s.stride(0), w13s.stride(1), hq.stride(0), groups,
+        GATED=True, MUL_WEIGHT=False, A_GROUP=input_group, BLOCK_M=block_m, BLOCK_N=block_n,
+    )
+    y = torch.empty((pairs, h), dtype=torch.float32, device=dev)
+    tw = topk_weights.reshape(-1).to(torch.float32)
+    _w4a8_moe_kernel[(blocks * triton.cdiv(h, block_n),)](
+        hq, hs, w2b, w2s, y, y, sorted_ids, block_expert, num_padded, tw,
+        h, inter, pairs, 1, groups, 0.0,
+        hq.stride(0), w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0), 0,
+        GATED=False, MUL_WEIGHT=True, A_GROUP=block_n, BLOCK_M=block_m, BLOCK_N=block_n,
+    )
+    summed = y.view(t, top_k, h).sum(dim=1)
+    if routed_scaling_factor != 1.0:
+        summed.mul_(routed_scaling_factor)
+    if out is None:
+        return summed.to(x.dtype)
+    return out.copy_(summed)

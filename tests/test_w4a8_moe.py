@@ -1,0 +1,131 @@
+"""The W4A8 MoE kernels (dsv4_sm80/kernels/w4a8_moe.py) in the Triton interpreter at tiny sizes,
+against plain-PyTorch references written from the math (dsv4_sm80/kernels/w4a8_moe_ref.py)."""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from dsv4_sm80.kernels import w4a8_moe_ref as ref
+
+
+@pytest.fixture(scope="module")
+def k():
+    """The kernel module in the Triton interpreter: TRITON_INTERPRET=1 while this module's tests run
+    (Triton reads it when @triton.jit decorates and again at launch)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import dsv4_sm80.kernels.w4a8_moe as mod
+
+    yield importlib.reload(mod)
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET")
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+def experts(e, n, kdim, seed, exp_lo=118, exp_hi=131):
+    """Random MXFP4 bytes [e, n, kdim/2] and E8M0 scale bytes [e, n, kdim/32]; neighbouring scale
+    groups differ by up to exp_hi - exp_lo - 1 binades (> 4: a folded-scale kernel would lose bits)."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (e, n, kdim // 2), generator=g, dtype=torch.int32).to(torch.uint8)
+    scale = torch.randint(exp_lo, exp_hi, (e, n, kdim // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+    return packed, scale
+
+
+def routing(t, e, top_k, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(t)]).to(torch.int32)
+    w = torch.rand(t, top_k, generator=g)
+    return w / w.sum(dim=1, keepdim=True), ids
+
+
+def case(t=5, h=128, inter=128, e=8, top_k=3, seed=0, x_scale=1.0, **kw):
+    w13, s13 = experts(e, 2 * inter, h, seed, **kw)
+    w2, s2 = experts(e, h, inter, seed + 1, **kw)
+    x = (torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 2)) * x_scale).to(torch.bfloat16)
+    tw, ids = routing(t, e, top_k, seed + 3)
+    return x, w13, s13, w2, s2, tw, ids
+
+
+def run_kernel(k, x, w13, s13, w2, s2, tw, ids, **kw):
+    a, b = k.repack_mxfp4_for_w4a8(w13.clone()), k.repack_mxfp4_for_w4a8(w2.clone())
+    out = torch.empty(x.shape, dtype=torch.float32)
+    return k.w4a8_moe(x, a, s13, b, s2, tw, ids, out=out, **kw)
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def test_repack_keeps_every_code_and_4_bits(k):
+    w, _ = experts(3, 5, 128, 1)
+    out = k.repack_mxfp4_for_w4a8(w.clone())
+    assert out.dtype == torch.uint8 and out.shape == w.shape  # same bytes: 4 bits per weight
+    codes = torch.stack((w & 0xF, w >> 4), dim=-1).flatten(-2)  # checkpoint: low nibble = even k
+    chunks = codes.view(3, 5, 2, 2, 32)  # [.., chunk, half, j]: k = 64*chunk + 32*half + j
+    assert torch.equal(out.view(3, 5, 2, 32) & 0xF, chunks[..., 0, :])
+    assert torch.equal(out.view(3, 5, 2, 32) >> 4, chunks[..., 1, :])
+
+
+def test_align_by_expert(k):
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [5, 3]], dtype=torch.int32)
+    sorted_ids, block_expert, num_padded = k.align_by_expert(ids, 6, 4)
+    flat = ids.flatten()
+    assert int(num_padded) == 4 + 4 + 4 + 4  # experts 0, 1, 3, 5: one block each (3 has 4 pairs)
+    for b in range(int(num_padded) // 4):
+        e = int(block_expert[b])
+        members = [int(i) for i in sorted_ids[4 * b: 4 * b + 4] if i < flat.numel()]
+        assert members and all(int(flat[i]) == e for i in members), (b, e, members)
+    assert sorted(int(i) for i in sorted_ids if i < 8) == list(range(8))
+    assert (block_expert[int(num_padded) // 4:] == -1).all()
+
+
+@pytest.mark.parametrize("seed,t,top_k,input_group", [(0, 5, 3, 0), (4, 1, 2, 0), (9, 19, 6, 0), (5, 6, 2, 64)])
+def test_kernel_equals_int8_emulation(k, seed, t, top_k, input_group):
+    """Weight side exact: with scale groups 12 binades apart, the kernel equals the reference that
+    rounds only the activations to INT8, at the same points, up to fp32 accumulation order."""
+    x, w13, s13, w2, s2, tw, ids = case(t=t, top_k=top_k, seed=seed)
+    got = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=input_group)
+    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=64, input_group=input_group)
+    assert rel(got, want) < 1e-5, rel(got, want)
+
+
+def test_error_against_exact_is_bounded(k):
+    """W4A8 against the float64 exact reference (what W4A16 Marlin approximates): the activation
+    rounding, measured as ||err|| / ||ref|| with scale groups spread over 5 binades."""
+    errs = []
+    for seed in range(3):
+        x, w13, s13, w2, s2, tw, ids = case(t=7, seed=10 + seed, exp_lo=120, exp_hi=125)
+        got = run_kernel(k, x, w13, s13, w2, s2, tw, ids)
+        want = ref.moe_exact(x, w13, s13, w2, s2, tw, ids)
+        errs.append(float((got.double() - want).norm() / want.norm()))
+    print(f"W4A8 vs exact, relative error per case: {['%.2e' % e for e in errs]}")
+    assert max(errs) < 2.5e-2, errs
+
+
+def test_routed_scaling_applied_once(k):
+    x, w13, s13, w2, s2, tw, ids = case(seed=21)
+    one = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.0)
+    scaled = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5)
+    assert torch.equal(scaled, one * 1.5)  # x1.5 is exact in fp32; 2.25 would be the double application
+    exact = ref.moe_exact(x, w13, s13, w2, s2, tw, ids, scaling=1.5)
+    assert rel(scaled, exact) < 5e-2 and rel(scaled, exact * 1.5) > 0.3
+
+
+def test_swiglu_limit_clamps(k):
+    """Large weights push gate and up past +-10: the clamp must act as in the reference."""
+    x, w13, s13, w2, s2, tw, ids = case(seed=31, exp_lo=127, exp_hi=129, x_scale=4.0)
+    gate_up = ref.dequant_mxfp4(w13, s13)[ids[0, 0].item()] @ x[0].double()
+    assert gate_up.abs().max() > 20  # the clamp is really exercised
+    got = run_kernel(k, x, w13, s13, w2, s2, tw, ids)
+    assert rel(got, ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids)) < 2e-3
+    unclamped = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, limit=0.0)
+    assert rel(got, unclamped) > 0.05
+
+
+def test_bad_shapes_refused(k):
+    x, w13, s13, w2, s2, tw, ids = case(h=96)  # 96 is not a multiple of 64
+    with pytest.raises(ValueError, match="multiples of 64"):
+        k.w4a8_moe(x, w13, s13, w2, s2, tw, ids)
