@@ -163,6 +163,20 @@ def _wrap(seam: Seam, original, replacement):
 _MISSING = object()
 
 
+def _marks(fn) -> list:
+    """The seam marks along a wrapper chain: several stages may wrap one target (the dense and MoE
+    stages both route Fp8Config.get_quant_method), each exactly once."""
+    out, seen = [], set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        mark = getattr(fn, MARK, None)
+        if mark is None:
+            break
+        out.append(mark)
+        fn = getattr(fn, "__wrapped__", None)
+    return out
+
+
 def apply_seam(seam: Seam, module: types.ModuleType) -> bool:
     """Apply one seam to its (already executed) target module. False if it was already applied."""
     with _lock:
@@ -184,8 +198,8 @@ def apply_seam(seam: Seam, module: types.ModuleType) -> bool:
             if st.state == "applied" and original == new:
                 return False  # exactly once
         else:
-            if getattr(original, MARK, None) == seam.name:
-                return False  # exactly once
+            if seam.name in _marks(original):
+                return False  # exactly once (also when another stage's seam wraps it since)
             new = _wrap(seam, original, _resolve(seam.replacement))
         setattr(owner, attr, wrapper_type(new) if wrapper_type else new)
         if isinstance(owner, types.ModuleType) and callable(original) and seam.kind != "value":

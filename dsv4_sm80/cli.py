@@ -27,6 +27,8 @@ def _defined(tree: ast.Module, path: tuple) -> bool:
                 found = node
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
                 found = node
+            elif isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
+                found = node  # a module global bound by import (e.g. mxfp4_marlin_moe.is_sm90_supported)
         if found is None:
             return False
         if i < len(path) - 1:

@@ -78,6 +78,51 @@ SEAMS: tuple[Seam, ...] = (
         ),
         upstream="srt/entrypoints/engine.py:765-790",
     ),
+    # --- moe: routed experts stay MXFP4; W4A8 on INT8 tensor cores or SGLang's Marlin (moe.py) ----------
+    Seam(
+        name="moe.launch_args",
+        target="sglang.srt.entrypoints.engine:Engine._launch_subprocesses",
+        kind="before",
+        replacement="dsv4_sm80.moe:route_experts_at_launch",
+        reason=(
+            "Both SM80 expert backends build on SGLang's MXFP4 parameter layout, which only the marlin "
+            "MoE runner backend selects (auto would pick the Triton FP8 path that cannot run on SM80); "
+            "expert parallelism must be refused before model construction raises NotImplementedError "
+            "deep inside FusedMoE (reference 01 §4)."
+        ),
+        upstream="srt/entrypoints/engine.py:765-790",
+    ),
+    Seam(
+        name="moe.quant_method",
+        target="sglang.srt.layers.quantization.fp8:Fp8Config.get_quant_method",
+        kind="around",
+        replacement="dsv4_sm80.moe:select_moe_method",
+        reason=(
+            "With SGLANG_DSV4_MXFP4_MOE_BACKEND=mxfp4_int8 the FP4 experts get the W4A8 method (INT8 "
+            "tensor cores, 4-bit resident) instead of SGLang's MXFP4 Marlin method."
+        ),
+        upstream="srt/layers/quantization/fp8.py:336-399",
+    ),
+    Seam(
+        name="moe.marlin_sm80",
+        target="sglang.srt.layers.quantization.mxfp4_marlin_moe:is_sm90_supported",
+        kind="value",
+        replacement="dsv4_sm80.moe:marlin_on_sm80",
+        reason=(
+            "SGLang's MXFP4 Marlin MoE is SM80-legal code refused by one Python check "
+            "(mxfp4_marlin_moe.py:118); the marlin backend needs it lifted. Only that module's global "
+            "changes, not is_sm90_supported elsewhere."
+        ),
+        upstream="srt/layers/quantization/mxfp4_marlin_moe.py:12",
+    ),
+    Seam(
+        name="moe.footprint",
+        target="sglang.srt.model_loader.loader:DefaultModelLoader.load_weights_and_postprocess",
+        kind="after",
+        replacement="dsv4_sm80.moe:log_expert_footprint",
+        reason="A start-up line per GPU: expert bytes resident, which must be 4 bits + E8M0 per 32.",
+        upstream="srt/model_loader/loader.py:804-849",
+    ),
     # --- dense: FP8 block linears -> BF16 at load (linear.py) ------------------------------------------
     Seam(
         name="dense.quant_method",

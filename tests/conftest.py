@@ -11,6 +11,15 @@ if REPO not in sys.path:
 
 PATCH = "ENABLE_SGLANG_DSV4_A100_PATCH"
 
+# CPU machines (CI): Triton kernels run in Triton's interpreter. It must be on before triton is first
+# imported anywhere in this process (SGLang imports it), because triton's own standard-library @jit
+# functions (tl.cdiv, tl.max, tl.sigmoid, ...) are built at that import.
+if not os.environ.get("TRITON_INTERPRET"):
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 def clean_env(**overrides):
     """The test process's environment without any dsv4-sm80 / lab knobs, plus overrides."""

@@ -39,7 +39,8 @@ def test_declared_lines_hold_the_target(sglang_dir):
         path = os.path.join(sglang_dir, s.upstream_file)
         first = int(re.match(r"[^:]+:(\d+)", s.upstream).group(1))
         line = open(path, encoding="utf-8").read().splitlines()[first - 1]
-        assert re.search(rf"\b(def|class)\s+{re.escape(s.attr_path[-1])}\b|^\s*{re.escape(s.attr_path[-1])}\s*[:=]",
+        name = re.escape(s.attr_path[-1])
+        assert re.search(rf"\b(def|class)\s+{name}\b|^\s*{name}\s*[:=]|^from \S+ import .*\b{name}\b",
                          line), (s.name, line)
 
 
@@ -57,8 +58,9 @@ for s in SEAMS:
     raw = vars(owner)[s.attr_path[-1]]
     raw = getattr(raw, "__func__", raw)
     # a value seam's mark is its value: the replacement applied to its own result changes nothing
-    marks[s.name] = (s.name if s.kind == "value" and apply._resolve(s.replacement)(raw) == raw
-                     else getattr(raw, apply.MARK, None))
+    # callables: the seam's mark is on its wrapper, somewhere along the chain (stages may stack)
+    marks[s.name] = ((s.name if apply._resolve(s.replacement)(raw) == raw else None) if s.kind == "value"
+                     else (s.name if s.name in apply._marks(raw) else None))
 print(json.dumps({"status": apply.status(), "marks": marks}))
 """
 
@@ -91,12 +93,12 @@ finders = sum(type(f).__name__ == "SeamFinder" for f in sys.meta_path)
 importlib.reload(m)  # re-executes the module: the fresh original gets the seam once more
 raw = vars(m.Engine)["_launch_subprocesses"].__func__
 print(json.dumps({"again": again, "reinstalled": reinstalled, "finders": finders,
-                  "count": apply.status()[0]["applied_count"], "marked": getattr(raw, apply.MARK, None),
-                  "double": hasattr(raw.__wrapped__, apply.MARK)}))
+                  "count": apply.status()[0]["applied_count"], "chain": apply._marks(raw)}))
 """
     out = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1"))
-    assert out == {"again": False, "reinstalled": True, "finders": 1, "count": 2, "marked": "launch.gate",
-                   "double": False}
+    # two stages wrap this target (the gate, then the MoE launch checks outside it): each exactly once
+    assert out == {"again": False, "reinstalled": True, "finders": 1, "count": 2,
+                   "chain": ["moe.launch_args", "launch.gate"]}
 
 
 def _farm(src: str, dst: str, changed_rel: str) -> str:

@@ -1,0 +1,177 @@
+"""Routed-expert MoE at DeepSeek-V4-Flash TP4 per-rank shapes (256 experts, hidden 4096, intermediate 512
+per rank, top-6), both SM80 backends in one run:
+
+  mxfp4_int8  dsv4_sm80.kernels.w4a8_moe: MXFP4 resident, W4A8 on INT8 tensor cores
+  marlin      SGLang 0.5.16's fused_marlin_moe on MXFP4 (W4A16, BF16 MMA): what the `marlin` backend
+              runs, and on an H200 also the native path (native SM90 DSV4 uses this kernel; the only
+              native difference is the Python check the overlay lifts)
+
+Printed per token count: microseconds; decode (1-64 tokens): GB/s of expert bytes touched against the
+measured HBM (device copy) peak, and the floor = empty-kernel time + bytes / peak; prefill (512-16384):
+TOP/s against the measured INT8 and BF16 tensor-core peaks. Plus the relative difference between the two
+backends' outputs (the accuracy of each against an exact reference is in tests/test_w4a8_moe.py).
+
+    python bench/moe.py --out moe.json        (an H200 prints H200 numbers, not A800 ones)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+E, H, I_PP, TOP_K = 256, 4096, 512, 6
+DECODE = (1, 2, 4, 8, 16, 32, 64)
+PREFILL = (512, 2048, 8192, 16384)
+
+
+def timed(torch, fn, reps=10):
+    """Seconds per call of fn: a CUDA graph of `reps` calls, replayed (eager loop if capture fails)."""
+    fn()
+    torch.cuda.synchronize()
+    try:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+            for _ in range(reps):
+                fn()
+        run, mode = g.replay, "graph"
+    except Exception:
+        torch.cuda.synchronize()
+
+        def run():
+            for _ in range(reps):
+                fn()
+        mode = "eager"
+    run()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3 / reps)
+    return best, mode
+
+
+def peaks(torch):
+    out = {}
+    n = 8192
+    a = torch.randint(-100, 100, (n, n), dtype=torch.int8, device="cuda")
+    b = torch.randint(-100, 100, (n, n), dtype=torch.int8, device="cuda").t()
+    out["int8_tops"] = 2 * n**3 / timed(torch, lambda: torch._int_mm(a, b), 3)[0] / 1e12
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    out["bf16_tflops"] = 2 * n**3 / timed(torch, lambda: x @ x, 3)[0] / 1e12
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    out["copy_gbps"] = 2 * src.numel() / timed(torch, lambda: dst.copy_(src), 3)[0] / 1e9
+    tiny = torch.zeros(1, device="cuda")
+    out["empty_kernel_us"] = timed(torch, lambda: tiny.add_(0), 100)[0] * 1e6
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", default=",".join(map(str, DECODE + PREFILL)))
+    ap.add_argument("--experts", type=int, default=E)
+    args = ap.parse_args(argv)
+
+    import torch
+    from sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe import fused_marlin_moe
+    from sglang.srt.layers.quantization.marlin_utils import marlin_make_workspace
+    from sglang.srt.layers.quantization.marlin_utils_fp4 import prepare_moe_mxfp4_layer_for_marlin
+
+    from dsv4_sm80.kernels.w4a8_moe import repack_mxfp4_for_w4a8, w4a8_moe
+
+    e = args.experts
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dev = "cuda"
+
+    def experts(n, k):
+        w = torch.randint(0, 256, (e, n, k // 2), generator=gen, device=dev, dtype=torch.int32).to(torch.int8)
+        s = torch.randint(120, 125, (e, n, k // 32), generator=gen, device=dev, dtype=torch.int32)
+        return w, s.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+    w13, s13 = experts(2 * I_PP, H)
+    w2, s2 = experts(H, I_PP)
+    ours = [repack_mxfp4_for_w4a8(w13.clone()), s13, repack_mxfp4_for_w4a8(w2.clone()), s2]
+    layer = torch.nn.Module()
+    for name, t in (("w13_weight", w13), ("w2_weight", w2), ("w13_weight_scale_inv", s13), ("w2_weight_scale_inv", s2)):
+        layer.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
+    prepare_moe_mxfp4_layer_for_marlin(layer)
+    workspace = marlin_make_workspace(torch.device(dev), max_blocks_per_sm=4)
+    bytes_per_expert = (2 * I_PP * H + H * I_PP) * (1 / 2 + 1 / 32)
+
+    record = {"gpu": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
+              "shapes": {"experts": e, "hidden": H, "intermediate_per_rank": I_PP, "top_k": TOP_K},
+              "peaks": peaks(torch), "rows": []}
+    pk = record["peaks"]
+    print(f"moe bench on {record['gpu']}: peaks INT8 {pk['int8_tops']:.0f} TOP/s, BF16 {pk['bf16_tflops']:.0f} "
+          f"TFLOP/s, copy {pk['copy_gbps']:.0f} GB/s, empty kernel {pk['empty_kernel_us']:.1f} us")
+    print(f"{'tokens':>6s} {'experts':>7s} {'int8 us':>9s} {'marlin us':>9s} {'int8/marlin':>11s}  "
+          f"{'GB/s int8 (%pk)':>16s} {'GB/s marlin (%pk)':>17s} {'floor us':>8s}  {'TOP/s int8 (%int8pk)':>20s} "
+          f"{'TFLOP/s marlin (%bf16pk)':>24s} {'rel diff':>8s}")
+    for m in [int(x) for x in args.tokens.split(",")]:
+        x = torch.randn(m, H, generator=gen, device=dev).to(torch.bfloat16)
+        scores = torch.rand(m, e, generator=gen, device=dev)
+        tw, ids = torch.topk(scores, TOP_K, dim=1)
+        tw = (tw / tw.sum(1, keepdim=True)).float()
+        ids = ids.to(torch.int32)
+        logits = scores.to(torch.bfloat16)
+
+        def run_int8():
+            return w4a8_moe(x, *ours, tw, ids, swiglu_limit=10.0, routed_scaling_factor=1.0)
+
+        def run_marlin():
+            return fused_marlin_moe(x, layer.w13_weight, layer.w2_weight, layer.w13_weight_scale,
+                                    layer.w2_weight_scale, logits, tw, ids, global_num_experts=e,
+                                    workspace=workspace, num_bits=4, clamp_limit=10.0)
+
+        row = {"tokens": m}
+        try:
+            row["int8_s"], row["int8_mode"] = timed(torch, run_int8)
+        except Exception as err:
+            row["int8_error"] = f"{type(err).__name__}: {err}"[:300]
+        try:
+            row["marlin_s"], row["marlin_mode"] = timed(torch, run_marlin)
+        except Exception as err:
+            row["marlin_error"] = f"{type(err).__name__}: {err}"[:300]
+        if "int8_s" in row and "marlin_s" in row:
+            a, b = run_int8().float(), run_marlin().float()
+            row["rel_diff"] = float((a - b).norm() / b.norm())
+        touched = int(torch.unique(ids).numel())
+        nbytes = touched * bytes_per_expert + m * H * 2 * 2
+        flops = 2 * m * TOP_K * (2 * I_PP * H + H * I_PP)
+        row.update(experts_touched=touched, bytes=nbytes, flops=flops,
+                   floor_s=pk["empty_kernel_us"] / 1e6 + nbytes / (pk["copy_gbps"] * 1e9))
+        record["rows"].append(row)
+
+        def cell(key, peak, unit_div, width):
+            if key not in row:
+                return f"{'ERR':>{width}s}"
+            rate = (nbytes if unit_div == 1e9 else flops) / row[key] / unit_div
+            return f"{rate:8.0f} ({100 * rate / peak:3.0f}%)".rjust(width)
+
+        i8, mr = row.get("int8_s"), row.get("marlin_s")
+        print(f"{m:6d} {touched:7d} {i8 * 1e6 if i8 else float('nan'):9.1f} {mr * 1e6 if mr else float('nan'):9.1f} "
+              f"{(i8 / mr) if i8 and mr else float('nan'):11.2f}  "
+              f"{cell('int8_s', pk['copy_gbps'], 1e9, 16)} {cell('marlin_s', pk['copy_gbps'], 1e9, 17)} "
+              f"{row['floor_s'] * 1e6:8.1f}  {cell('int8_s', pk['int8_tops'], 1e12, 20)} "
+              f"{cell('marlin_s', pk['bf16_tflops'], 1e12, 24)} {row.get('rel_diff', float('nan')):8.2e}")
+        for k in ("int8_error", "marlin_error"):
+            if k in row:
+                print("  ", k, row[k])
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Routed experts on SM80: the MXFP4 experts stay 4-bit resident (codes + one E8M0 byte per 32).
+
+`SGLANG_DSV4_MXFP4_MOE_BACKEND` picks how they multiply:
+- `mxfp4_int8` (default): `Sm80W4A8MoEMethod`, the Triton W4A8 kernels of `kernels/w4a8_moe.py` on INT8
+  tensor cores (codes decoded to INT8 in the kernel, activations quantized per token, exact per-32
+  weight scales). Not an `Mxfp4MarlinMoEMethod`, so DeepseekV2MoE does not scale its output
+  (`maybe_fuse_routed_scale_and_shared_add`, reference 01 §3.6): the method applies the routed scaling
+  factor itself, exactly once.
+- `marlin`: SGLang 0.5.16's own `Mxfp4MarlinMoEMethod` (W4A16, BF16 MMA, lossless), with its one SM80
+  refusal (`mxfp4_marlin_moe.py:118`) lifted.
+
+Routing is the model's own (SGLang's TopK for DSV4: hash layers by `tid2eid`, `sqrtsoftplus` scores with
+the correction bias, `norm_topk_prob`); both methods consume its STANDARD top-k output. Both need
+SGLang's MoE runner backend to be `marlin` (that is what builds the MXFP4 parameter layout); the launch
+seam sets it, and refuses expert parallelism (its kernels need SM90).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+
+import torch
+
+from . import env
+
+
+def _refuse(text: str):
+    """Same shape as the gate's refusal: one line on stderr, GateRefused before any scheduler starts."""
+    import compat_check
+
+    print(f"dsv4-sm80 gate refused to launch SGLang:\n{text}", file=sys.stderr, flush=True)
+    return compat_check.GateRefused(text)
+
+
+# --- launch: runner backend and expert parallelism ----------------------------------------------
+
+def route_experts_at_launch(cls, server_args, *args, **kwargs):
+    """Before Engine._launch_subprocesses (engine.py:765): EP refused, MoE runner backend -> marlin."""
+    ep = int(getattr(server_args, "ep_size", 1) or 1)
+    a2a = str(getattr(server_args, "moe_a2a_backend", "none") or "none")
+    if ep > 1 or a2a != "none":
+        raise _refuse(
+            f"FAIL moe.expert_parallel: found --ep-size {ep}, --moe-a2a-backend {a2a}; expected "
+            "tensor parallelism only (--ep-size 1, --moe-a2a-backend none): SGLang 0.5.16's expert-"
+            "parallel MoE paths (DeepEP, Marlin without an expert map) need SM90 kernels; fix: drop "
+            "--ep-size/--moe-a2a-backend and serve with --tp-size 4"
+        )
+    backend = str(getattr(server_args, "moe_runner_backend", "auto") or "auto")
+    if backend == "auto":
+        server_args.moe_runner_backend = "marlin"
+    elif backend != "marlin":
+        raise _refuse(
+            f"FAIL moe.runner_backend: found --moe-runner-backend {backend}; expected auto or marlin "
+            f"(with the patch on the routed experts run as {env.MOE_BACKEND.name}="
+            f"{env.get(env.MOE_BACKEND)} selects: mxfp4_int8 or marlin); fix: drop --moe-runner-backend"
+        )
+    return None
+
+
+# --- the marlin backend: SGLang's own method, SM80 refusal lifted ---------------------------------
+
+def marlin_on_sm80(is_sm90_supported):
+    """Value of mxfp4_marlin_moe.is_sm90_supported (that module's global only): true on SM80+ too.
+    The MXFP4 Marlin MoE kernels are SM80-legal PTX (mma.sync bf16, ldmatrix, cp.async; reference 01
+    §3.4); the check at mxfp4_marlin_moe.py:118 is the only thing that refuses them."""
+    if getattr(is_sm90_supported, "_dsv4_sm80", False):
+        return is_sm90_supported
+
+    @functools.wraps(is_sm90_supported)
+    def sm80_or_newer(*args, **kwargs):
+        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+
+    sm80_or_newer._dsv4_sm80 = True
+    return sm80_or_newer
+
+
+# --- the mxfp4_int8 backend --------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _method_class():
+    from sglang.srt.layers.quantization.mxfp4_marlin_moe import Mxfp4MarlinMoEMethod
+
+    from .kernels import w4a8_moe
+
+    class Sm80W4A8MoEMethod:
+        """MXFP4 experts, W4A8 on INT8 tensor cores. Parameters are created exactly as SGLang's
+        MXFP4 Marlin method creates them (same names, shapes, loaders: the checkpoint's bytes), then
+        repacked in place on the GPU for the kernel (4 bits per weight stay 4 bits)."""
+
+        def __init__(self, fp8_method, prefix: str = ""):
+            self._fp8 = fp8_method
+            self._layout = Mxfp4MarlinMoEMethod(fp8_method, prefix=prefix)
+            self.prefix = prefix
+            self.moe_runner_config = None
+
+        def create_weights(self, layer, *args, **kwargs):
+            self._layout.create_weights(layer, *args, **kwargs)
+            self.hidden_pad = self._layout.hidden_pad
+
+        def create_moe_runner(self, layer, moe_runner_config):
+            self.moe_runner_config = moe_runner_config
+
+        def process_weights_after_loading(self, layer) -> None:
+            # Fp8MoEMethod's processing would only view these bytes as int8 under the marlin runner
+            # backend (fp8.py:1545-1549); they already are, so it is not called.
+            t0 = time.perf_counter()
+            w4a8_moe.repack_mxfp4_for_w4a8(layer.w13_weight.data)
+            w4a8_moe.repack_mxfp4_for_w4a8(layer.w2_weight.data)
+            layer._dsv4_mxfp4_backend = "mxfp4_int8"
+            _moe_stats["seconds"] += time.perf_counter() - t0
+
+        def apply(self, layer, dispatch_output):
+            from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
+            from sglang.srt.layers.moe.topk import TopKOutputChecker
+
+            topk_output = dispatch_output.topk_output
+            if not TopKOutputChecker.format_is_standard(topk_output):
+                raise ValueError(f"dsv4-sm80 moe: unsupported top-k output format {topk_output.format}")
+            x = dispatch_output.hidden_states
+            if self.hidden_pad:
+                x = torch.nn.functional.pad(x, (0, self.hidden_pad))
+            cfg = self.moe_runner_config
+            out = w4a8_moe.w4a8_moe(
+                x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv,
+                topk_output.topk_weights, topk_output.topk_ids,
+                swiglu_limit=float(cfg.swiglu_limit or 0.0),
+                routed_scaling_factor=float(cfg.routed_scaling_factor or 1.0),
+            )
+            if self.hidden_pad:
+                out = out[:, : x.shape[1] - self.hidden_pad]
+            return StandardCombineInput(hidden_states=out)
+
+    return Sm80W4A8MoEMethod
+
+
+def select_moe_method(original, self, layer, prefix):
+    """Around Fp8Config.get_quant_method (fp8.py:336-399): SGLang returns its MXFP4 Marlin method for
+    FP4 experts under the marlin runner backend; mxfp4_int8 swaps in the W4A8 method."""
+    from sglang.srt.layers.quantization.mxfp4_marlin_moe import Mxfp4MarlinMoEMethod
+
+    method = original(self, layer, prefix)
+    if type(method) is Mxfp4MarlinMoEMethod and env.get(env.MOE_BACKEND) == "mxfp4_int8":
+        return _method_class()(method._fp8, prefix)
+    return method
+
+
+# --- the start-up memory line --------------------------------------------------------------------
+
+_moe_stats = {"seconds": 0.0}
+
+
+def expert_footprint(model) -> dict:
+    """Bytes resident in the routed-expert layers and what 4 bits + one E8M0 byte per 32 weights is."""
+    layers, resident, weights, backends = 0, 0, 0, set()
+    for _, mod in model.named_modules():
+        backend = getattr(mod, "_dsv4_mxfp4_backend", None)
+        if backend is None:
+            continue
+        layers += 1
+        backends.add(backend)
+        resident += sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
+        e, two_i = mod.w13_weight.shape[0], 2 * mod.intermediate_size_per_partition
+        hidden = mod.hidden_size
+        weights += e * (two_i * hidden + hidden * two_i // 2)
+    return {"layers": layers, "bytes": resident, "weights": weights, "expected": weights // 2 + weights // 32,
+            "backends": sorted(backends)}
+
+
+def log_expert_footprint(result, model, *args, **kwargs):
+    """After DefaultModelLoader.load_weights_and_postprocess (loader.py:804): one line per GPU."""
+    f = expert_footprint(model)
+    if not f["layers"]:
+        return result
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    bits = 8 * f["bytes"] / f["weights"]
+    line = (f"[rank {rank}] dsv4-sm80 moe ({'/'.join(f['backends'])}): {f['layers']} expert layers, "
+            f"{f['bytes'] / 2**30:.3f} GiB resident = {bits:.3f} bits/weight "
+            f"(4-bit codes + E8M0 per 32 = 4.250); repack {_moe_stats['seconds']:.2f} s")
+    if f["bytes"] != f["expected"]:
+        line += f"; MISMATCH: expected {f['expected']} bytes"
+    print(line, file=sys.stderr, flush=True)
+    _moe_stats["seconds"] = 0.0
+    return result
