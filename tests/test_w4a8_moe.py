@@ -86,14 +86,29 @@ def test_align_by_expert(k):
     assert (block_expert[int(num_padded) // 4:] == -1).all()
 
 
-@pytest.mark.parametrize("seed,t,top_k,input_group", [(0, 5, 3, 0), (4, 1, 2, 0), (9, 19, 6, 0), (5, 6, 2, 64)])
-def test_kernel_equals_int8_emulation(k, seed, t, top_k, input_group):
+DECODE = {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3}
+PREFILL = {"block_m": 32, "block_n": 64, "block_n2": 128, "num_warps": 4, "num_stages": 3}
+
+
+@pytest.mark.parametrize("seed,t,top_k,input_group,cfg", [
+    (0, 5, 3, 0, DECODE), (4, 1, 2, 0, DECODE), (9, 19, 6, 0, PREFILL), (5, 6, 2, 64, PREFILL),
+    (6, 3, 4, 32, DECODE)])
+def test_kernel_equals_int8_emulation(k, seed, t, top_k, input_group, cfg):
     """Weight side exact: with scale groups 12 binades apart, the kernel equals the reference that
-    rounds only the activations to INT8, at the same points, up to fp32 accumulation order."""
+    rounds only the activations to INT8, at the same points (the intermediate per pair and block_n
+    columns), up to fp32 accumulation order. Both tile configurations (decode, prefill)."""
     x, w13, s13, w2, s2, tw, ids = case(t=t, top_k=top_k, seed=seed)
-    got = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=input_group)
-    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=64, input_group=input_group)
+    got = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=input_group,
+                     config=cfg)
+    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"],
+                                 input_group=input_group)
     assert rel(got, want) < 1e-5, rel(got, want)
+
+
+def test_default_configs_are_valid(k):
+    for pairs in (1, 64, 65, 4096, 4097, 100000):
+        cfg = k.default_config(pairs)
+        assert cfg["block_n"] % 32 == 0 and 512 % cfg["block_n"] == 0 and 4096 % cfg["block_n2"] == 0, cfg
 
 
 def test_error_against_exact_is_bounded(k):

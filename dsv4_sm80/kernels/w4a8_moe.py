@@ -115,8 +115,9 @@ def _w4a8_moe_kernel(
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
         a0 = tl.load(a_ptrs, mask=row_ok[:, None], other=0)
         a1 = tl.load(a_ptrs + 32, mask=row_ok[:, None], other=0)
-        if A_GROUP:  # activation scale per (row, group of A_GROUP columns of K)
-            sa = tl.load(a_scale_ptr + a_rows * a_scale_groups + k0 // A_GROUP, mask=row_ok, other=0.0)
+        if A_GROUP:  # activation scale per (row, group of A_GROUP columns of K; a multiple of 32)
+            sa0 = tl.load(a_scale_ptr + a_rows * a_scale_groups + k0 // A_GROUP, mask=row_ok, other=0.0)
+            sa1 = tl.load(a_scale_ptr + a_rows * a_scale_groups + (k0 + 32) // A_GROUP, mask=row_ok, other=0.0)
         b_ptrs = b_base + offs_n[None, :] * stride_bn + (k0 // 2 + offs_j)[:, None]
         byte = tl.load(b_ptrs, mask=n_ok[None, :], other=0).to(tl.int32) & 0xFF
         s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
@@ -124,22 +125,24 @@ def _w4a8_moe_kernel(
         s1 = _e8m0(tl.load(s_ptrs + 1, mask=n_ok, other=0).to(tl.int32) & 0xFF)
         lo = _e2m1x2(byte & 0xF).to(tl.int8)
         hi = _e2m1x2(byte >> 4).to(tl.int8)
-        part = (tl.dot(a0, lo, out_dtype=tl.int32).to(tl.float32) * s0[None, :]
-                + tl.dot(a1, hi, out_dtype=tl.int32).to(tl.float32) * s1[None, :])
+        d0 = tl.dot(a0, lo, out_dtype=tl.int32).to(tl.float32) * s0[None, :]
+        d1 = tl.dot(a1, hi, out_dtype=tl.int32).to(tl.float32) * s1[None, :]
         if A_GROUP:
-            part = part * sa[:, None]
-        acc += part
+            acc += d0 * sa0[:, None] + d1 * sa1[:, None]
+        else:
+            acc += d0 + d1
         if GATED:  # the up rows of the same columns sit N rows further
             byte = tl.load(b_ptrs + N * stride_bn, mask=n_ok[None, :], other=0).to(tl.int32) & 0xFF
             s0 = _e8m0(tl.load(s_ptrs + N * stride_bsn, mask=n_ok, other=0).to(tl.int32) & 0xFF)
             s1 = _e8m0(tl.load(s_ptrs + N * stride_bsn + 1, mask=n_ok, other=0).to(tl.int32) & 0xFF)
             lo = _e2m1x2(byte & 0xF).to(tl.int8)
             hi = _e2m1x2(byte >> 4).to(tl.int8)
-            part = (tl.dot(a0, lo, out_dtype=tl.int32).to(tl.float32) * s0[None, :]
-                    + tl.dot(a1, hi, out_dtype=tl.int32).to(tl.float32) * s1[None, :])
+            d0 = tl.dot(a0, lo, out_dtype=tl.int32).to(tl.float32) * s0[None, :]
+            d1 = tl.dot(a1, hi, out_dtype=tl.int32).to(tl.float32) * s1[None, :]
             if A_GROUP:
-                part = part * sa[:, None]
-            acc_up += part
+                acc_up += d0 * sa0[:, None] + d1 * sa1[:, None]
+            else:
+                acc_up += d0 + d1
 
     if not A_GROUP:  # one activation scale per row
         sa = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
@@ -197,10 +200,20 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, block_expert, ends[-1:].to(torch.int32)
 
 
+def default_config(pairs: int) -> dict:
+    """Tile sizes by the number of (token, expert) pairs; a starting point, to be tuned on an A800.
+    block_n is also the intermediate's INT8 group (a multiple of 32)."""
+    if pairs <= 64:  # decode: few rows per expert, parallelism must come from N
+        return {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3}
+    if pairs <= 4096:
+        return {"block_m": 32, "block_n": 64, "block_n2": 64, "num_warps": 4, "num_stages": 3}
+    return {"block_m": 64, "block_n": 64, "block_n2": 128, "num_warps": 8, "num_stages": 3}
+
+
 def w4a8_moe(
     x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, swiglu_limit: float = 10.0,
-    routed_scaling_factor: float = 1.0, input_group: int = 0, block_m: int = 16, block_n: int = 64,
+    routed_scaling_factor: float = 1.0, input_group: int = 0, config: dict | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed-expert output for x [T, H] (bf16): sum_k w_k * down_e(act(gate_up_e(x))) * scaling.
@@ -211,14 +224,16 @@ def w4a8_moe(
     e, two_i, _ = w13.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]
-    if h % CHUNK or inter % CHUNK or inter % block_n or block_n % CHUNK:
+    cfg = dict(default_config(t * top_k), **(config or {}))
+    block_m, block_n, block_n2 = cfg["block_m"], cfg["block_n"], cfg["block_n2"]
+    if h % CHUNK or inter % CHUNK or inter % block_n or block_n % GROUP:
         raise ValueError(f"hidden {h} and intermediate {inter} must be multiples of {CHUNK}, intermediate "
-                         f"of block_n={block_n}, and block_n of {CHUNK}")
+                         f"of block_n={block_n}, and block_n of {GROUP}")
     pairs = t * top_k
     dev = x.device
     sorted_ids, block_expert, num_padded = align_by_expert(topk_ids, e, block_m)
-    if input_group % CHUNK:
-        raise ValueError(f"input_group={input_group} must be a multiple of {CHUNK} (0: one scale per token)")
+    if input_group % GROUP:
+        raise ValueError(f"input_group={input_group} must be a multiple of {GROUP} (0: one scale per token)")
     xq, xs = quantize_rows_int8(x, input_group)
     hq = torch.empty((pairs, inter), dtype=torch.int8, device=dev)
     groups = inter // block_n
@@ -231,14 +246,16 @@ def w4a8_moe(
         inter, h, pairs, top_k, xs.shape[1], float(swiglu_limit),
         xq.stride(0), w13b.stride(0), w13b.stride(1), w13s.stride(0), w13s.stride(1), hq.stride(0), groups,
         GATED=True, MUL_WEIGHT=False, A_GROUP=input_group, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     y = torch.empty((pairs, h), dtype=torch.float32, device=dev)
     tw = topk_weights.reshape(-1).to(torch.float32)
-    _w4a8_moe_kernel[(blocks * triton.cdiv(h, block_n),)](
+    _w4a8_moe_kernel[(blocks * triton.cdiv(h, block_n2),)](
         hq, hs, w2b, w2s, y, y, sorted_ids, block_expert, num_padded, tw,
         h, inter, pairs, 1, groups, 0.0,
         hq.stride(0), w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0), 0,
-        GATED=False, MUL_WEIGHT=True, A_GROUP=block_n, BLOCK_M=block_m, BLOCK_N=block_n,
+        GATED=False, MUL_WEIGHT=True, A_GROUP=block_n, BLOCK_M=block_m, BLOCK_N=block_n2,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     summed = y.view(t, top_k, h).sum(dim=1)
     if routed_scaling_factor != 1.0:

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The dense stage's recorded GPU runs (docs/gpu-runs.md), in steps that each fit one device call.
+# The recorded GPU runs (docs/gpu-runs.md), in steps that each fit one device call.
 # On the GPU host, from the repository root, after `source .dev/c5/setup.sh`:
-#   tests/gpu/dense_runs.sh check    dense_check in both modes (in-process ModelRunner, module state)
-#   tests/gpu/dense_runs.sh engine   engine_bed patched (bf16, fp8_marlin) vs the native oracle
-#   tests/gpu/dense_runs.sh dspark   engine_bed patched with DSPARK: the draft's linears in the load report
-#   tests/gpu/dense_runs.sh bench    bench/dense_linear.py (patch off: native FP8 is SGLang's own)
+#   tests/gpu/steps.sh check       dense_check in both dense modes (in-process ModelRunner, module state)
+#   tests/gpu/steps.sh engine      engine_bed patched (bf16, fp8_marlin) vs the native oracle
+#   tests/gpu/steps.sh dspark      engine_bed patched with DSPARK: the draft's linears in the load report
+#   tests/gpu/steps.sh bench       bench/dense_linear.py (patch off: native FP8 is SGLang's own)
+#   tests/gpu/steps.sh moe         moe_check: native, patched marlin, patched mxfp4_int8 on the same inputs
+#   tests/gpu/steps.sh moe-engine  engine_bed patched with each MoE backend vs the native oracle
+#   tests/gpu/steps.sh moe-bench   bench/moe.py
 # Results go to $OUT (default ./out). The native oracle is .dev/oracle/native.json (tests/gpu/engine_bed.py).
 set -u
 OUT=${OUT:-$PWD/out}
@@ -17,7 +20,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
   ( eval "$@" ) >"$OUT/$name.log" 2>&1 || { echo "=== $name: exit $?"; rc=1; }
-  grep -E "^(dense_check|engine_bed|  |dense_linear|load-time|x nat|ERROR|Traceback)|dsv4-sm80 dense|Error" \
+  grep -E "^(dense_check|moe_check|moe bench|engine_bed|  |dense_linear|load-time|x nat|ERROR|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe)|Error" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
 }
 case ${1:?step} in
@@ -38,6 +41,20 @@ case ${1:?step} in
       --speculative-algorithm DSPARK --lengths 20,300 ;;
   bench)
     run bench env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 540 python bench/dense_linear.py --out "$OUT/dense_linear.json" ;;
+  moe)
+    run moe-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 200 python -u tests/gpu/moe_check.py --out "$OUT/moe-native.pt"
+    for b in marlin mxfp4_int8; do
+      run "moe-$b" env $LAB SGLANG_DSV4_MXFP4_MOE_BACKEND=$b timeout 200 \
+        python -u tests/gpu/moe_check.py --out "$OUT/moe-$b.pt" --compare "$OUT/moe-native.pt"
+    done ;;
+  moe-engine)
+    for b in mxfp4_int8 marlin; do
+      run "engine-moe-$b" env $LAB SGLANG_DSV4_MXFP4_MOE_BACKEND=$b timeout 280 \
+        python tests/gpu/engine_bed.py --out "$OUT/engine-moe-$b.json" --teacher-from "$ORACLE"
+      python tests/gpu/compare.py "$ORACLE" "$OUT/engine-moe-$b.json" | tee -a "$OUT/engine-moe-$b.log"
+    done ;;
+  moe-bench)
+    run moe-bench timeout 540 python bench/moe.py --out "$OUT/moe.json" ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac
 # keep the JIT caches this step built (restore with: tar -C ~ -xJf jit.tar.xz)
