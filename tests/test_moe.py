@@ -140,3 +140,51 @@ except BaseException as e:
 """
     res = run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", timeout=300)
     assert "GateRefused FAIL moe.expert_parallel: found --ep-size 2" in res.stdout, res.stdout + res.stderr[-3000:]
+
+
+ROUTING = """
+import json
+import torch
+import torch.nn.functional as F
+from sglang.srt.layers.moe.topk import biased_topk_impl
+from sglang.srt.layers.moe.hash_topk import HashTopK
+from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+set_global_server_args_for_scheduler(ServerArgs(model_path={ckpt!r}, device="cpu", skip_tokenizer_init=True))
+g = torch.Generator().manual_seed(0)
+T, E, K, V = 9, 16, 6, 1000
+logits = torch.randn(T, E, generator=g)
+bias = torch.randn(E, generator=g) * 0.3
+ids_tok = torch.randint(0, V, (T,), generator=g)
+# the model's math (DeepSeek-V4 gate): scores = sqrt(softplus(logits)); choose top-k of scores + bias;
+# weights are the unbiased scores of the chosen experts, normalized; hash layers take tid2eid[token]
+scores = F.softplus(logits.double()).sqrt()
+want_ids = (scores + bias.double()).topk(K, dim=1).indices
+want_w = scores.gather(1, want_ids)
+want_w = want_w / want_w.sum(1, keepdim=True)
+w, ids = biased_topk_impl(logits, logits, bias, topk=K, renormalize=True, scoring_func="sqrtsoftplus")
+order = ids.argsort(1)
+ids_s, w_s = ids.gather(1, order).long(), w.gather(1, order)
+worder = want_ids.argsort(1)
+out = {{"biased_ids": torch.equal(ids_s, want_ids.gather(1, worder)),
+        "biased_w": float((w_s.double() - want_w.gather(1, worder)).abs().max())}}
+hk = HashTopK(topk=K, num_experts=E, num_fused_shared_experts=0, vocab_size=V, scoring_func="sqrtsoftplus",
+              routed_scaling_factor=1.5)
+tid2eid = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(V)]).to(torch.int32)
+hk.tid2eid.data.copy_(tid2eid)
+hw, hids = hk._forward_torch(logits, ids_tok)
+want_hids = tid2eid[ids_tok].long()
+want_hw = scores.gather(1, want_hids)
+want_hw = want_hw / want_hw.sum(1, keepdim=True)
+out["hash_ids"] = torch.equal(hids.long(), want_hids)
+out["hash_w"] = float((hw.double() - want_hw).abs().max())
+print(json.dumps(out))
+"""
+
+
+def test_sglang_routing_is_the_models(unit_ckpt):
+    """Routing stays SGLang's own DSV4 TopK (both SM80 backends consume its STANDARD output): its
+    sqrtsoftplus + correction-bias choice and its hash-layer choice against the model's math."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    out = last_json(run_python(ROUTING.format(ckpt=unit_ckpt), TORCHDYNAMO_DISABLE="1"))
+    assert out["biased_ids"] and out["hash_ids"], out
+    assert out["biased_w"] < 1e-6 and out["hash_w"] < 1e-6, out
