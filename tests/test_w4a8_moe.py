@@ -148,3 +148,46 @@ def test_bad_shapes_refused(k):
     x, w13, s13, w2, s2, tw, ids = case(h=96)  # 96 is not a multiple of 64
     with pytest.raises(ValueError, match="multiples of 64"):
         k.w4a8_moe(x, w13, s13, w2, s2, tw, ids)
+
+
+
+COMPILE = """
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dsv4_sm80.kernels.w4a8_moe import _w4a8_moe_kernel as fn
+SIG = {
+    "a_ptr": "*i8", "a_scale_ptr": "*fp32", "b_ptr": "*u8", "bs_ptr": "*u8", "c_ptr": "*i8", "c_scale_ptr": "*fp32",
+    "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "topk_w_ptr": "*fp32",
+    "N": "i32", "K": "i32", "num_pairs": "i32", "a_row_div": "i32", "a_scale_groups": "i32", "limit": "fp32",
+    "stride_am": "i32", "stride_be": "i32", "stride_bn": "i32", "stride_bse": "i32", "stride_bsn": "i32",
+    "stride_cm": "i32", "c_scale_groups": "i32", "GATED": "constexpr", "MUL_WEIGHT": "constexpr",
+    "A_GROUP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+}
+out = {}
+for name, cfg in CONFIGS.items():
+    for gated in (True, False):
+        sig = dict(SIG, c_ptr="*i8" if gated else "*fp32")
+        consts = {"GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": 0 if gated else cfg["block_n"],
+                  "BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"] if gated else cfg["block_n2"]}
+        ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 80, 32),
+                             options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}).asm["ptx"]
+        out[f"{name}-{'gate_up' if gated else 'down'}"] = {
+            "sm80": ".target sm_80" in ptx,
+            "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
+            "fp8": "e4m3" in ptx or "e5m2" in ptx}
+print(json.dumps(out))
+"""
+
+
+def test_compiles_for_sm80_with_int8_mma():
+    """Both kernels, both tile configurations, compiled for sm_80 without a GPU (in a process where
+    Triton's interpreter is off): INT8 tensor-core MMA, no FP8 type anywhere."""
+    from conftest import last_json, run_python
+
+    code = COMPILE.replace("CONFIGS", repr({"decode": DECODE, "prefill": PREFILL}))
+    out = last_json(run_python(code, TRITON_INTERPRET="0"))
+    assert len(out) == 4
+    for name, r in out.items():
+        assert r == {"sm80": True, "int8_mma": True, "fp8": False}, (name, r)
