@@ -1,0 +1,179 @@
+"""DSV4 sparse attention with a sink over BF16 caches, for SM80 (reference: `sparse_attn_ref.py`).
+
+One index-driven kernel for every forward mode: each query token brings its own index lists (SWA slots
+into the SWA cache; optionally C4 top-k or all C128 slots into the compressed cache), so decode, extend,
+target-verify, draft-extend and the DSPARK draft block differ only in the lists their metadata builds.
+K = V: one 512-wide BF16 row per slot (MQA). Entry j of a list is valid when j < its length and the slot
+id is >= 0 (DSPARK and padding write -1). The per-head sink joins the softmax denominator; an empty key
+set gives zeros.
+
+Layout of the work: a program owns one query token, a block of 16 heads (tl.dot needs M >= 16) and one
+split of the token's lists; it streams BLOCK_N key rows at a time through an online softmax (fp32 running
+max and sum, BF16 MMA for q.K and p.K, fp32 accumulation). With splits > 1 the partial (max, sum, acc)
+go to a workspace and a second kernel combines them with the sink; with one split the first kernel
+finishes in place. Shapes never reach host logic, no autotuning: capture-safe for CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+HEAD_DIM = 512
+BLOCK_H = 16
+# Triton's CPU interpreter (TRITON_INTERPRET=1, the CI) multiplies BF16 tl.dot operands wrongly (Triton
+# 3.6, measured); there the kernel casts the operands to fp32 first. Compiled kernels use BF16 MMA.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _stream_list(q, m, l, acc, cache_ptr, ids_ptr, n, split, scale,
+                 SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+    """Fold this split's share of one index list into the running (m, l, acc)."""
+    chunk = (n + SPLITS - 1) // SPLITS
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n)
+    offs_d = tl.arange(0, D)
+    for j0 in range(lo, hi, BLOCK_N):
+        offs_j = j0 + tl.arange(0, BLOCK_N)
+        in_range = offs_j < hi
+        ids = tl.load(ids_ptr + offs_j, mask=in_range, other=-1)
+        ok = in_range & (ids >= 0)
+        rows = tl.where(ok, ids, 0).to(tl.int64)
+        k = tl.load(cache_ptr + rows[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        if DOT_F32:  # Triton's CPU interpreter mis-multiplies BF16 operands; same math in fp32
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-invalid so far: keep exp() finite
+        alpha = tl.exp(m - m_ref)
+        p = tl.exp(s - m_ref[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype).to(tl.float32), k.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _sparse_attn_kernel(
+    q_ptr, stride_qt, stride_qh,
+    swa_ptr, swa_ids_ptr, stride_swa_ids, swa_lens_ptr, swa_width,
+    ext_ptr, ext_ids_ptr, stride_ext_ids, ext_lens_ptr, ext_width,
+    sink_ptr, o_ptr, stride_ot, stride_oh, ws_acc_ptr, ws_ml_ptr,
+    heads, scale,
+    HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLITS: tl.constexpr,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < heads
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None], other=0.0)
+
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    n_swa = tl.minimum(tl.load(swa_lens_ptr + t), swa_width)
+    m, l, acc = _stream_list(q, m, l, acc, swa_ptr, swa_ids_ptr + t * stride_swa_ids, n_swa, split, scale,
+                             SPLITS, D, BLOCK_N, DOT_F32)
+    if HAS_EXTRA:
+        n_ext = tl.minimum(tl.load(ext_lens_ptr + t), ext_width)
+        m, l, acc = _stream_list(q, m, l, acc, ext_ptr, ext_ids_ptr + t * stride_ext_ids, n_ext, split, scale,
+                                 SPLITS, D, BLOCK_N, DOT_F32)
+
+    if SPLITS == 1:
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
+            top = tl.maximum(m, sink)
+            w = tl.exp(m - top)
+            l = l * w + tl.exp(sink - top)
+            acc = acc * w[:, None]
+        o = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(o_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=h_ok[:, None])
+    else:
+        base = (t * SPLITS + split) * heads
+        tl.store(ws_acc_ptr + (base + offs_h[:, None]) * D + offs_d[None, :], acc, mask=h_ok[:, None])
+        tl.store(ws_ml_ptr + (base + offs_h) * 2, m, mask=h_ok)
+        tl.store(ws_ml_ptr + (base + offs_h) * 2 + 1, l, mask=h_ok)
+
+
+@triton.jit
+def _combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, o_ptr, stride_ot, stride_oh, heads,
+                    HAS_SINK: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < heads
+    offs_d = tl.arange(0, D)
+    top = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        ms = tl.load(ws_ml_ptr + ((t * SPLITS + s) * heads + offs_h) * 2, mask=h_ok, other=float("-inf"))
+        top = tl.maximum(top, ms)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
+        top = tl.maximum(top, sink)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    den = tl.zeros((BLOCK_H,), tl.float32)
+    num = tl.zeros((BLOCK_H, D), tl.float32)
+    for s in tl.static_range(SPLITS):
+        base = (t * SPLITS + s) * heads
+        ms = tl.load(ws_ml_ptr + (base + offs_h) * 2, mask=h_ok, other=float("-inf"))
+        ls = tl.load(ws_ml_ptr + (base + offs_h) * 2 + 1, mask=h_ok, other=0.0)
+        w = tl.exp(ms - top)
+        den += ls * w
+        num += tl.load(ws_acc_ptr + (base + offs_h[:, None]) * D + offs_d[None, :], mask=h_ok[:, None],
+                       other=0.0) * w[:, None]
+    if HAS_SINK:
+        den += tl.exp(sink - top)
+    o = num / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(o_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=h_ok[:, None])
+
+
+def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=None, extra_lens=None, sink=None,
+                *, scale: float = HEAD_DIM ** -0.5, heads: int | None = None, splits: int = 1, block_n: int = 32,
+                out: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """o [T, Hpad, 512] (BF16) for q [T, Hpad, 512]; caches [slots, 512] BF16; ids [T, W] int32 slots;
+    lens [T] int32; sink [>= heads] fp32. Only the first `heads` heads are computed (default all)."""
+    t_total, hpad, dim = q.shape
+    if dim != HEAD_DIM or swa_cache.shape[-1] != HEAD_DIM:
+        raise ValueError(f"head dim must be {HEAD_DIM}, got q {dim}, cache {swa_cache.shape[-1]}")
+    caches = [swa_cache] + ([extra_cache] if extra_cache is not None else [])
+    if q.stride(2) != 1 or swa_ids.stride(-1) != 1 or any(c.stride(0) != HEAD_DIM or c.stride(-1) != 1 for c in caches):
+        raise ValueError("q and the index lists must be contiguous in their last dimension and the caches [slots, 512]")
+    heads = hpad if heads is None else heads
+    out = torch.empty_like(q) if out is None else out
+    has_extra = extra_cache is not None
+    if not has_extra:
+        extra_cache, extra_ids, extra_lens = swa_cache, swa_ids, swa_lens  # never read
+    ws_acc = ws_ml = out
+    if splits > 1:
+        ws_acc = torch.empty((t_total, splits, heads, HEAD_DIM), dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty((t_total, splits, heads, 2), dtype=torch.float32, device=q.device)
+    sink_arg = sink if sink is not None else q
+    grid = (t_total, triton.cdiv(heads, BLOCK_H), splits)
+    _sparse_attn_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        swa_cache, swa_ids, swa_ids.stride(0), swa_lens, swa_ids.shape[1],
+        extra_cache, extra_ids, extra_ids.stride(0), extra_lens, extra_ids.shape[1],
+        sink_arg, out, out.stride(0), out.stride(1), ws_acc, ws_ml,
+        heads, float(scale),
+        HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLITS=splits, D=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_N=block_n,
+        DOT_F32=_INTERPRETED, num_warps=num_warps, num_stages=num_stages,
+    )
+    if splits > 1:
+        _combine_kernel[(t_total, triton.cdiv(heads, BLOCK_H))](
+            ws_acc, ws_ml, sink_arg, out, out.stride(0), out.stride(1), heads,
+            HAS_SINK=sink is not None, SPLITS=splits, D=HEAD_DIM, BLOCK_H=BLOCK_H, num_warps=num_warps,
+        )
+    return out

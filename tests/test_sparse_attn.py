@@ -1,0 +1,130 @@
+"""DSV4 sparse attention with a sink (dsv4_sm80/kernels/sparse_attn.py) in the Triton interpreter at small
+sizes, against the plain-PyTorch reference written from the math (dsv4_sm80/kernels/sparse_attn_ref.py):
+odd lengths, -1 slots, empty lists, sink on and off, SWA only (compress ratio 0) and SWA + extra list
+(C4 top-k, C128 all), one split and several."""
+
+import os
+
+import pytest
+import torch
+
+from dsv4_sm80.kernels.sparse_attn_ref import sparse_attn_ref
+
+D = 512
+
+
+@pytest.fixture(scope="module")
+def k():
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1")
+    import dsv4_sm80.kernels.sparse_attn as mod
+
+    return mod
+
+
+def lists(t, width, slots, g, lens=None, holes=0.15):
+    ids = torch.randint(0, slots, (t, width), generator=g, dtype=torch.int32)
+    ids[torch.rand(t, width, generator=g) < holes] = -1
+    if lens is None:
+        lens = torch.randint(0, width + 1, (t,), generator=g, dtype=torch.int32)
+    return ids, torch.as_tensor(lens, dtype=torch.int32)
+
+
+def setup(t=5, hpad=32, slots=300, swa_w=128, ext_w=0, seed=0, lens=None, ext_lens=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, hpad, D, generator=g).to(torch.bfloat16)
+    swa = torch.randn(slots, D, generator=g).to(torch.bfloat16)
+    swa_ids, swa_lens = lists(t, swa_w, slots, g, lens)
+    extra = None
+    if ext_w:
+        extra = torch.randn(slots // 2, D, generator=g).to(torch.bfloat16)
+        ext_ids, ext_lens = lists(t, ext_w, slots // 2, g, ext_lens)
+    sink = torch.randn(hpad, generator=g) * 2
+    return q, swa, swa_ids, swa_lens, extra, (ext_ids if ext_w else None), (ext_lens if ext_w else None), sink
+
+
+def check(k, args, heads, use_sink, splits, block_n=32):
+    q, swa, swa_ids, swa_lens, extra, ext_ids, ext_lens, sink = args
+    out = torch.full_like(q, 7.0)  # rows past `heads` must stay untouched
+    k.sparse_attn(q, swa, swa_ids, swa_lens, extra, ext_ids, ext_lens, sink if use_sink else None, heads=heads,
+                  splits=splits, block_n=block_n, out=out)
+    want = sparse_attn_ref(q[:, :heads], swa, swa_ids, swa_lens, extra, ext_ids, ext_lens,
+                           sink[:heads] if use_sink else None)
+    err = (out[:, :heads].double() - want).abs().max().item()
+    assert err <= 1e-2 * max(want.abs().max().item(), 1e-3), err
+    assert (out[:, heads:] == 7.0).all()
+    return out, want
+
+
+@pytest.mark.parametrize("ext_w", [0, 40, 77], ids=["ratio0-swa-only", "c4-topk", "c128-all"])
+@pytest.mark.parametrize("use_sink", [True, False], ids=["sink", "nosink"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_matches_reference(k, ext_w, use_sink, splits):
+    check(k, setup(t=4, ext_w=ext_w, seed=ext_w + splits), heads=20, use_sink=use_sink, splits=splits)
+
+
+def test_empty_key_sets_give_zero(k):
+    args = setup(t=3, ext_w=16, lens=[0, 5, 0], ext_lens=[0, 0, 3], seed=3)
+    args[2][1, :5] = -1  # token 1: its five SWA entries are all -1 slots
+    for use_sink in (True, False):
+        for splits in (1, 4):
+            out, want = check(k, args, heads=16, use_sink=use_sink, splits=splits)
+            assert (out[:2, :16] == 0).all() and (want[:2] == 0).all()
+            assert out[2, :16].abs().sum() > 0
+
+
+def test_lengths_beyond_the_list_width_are_clamped(k):
+    args = setup(t=2, swa_w=48, lens=[1000, 47], seed=5)
+    check(k, args, heads=16, use_sink=True, splits=2, block_n=16)
+
+
+def test_bad_shapes_refused(k):
+    q = torch.zeros(2, 16, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dim must be 512"):
+        k.sparse_attn(q, torch.zeros(4, 256, dtype=torch.bfloat16), torch.zeros(2, 4, dtype=torch.int32),
+                      torch.ones(2, dtype=torch.int32))
+
+
+COMPILE = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dsv4_sm80.kernels import sparse_attn as k
+P = lambda t: "*" + t
+main_sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32",
+            "swa_ptr": "*bf16", "swa_ids_ptr": "*i32", "stride_swa_ids": "i32", "swa_lens_ptr": "*i32", "swa_width": "i32",
+            "ext_ptr": "*bf16", "ext_ids_ptr": "*i32", "stride_ext_ids": "i32", "ext_lens_ptr": "*i32", "ext_width": "i32",
+            "sink_ptr": "*fp32", "o_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32", "ws_acc_ptr": "*fp32",
+            "ws_ml_ptr": "*fp32", "heads": "i32", "scale": "fp32", "HAS_EXTRA": "constexpr", "HAS_SINK": "constexpr",
+            "SPLITS": "constexpr", "D": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "DOT_F32": "constexpr"}
+comb_sig = {"ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32", "sink_ptr": "*fp32", "o_ptr": "*bf16", "stride_ot": "i32",
+            "stride_oh": "i32", "heads": "i32", "HAS_SINK": "constexpr", "SPLITS": "constexpr", "D": "constexpr",
+            "BLOCK_H": "constexpr"}
+out = {}
+target = GPUTarget("cuda", 80, 32)
+for splits in (1, 8):
+    c = dict(HAS_EXTRA=True, HAS_SINK=True, SPLITS=splits, D=512, BLOCK_H=16, BLOCK_N=32, DOT_F32=False)
+    r = triton.compile(ASTSource(fn=k._sparse_attn_kernel, signature=main_sig, constexprs=c), target=target,
+                       options={"num_warps": 4, "num_stages": 2})
+    ptx = r.asm["ptx"]
+    out[f"main-splits{splits}"] = {"sm80": ".target sm_80" in ptx, "bf16_mma": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx,
+                                    "fp8": "e4m3" in ptx or "e5m2" in ptx, "shared": r.metadata.shared}
+r = triton.compile(ASTSource(fn=k._combine_kernel, signature=comb_sig,
+                             constexprs=dict(HAS_SINK=True, SPLITS=8, D=512, BLOCK_H=16)), target=target,
+                   options={"num_warps": 4})
+out["combine"] = {"sm80": ".target sm_80" in r.asm["ptx"], "bf16_mma": True, "fp8": False, "shared": r.metadata.shared}
+print(json.dumps(out))
+"""
+
+
+def test_compiles_for_sm80():
+    """Compiled for sm_80 without a GPU (interpreter off in that process): BF16 tensor-core MMA, no FP8
+    type, shared memory within an A800's 163 KiB per block."""
+    from conftest import last_json, run_python
+
+    out = last_json(run_python(COMPILE, TRITON_INTERPRET="0"))
+    assert set(out) == {"main-splits1", "main-splits8", "combine"}
+    for name, r in out.items():
+        assert r["sm80"] and r["bf16_mma"] and not r["fp8"], (name, r)
+        assert r["shared"] <= 163 * 1024, (name, r)
