@@ -1,0 +1,155 @@
+"""The C4 lightning indexer on SM80 with an INT8 cache (reference 02 §1.2, §8 S1.4/S3.2, S4.1, S4.2;
+reference: `kv_store_ref.py`). 0.5.16 keeps this cache in FP8 and scores it with DeepGEMM's
+`fp8_paged_mqa_logits` (SM90+); here the same 132-byte-per-entry page layout holds INT8 values and an fp32
+row scale, and the logits run on INT8 tensor cores.
+
+- `q_rope_hadamard_int8`: indexer Q: RoPE on dims 64..127, Hadamard/sqrt(128), INT8 per head; the Q scale
+  is folded into the head weights (weights_out = w * weight_scale * s_q), as the FP8 kernel does.
+- `store_index_k_int8`: an already normed+roped+Hadamard'ed index K row -> INT8 + fp32 scale at its slot
+  (slot < 0 skipped).
+- `paged_mqa_logits_int8`: logits[t, j] = s_k[j] * sum_h ReLU(q8[t,h] . k8[j]) * weights[t,h], j <
+  seq_len[t]: one program per (token, page of 64 keys), all 64 heads as the MMA's M; pages past the
+  token's length exit at once (causal skipping). The grid width is the (static) max length, so the
+  kernel is capture-safe.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+PAGE = 64
+IDX_DIM = 128
+PAGE_BYTES = PAGE * (IDX_DIM + 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_halves(device: str):
+    """(H128 / sqrt(128)) split by the input's even and odd dims, transposed: [64, 128] each."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < IDX_DIM:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = (h / IDX_DIM ** 0.5).to(torch.float32)
+    return h[:, 0::2].t().contiguous().to(device), h[:, 1::2].t().contiguous().to(device)
+
+
+@triton.jit
+def _round_int8(v):
+    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(-v + 0.5))
+    return tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
+
+
+@triton.jit
+def _q_rope_hadamard_int8_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, freqs_ptr, pos_ptr, he_ptr, ho_ptr,
+                                 qo_ptr, wo_ptr, heads, weight_scale, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < heads
+    i = tl.arange(0, 64)  # pair index: dims 2i, 2i+1
+    base = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
+    x0 = tl.load(base + 2 * i[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+    x1 = tl.load(base + 2 * i[None, :] + 1, mask=h_ok[:, None], other=0.0).to(tl.float32)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    rp = i - 32
+    is_rope = rp >= 0
+    rp = tl.where(is_rope, rp, 0)
+    fr = tl.load(freqs_ptr + pos * 64 + 2 * rp, mask=is_rope, other=1.0)
+    fi = tl.load(freqs_ptr + pos * 64 + 2 * rp + 1, mask=is_rope, other=0.0)
+    y0 = x0 * fr[None, :] - x1 * fi[None, :]
+    y1 = x0 * fi[None, :] + x1 * fr[None, :]
+    j = tl.arange(0, 128)
+    he = tl.load(he_ptr + i[:, None] * 128 + j[None, :])
+    ho = tl.load(ho_ptr + i[:, None] * 128 + j[None, :])
+    z = tl.dot(y0, he, input_precision="ieee") + tl.dot(y1, ho, input_precision="ieee")  # [BLOCK_H, 128]
+    s = tl.maximum(tl.max(tl.abs(z), axis=1), 1e-4) / 127.0
+    q = _round_int8(z / s[:, None])
+    tl.store(qo_ptr + (t * heads + offs_h[:, None]) * 128 + j[None, :], q, mask=h_ok[:, None])
+    w = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    tl.store(wo_ptr + t * heads + offs_h, w * weight_scale * s, mask=h_ok)
+
+
+def q_rope_hadamard_int8(q: torch.Tensor, weight: torch.Tensor, weight_scale: float, freqs_cis: torch.Tensor,
+                         positions: torch.Tensor):
+    """q [T, H, 128] (BF16), weight [T, H] -> (q_int8 [T, H, 128], weights_out fp32 [T, H, 1])."""
+    t_total, heads, dim = q.shape
+    if dim != IDX_DIM or q.stride(-1) != 1:
+        raise ValueError(f"indexer q must be [T, H, {IDX_DIM}] with unit stride, got {tuple(q.shape)}")
+    freqs = torch.view_as_real(freqs_cis) if freqs_cis.is_complex() else freqs_cis
+    he, ho = _hadamard_halves(str(q.device))
+    q_out = torch.empty((t_total, heads, IDX_DIM), dtype=torch.int8, device=q.device)
+    w_out = torch.empty((t_total, heads, 1), dtype=torch.float32, device=q.device)
+    if t_total:
+        block_h = 64 if heads >= 64 else 16
+        _q_rope_hadamard_int8_kernel[(t_total, triton.cdiv(heads, block_h))](
+            q, q.stride(0), q.stride(1), weight, weight.stride(0), freqs, positions, he, ho, q_out, w_out, heads,
+            float(weight_scale), BLOCK_H=block_h)
+    return q_out, w_out
+
+
+@triton.jit
+def _store_index_k_kernel(x_ptr, stride_x, loc_ptr, cache_ptr, cache_f32_ptr):
+    row = tl.program_id(0).to(tl.int64)
+    loc = tl.load(loc_ptr + row).to(tl.int64)
+    if loc < 0:
+        return
+    d = tl.arange(0, 128)
+    x = tl.load(x_ptr + row * stride_x + d).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4) / 127.0
+    page = loc // 64
+    off = loc % 64
+    tl.store(cache_ptr + page * (64 * 132) + off * 128 + d, _round_int8(x / s))
+    tl.store(cache_f32_ptr + page * (64 * 33) + 64 * 32 + off, s)
+
+
+def store_index_k_int8(x: torch.Tensor, out_loc: torch.Tensor, cache: torch.Tensor) -> None:
+    """x [N, 128] (fp32/BF16, final index K values), out_loc [N] (-1 = skip), cache: the page buffer,
+    any dtype view of [pages, 64 * 132] bytes."""
+    raw = cache.view(torch.uint8).view(-1)
+    if raw.numel() % PAGE_BYTES:
+        raise ValueError(f"index cache of {raw.numel()} bytes is not whole pages of {PAGE_BYTES}")
+    if x.shape[0]:
+        _store_index_k_kernel[(x.shape[0],)](x, x.stride(0), out_loc, raw.view(torch.int8), raw.view(torch.float32))
+
+
+@triton.jit
+def _logits_int8_kernel(q_ptr, kv_ptr, kv_f32_ptr, w_ptr, lens_ptr, pt_ptr, stride_pt, out_ptr, stride_out,
+                        max_len, HEADS: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    jb = tl.program_id(1)
+    n = tl.load(lens_ptr + t)
+    if jb * 64 >= n:
+        return
+    page = tl.load(pt_ptr + t * stride_pt + jb).to(tl.int64)
+    j = tl.arange(0, 64)
+    d = tl.arange(0, 128)
+    h = tl.arange(0, HEADS)
+    k = tl.load(kv_ptr + page * (64 * 132) + j[:, None] * 128 + d[None, :])
+    q = tl.load(q_ptr + (t * HEADS + h[:, None]) * 128 + d[None, :])
+    dots = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)  # [HEADS, 64]
+    w = tl.load(w_ptr + t * HEADS + h)
+    score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
+    sk = tl.load(kv_f32_ptr + page * (64 * 33) + 64 * 32 + j)
+    col = jb * 64 + j
+    tl.store(out_ptr + t * stride_out + col, tl.where(col < n, score * sk, 0.0), mask=col < max_len)
+
+
+def paged_mqa_logits_int8(q_int8: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                          seq_lens: torch.Tensor, page_table: torch.Tensor, max_seq_len: int,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """q_int8 [T, 64, 128] (or [T, 1, 64, 128]); kv_cache the page buffer (any view); weights [T, 64]
+    (or [T, 64, 1]) fp32; seq_lens [T] (or [T, 1]); page_table int32 [T, max_pages] -> logits fp32
+    [T, max_seq_len]; entries at j >= seq_len are 0 in pages the kernel visits, unspecified past them."""
+    q = q_int8.reshape(q_int8.shape[0], -1, IDX_DIM)
+    t_total, heads, _ = q.shape
+    if heads < 16 or heads & (heads - 1):
+        raise ValueError(f"the logits kernel takes the heads as MMA rows: a power of two >= 16, got {heads}")
+    raw = kv_cache.view(torch.uint8).view(-1)
+    out = torch.empty((t_total, max_seq_len), dtype=torch.float32, device=q.device) if out is None else out
+    if t_total and max_seq_len:
+        _logits_int8_kernel[(t_total, triton.cdiv(max_seq_len, PAGE))](
+            q, raw.view(torch.int8), raw.view(torch.float32), weights.reshape(t_total, heads).float(),
+            seq_lens.reshape(-1), page_table, page_table.stride(0), out, out.stride(0), max_seq_len, HEADS=heads)
+    return out
