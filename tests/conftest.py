@@ -14,11 +14,20 @@ PATCH = "ENABLE_SGLANG_DSV4_A100_PATCH"
 # CPU machines (CI): Triton kernels run in Triton's interpreter. It must be on before triton is first
 # imported anywhere in this process (SGLang imports it), because triton's own standard-library @jit
 # functions (tl.cdiv, tl.max, tl.sigmoid, ...) are built at that import.
-if not os.environ.get("TRITON_INTERPRET"):
-    import torch
+import torch  # noqa: E402
 
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
+if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+# Kernel tests run their kernels where they can: compiled on a GPU machine (the same tests then check
+# the real kernels), in the interpreter on the CPU. References always run on the CPU.
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def dev(*tensors):
+    """Tensors (None passes through) on the kernels' device; one tensor in, one out."""
+    out = [t.to(DEV) if isinstance(t, torch.Tensor) else t for t in tensors]
+    return out[0] if len(out) == 1 else out
 
 
 def clean_env(**overrides):

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from conftest import dev
 from dsv4_sm80.kernels import kv_store_ref as ref
 
 
@@ -35,8 +36,9 @@ def test_k_norm_rope_store_bf16(kern):
     f = freqs(100, 32)
     pos = torch.randint(0, 100, (n,), generator=g)
     loc = torch.tensor([3, -1, 0, 9, 4, -1, 7], dtype=torch.int32)
-    cache = torch.full((12, 512), 5.0, dtype=torch.bfloat16)
-    kv_store.k_norm_rope_store(kv, w, 1e-6, f, pos, loc, cache)
+    cache = dev(torch.full((12, 512), 5.0, dtype=torch.bfloat16))
+    kv_store.k_norm_rope_store(*dev(kv, w), 1e-6, *dev(f, pos, loc, cache))
+    cache = cache.cpu()
     want = ref.k_norm_rope_ref(kv, w, 1e-6, f, pos)
     for r in range(n):
         if loc[r] >= 0:
@@ -54,7 +56,7 @@ def test_q_rope_hadamard_int8(kern):
     w = torch.randn(t, h, generator=g).to(torch.bfloat16)
     f = freqs(50, 32, seed=3)
     pos = torch.tensor([0, 17, 49])
-    q8, wo = idx.q_rope_hadamard_int8(q, w, (128 * 64) ** -0.5, f, pos)
+    q8, wo = (t.cpu() for t in idx.q_rope_hadamard_int8(*dev(q, w), (128 * 64) ** -0.5, *dev(f, pos)))
     want_q, want_w = ref.q_indexer_ref(q, w, (128 * 64) ** -0.5, f, pos)
     assert q8.dtype == torch.int8 and wo.shape == (t, h, 1)
     assert (q8.int() - want_q.int()).abs().max() <= 1  # a rounding tie may land one step apart
@@ -65,11 +67,11 @@ def test_q_rope_hadamard_int8(kern):
 def pages_with(kern, n_pages, entries, seed):
     _, idx = kern
     g = torch.Generator().manual_seed(seed)
-    cache = torch.zeros(n_pages, 64 * 132, dtype=torch.uint8)
+    cache = dev(torch.zeros(n_pages, 64 * 132, dtype=torch.uint8))
     x = torch.randn(len(entries), 128, generator=g) * torch.rand(len(entries), 1, generator=g) * 4
     loc = torch.tensor(entries, dtype=torch.int32)
-    idx.store_index_k_int8(x, loc, cache)
-    return cache, x, loc
+    idx.store_index_k_int8(*dev(x, loc, cache))
+    return cache.cpu(), x, loc
 
 
 def test_store_index_k_int8_page_layout(kern):
@@ -100,7 +102,7 @@ def test_paged_mqa_logits_int8(kern, lens):
     page_table = torch.stack([torch.randperm(n_pages, generator=g)[:4] for _ in range(t)]).to(torch.int32)
     seq = torch.tensor(lens, dtype=torch.int32)
     max_len = 250  # not a multiple of 64: the last page is cut
-    out = idx.paged_mqa_logits_int8(q8, cache, w, seq.view(-1, 1), page_table, max_len)
+    out = idx.paged_mqa_logits_int8(*dev(q8, cache, w, seq.view(-1, 1), page_table), max_len).cpu()
     want = ref.logits_ref(q8[:, 0], cache, w, seq, page_table, max_len)
     for r, n in enumerate(lens):
         assert torch.allclose(out[r, :n].double(), want[r, :n], rtol=1e-5, atol=1e-3), r

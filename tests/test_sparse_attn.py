@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from conftest import dev
 from dsv4_sm80.kernels.sparse_attn_ref import sparse_attn_ref
 
 D = 512
@@ -45,9 +46,10 @@ def setup(t=5, hpad=32, slots=300, swa_w=128, ext_w=0, seed=0, lens=None, ext_le
 
 def check(k, args, heads, use_sink, splits, block_n=32):
     q, swa, swa_ids, swa_lens, extra, ext_ids, ext_lens, sink = args
-    out = torch.full_like(q, 7.0)  # rows past `heads` must stay untouched
-    k.sparse_attn(q, swa, swa_ids, swa_lens, extra, ext_ids, ext_lens, sink if use_sink else None, heads=heads,
-                  splits=splits, block_n=block_n, out=out)
+    out = dev(torch.full_like(q, 7.0))  # rows past `heads` must stay untouched
+    k.sparse_attn(*dev(q, swa, swa_ids, swa_lens, extra, ext_ids, ext_lens, sink if use_sink else None),
+                  heads=heads, splits=splits, block_n=block_n, out=out)
+    out = out.cpu()
     want = sparse_attn_ref(q[:, :heads], swa, swa_ids, swa_lens, extra, ext_ids, ext_lens,
                            sink[:heads] if use_sink else None)
     err = (out[:, :heads].double() - want).abs().max().item()

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from conftest import dev
 from dsv4_sm80.kernels import w4a8_moe_ref as ref
 
 
@@ -46,9 +47,9 @@ def case(t=5, h=128, inter=128, e=8, top_k=3, seed=0, x_scale=1.0, **kw):
 
 
 def run_kernel(k, x, w13, s13, w2, s2, tw, ids, **kw):
-    a, b = k.repack_mxfp4_for_w4a8(w13.clone()), k.repack_mxfp4_for_w4a8(w2.clone())
-    out = torch.empty(x.shape, dtype=torch.float32)
-    return k.w4a8_moe(x, a, s13, b, s2, tw, ids, out=out, **kw)
+    a, b = k.repack_mxfp4_for_w4a8(dev(w13.clone())), k.repack_mxfp4_for_w4a8(dev(w2.clone()))
+    out = dev(torch.empty(x.shape, dtype=torch.float32))
+    return k.w4a8_moe(*dev(x, a, s13, b, s2, tw, ids), out=out, **kw).cpu()
 
 
 def rel(a, b):
@@ -57,7 +58,7 @@ def rel(a, b):
 
 def test_repack_keeps_every_code_and_4_bits(k):
     w, _ = experts(3, 5, 128, 1)
-    out = k.repack_mxfp4_for_w4a8(w.clone())
+    out = k.repack_mxfp4_for_w4a8(dev(w.clone())).cpu()
     assert out.dtype == torch.uint8 and out.shape == w.shape  # same bytes: 4 bits per weight
     codes = torch.stack((w & 0xF, w >> 4), dim=-1).flatten(-2)  # checkpoint: low nibble = even k
     chunks = codes.view(3, 5, 2, 2, 32)  # [.., chunk, half, j]: k = 64*chunk + 32*half + j
@@ -67,7 +68,7 @@ def test_repack_keeps_every_code_and_4_bits(k):
 
 def test_repack_is_in_place(k):
     """The parameter object and its storage survive the repack: no second copy of the experts."""
-    p = torch.nn.Parameter(torch.randint(-128, 127, (4, 8, 64), dtype=torch.int8), requires_grad=False)
+    p = torch.nn.Parameter(dev(torch.randint(-128, 127, (4, 8, 64), dtype=torch.int8)), requires_grad=False)
     ptr = p.data_ptr()
     k.repack_mxfp4_for_w4a8(p.data)
     assert p.data_ptr() == ptr and p.dtype == torch.int8
@@ -75,7 +76,7 @@ def test_repack_is_in_place(k):
 
 def test_align_by_expert(k):
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [5, 3]], dtype=torch.int32)
-    sorted_ids, block_expert, num_padded = k.align_by_expert(ids, 6, 4)
+    sorted_ids, block_expert, num_padded = (t.cpu() for t in k.align_by_expert(dev(ids), 6, 4))
     flat = ids.flatten()
     assert int(num_padded) == 4 + 4 + 4 + 4  # experts 0, 1, 3, 5: one block each (3 has 4 pairs)
     for b in range(int(num_padded) // 4):

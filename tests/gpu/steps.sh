@@ -8,6 +8,8 @@
 #   tests/gpu/steps.sh moe         moe_check: native, patched marlin, patched mxfp4_int8 on the same inputs
 #   tests/gpu/steps.sh moe-engine  engine_bed patched with each MoE backend vs the native oracle
 #   tests/gpu/steps.sh moe-bench   bench/moe.py
+#   tests/gpu/steps.sh kernels     the kernel tests, compiled on this GPU against their CPU references
+#                                  (needs pytest: carry .dev/pyt, made by `pip install --target .dev/pyt pytest`)
 # Results go to $OUT (default ./out). The native oracle is .dev/oracle/native.json (tests/gpu/engine_bed.py).
 set -u
 OUT=${OUT:-$PWD/out}
@@ -20,7 +22,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
   ( eval "$@" ) >"$OUT/$name.log" 2>&1 || { echo "=== $name: exit $?"; rc=1; }
-  grep -E "^(dense_check|moe_check|moe bench|engine_bed|  |dense_linear|load-time|x nat|ERROR|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe)|Error" \
+  grep -E "^(dense_check|moe_check|moe bench|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe)|Error|passed|failed" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
 }
 case ${1:?step} in
@@ -53,6 +55,9 @@ case ${1:?step} in
         python tests/gpu/engine_bed.py --out "$OUT/engine-moe-$b.json" --teacher-from "$ORACLE"
       python tests/gpu/compare.py "$ORACLE" "$OUT/engine-moe-$b.json" | tee -a "$OUT/engine-moe-$b.log"
     done ;;
+  kernels)
+    run kernels env PYTHONPATH=$PWD/.dev/pyt:$PYTHONPATH timeout 400 python -m pytest -q -p no:cacheprovider \
+      tests/test_w4a8_moe.py tests/test_sparse_attn.py tests/test_indexer_kv_store.py ;;
   moe-bench)
     run moe-bench timeout 540 python bench/moe.py --out "$OUT/moe.json" ;;
   *) echo "unknown step $1"; exit 2 ;;
