@@ -82,6 +82,18 @@ def _e8m0(e):
 
 
 @triton.jit
+def _w4_dots(a0, a1, b_ptrs, s_ptrs, n_ok):
+    """One 64-deep K step against one byte tile: the two 32-deep INT8 dots (low nibbles = k0..k0+31,
+    high = k0+32..k0+63), each scaled by its own group's E8M0 weight scale, in fp32."""
+    byte = tl.load(b_ptrs, mask=n_ok[None, :], other=0).to(tl.int32) & 0xFF
+    s0 = _e8m0(tl.load(s_ptrs, mask=n_ok, other=0).to(tl.int32) & 0xFF)
+    s1 = _e8m0(tl.load(s_ptrs + 1, mask=n_ok, other=0).to(tl.int32) & 0xFF)
+    d0 = tl.dot(a0, _e2m1x2(byte & 0xF).to(tl.int8), out_dtype=tl.int32).to(tl.float32) * s0[None, :]
+    d1 = tl.dot(a1, _e2m1x2(byte >> 4).to(tl.int8), out_dtype=tl.int32).to(tl.float32) * s1[None, :]
+    return d0, d1
+
+
+@triton.jit
 def _w4a8_moe_kernel(
     a_ptr, a_scale_ptr, b_ptr, bs_ptr, c_ptr, c_scale_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_w_ptr,
@@ -119,26 +131,14 @@ def _w4a8_moe_kernel(
             sa0 = tl.load(a_scale_ptr + a_rows * a_scale_groups + k0 // A_GROUP, mask=row_ok, other=0.0)
             sa1 = tl.load(a_scale_ptr + a_rows * a_scale_groups + (k0 + 32) // A_GROUP, mask=row_ok, other=0.0)
         b_ptrs = b_base + offs_n[None, :] * stride_bn + (k0 // 2 + offs_j)[:, None]
-        byte = tl.load(b_ptrs, mask=n_ok[None, :], other=0).to(tl.int32) & 0xFF
         s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
-        s0 = _e8m0(tl.load(s_ptrs, mask=n_ok, other=0).to(tl.int32) & 0xFF)
-        s1 = _e8m0(tl.load(s_ptrs + 1, mask=n_ok, other=0).to(tl.int32) & 0xFF)
-        lo = _e2m1x2(byte & 0xF).to(tl.int8)
-        hi = _e2m1x2(byte >> 4).to(tl.int8)
-        d0 = tl.dot(a0, lo, out_dtype=tl.int32).to(tl.float32) * s0[None, :]
-        d1 = tl.dot(a1, hi, out_dtype=tl.int32).to(tl.float32) * s1[None, :]
+        d0, d1 = _w4_dots(a0, a1, b_ptrs, s_ptrs, n_ok)
         if A_GROUP:
             acc += d0 * sa0[:, None] + d1 * sa1[:, None]
         else:
             acc += d0 + d1
         if GATED:  # the up rows of the same columns sit N rows further
-            byte = tl.load(b_ptrs + N * stride_bn, mask=n_ok[None, :], other=0).to(tl.int32) & 0xFF
-            s0 = _e8m0(tl.load(s_ptrs + N * stride_bsn, mask=n_ok, other=0).to(tl.int32) & 0xFF)
-            s1 = _e8m0(tl.load(s_ptrs + N * stride_bsn + 1, mask=n_ok, other=0).to(tl.int32) & 0xFF)
-            lo = _e2m1x2(byte & 0xF).to(tl.int8)
-            hi = _e2m1x2(byte >> 4).to(tl.int8)
-            d0 = tl.dot(a0, lo, out_dtype=tl.int32).to(tl.float32) * s0[None, :]
-            d1 = tl.dot(a1, hi, out_dtype=tl.int32).to(tl.float32) * s1[None, :]
+            d0, d1 = _w4_dots(a0, a1, b_ptrs + N * stride_bn, s_ptrs + N * stride_bsn, n_ok)
             if A_GROUP:
                 acc_up += d0 * sa0[:, None] + d1 * sa1[:, None]
             else:
