@@ -135,6 +135,11 @@ IMPORT_TIME_DEFAULTS = (
         "srt/environ.py:1010; the non-paged indexer calls DeepGEMM fp8_mqa_logits (SM90+)",
     ),
     ImportTimeDefault(
+        "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH", "1",
+        "srt/layers/attention/dsv4/indexer.py:640 and metadata.py:124; routes the indexer logits to the module "
+        "global the attention.indexer_logits seam replaces (INT8) and keeps DeepGEMM metadata unbuilt",
+    ),
+    ImportTimeDefault(
         "SGLANG_OPT_USE_ONLINE_COMPRESS", "0",
         "srt/environ.py:1015; pinned off: the SM80 compressor stores follow the offline path",
     ),

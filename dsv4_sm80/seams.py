@@ -123,6 +123,117 @@ SEAMS: tuple[Seam, ...] = (
         reason="A start-up line per GPU: expert bytes resident, which must be 4 bits + E8M0 per 32.",
         upstream="srt/model_loader/loader.py:804-849",
     ),
+    # --- attention: BF16 KV, INT8 indexer, Triton sparse attention (attention.py) -------------------------
+    Seam(
+        name="attention.kv_dtype",
+        target="sglang.srt.entrypoints.engine:Engine._launch_subprocesses",
+        kind="before",
+        replacement="dsv4_sm80.attention:bf16_kv_at_launch",
+        reason=("DSV4's KV cache dtype defaults to FP8 e4m3 (arg_groups/overrides.py:1463, registered at import, "
+                "so not patchable there); SM80 keeps it BF16."),
+        upstream="srt/entrypoints/engine.py:765-790",
+    ),
+    Seam(
+        name="attention.pool_bytes_per_token",
+        target="sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4SingleKVPool.get_bytes_per_token",
+        kind="replace",
+        replacement="dsv4_sm80.attention:bf16_bytes_per_token",
+        reason="A KV row is 512 BF16 values (1024 bytes), not the 584-byte FP8 FlashMLA layout.",
+        upstream="srt/mem_cache/deepseek_v4_memory_pool.py:98-105",
+    ),
+    Seam(
+        name="attention.pool_create_buffer",
+        target="sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4SingleKVPool.create_buffer",
+        kind="replace",
+        replacement="dsv4_sm80.attention:bf16_create_buffer",
+        reason=("The SWA/C4/C128 pools (target and draft) become BF16 [pages, page_size*512]: row = flat slot id, "
+                "the id space of all metadata; the original asserts the FP8 layout."),
+        upstream="srt/mem_cache/deepseek_v4_memory_pool.py:107-124",
+    ),
+    Seam(
+        name="attention.pool_set_key_buffer",
+        target="sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4SingleKVPool.set_key_buffer",
+        kind="replace",
+        replacement="dsv4_sm80.attention:bf16_set_key_buffer",
+        reason="The FP8 pack writer (Triton float8e4nv) cannot run on SM80; rows are BF16 here.",
+        upstream="srt/mem_cache/deepseek_v4_memory_pool.py:126-137",
+    ),
+    Seam(
+        name="attention.pool_set_key_buffer_fused",
+        target="sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4SingleKVPool.set_key_buffer_fused",
+        kind="replace",
+        replacement="dsv4_sm80.attention:bf16_set_key_buffer_fused",
+        reason="The JIT FP8 FlashMLA store becomes a BF16 row scatter that skips slot < 0.",
+        upstream="srt/mem_cache/deepseek_v4_memory_pool.py:139-150",
+    ),
+    Seam(
+        name="attention.swa_norm_rope_store",
+        target="sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope",
+        kind="replace",
+        replacement="dsv4_sm80.attention:bf16_swa_norm_rope_store",
+        reason="The main K writer (RMSNorm + RoPE + FP8 FlashMLA page store) becomes RMSNorm + RoPE + BF16 row store.",
+        upstream="srt/mem_cache/deepseek_v4_memory_pool.py:1177-1196",
+    ),
+    Seam(
+        name="attention.pool_sizing",
+        target="sglang.srt.model_executor.pool_configurator:DSV4PoolConfigurator._get_bytes_per_full_token",
+        kind="around",
+        replacement="dsv4_sm80.attention:bf16_bytes_per_full_token",
+        reason="The configurator hard-codes the 584-byte FP8 row; max_total_num_tokens must be sized for 1024.",
+        upstream="srt/model_executor/pool_configurator.py:672-712",
+    ),
+    Seam(
+        name="attention.compress_store",
+        target="sglang.srt.layers.attention.dsv4.compressor_v2:compress_norm_rope_store",
+        kind="around",
+        replacement="dsv4_sm80.attention:compress_store",
+        reason=("Compressed entries: the main store through the JIT's own bf16_store mode into BF16 rows; the "
+                "indexer store (FP8 in 0.5.16, no BF16/INT8 mode) through the INT8 epilogue+store."),
+        upstream="srt/layers/attention/dsv4/compressor_v2.py:11",
+    ),
+    Seam(
+        name="attention.indexer_q",
+        target="sglang.srt.layers.attention.dsv4.indexer:fused_q_indexer_rope_hadamard_quant",
+        kind="replace",
+        replacement="dsv4_sm80.attention:indexer_q_int8",
+        reason="Indexer Q: RoPE + Hadamard + INT8 (the JIT quantizes to FP8 for DeepGEMM).",
+        upstream="srt/layers/attention/dsv4/indexer.py:11",
+    ),
+    Seam(
+        name="attention.indexer_logits",
+        target="sglang.srt.layers.attention.dsv4.indexer:fp8_paged_mqa_logits_torch",
+        kind="replace",
+        replacement="dsv4_sm80.attention:indexer_logits_int8",
+        reason=("The paged weighted-ReLU MQA logits (DeepGEMM, SM90+) on INT8 tensor cores; SGLang calls this "
+                "module global when SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 (an import-time default of the patch)."),
+        upstream="srt/layers/attention/dsv4/indexer.py:55-118",
+    ),
+    Seam(
+        name="attention.no_flashmla_metadata",
+        target="sglang.srt.layers.attention.deepseek_v4_backend:_create_flashmla_metadata",
+        kind="replace",
+        replacement="dsv4_sm80.attention:no_flashmla_metadata",
+        reason="FlashMLA's scheduler metadata is read only by the FlashMLA call the SM80 forward replaces.",
+        upstream="srt/layers/attention/deepseek_v4_backend.py:136-141",
+    ),
+    Seam(
+        name="attention.forward",
+        target="sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend.forward",
+        kind="replace",
+        replacement="dsv4_sm80.attention:sm80_forward",
+        reason=("FlashMLA sparse decode/prefill ship sm_90a/100a code only; one Triton kernel over the BF16 caches "
+                "serves every mode from the backend's own per-query metadata (multi-step, DSPARK and NextN "
+                "backends are instances of this class)."),
+        upstream="srt/layers/attention/deepseek_v4_backend.py:1600-1755",
+    ),
+    Seam(
+        name="attention.no_sparse_prefill",
+        target="sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend._forward_prefill_sparse",
+        kind="replace",
+        replacement="dsv4_sm80.attention:refuse_sparse_prefill",
+        reason="FlashMLA sparse prefill over an FP8 workspace; unreachable with the SM80 forward, and kept so.",
+        upstream="srt/layers/attention/deepseek_v4_backend.py:1757-1862",
+    ),
     # --- dense: FP8 block linears -> BF16 at load (linear.py) ------------------------------------------
     Seam(
         name="dense.quant_method",

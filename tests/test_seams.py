@@ -40,8 +40,8 @@ def test_declared_lines_hold_the_target(sglang_dir):
         first = int(re.match(r"[^:]+:(\d+)", s.upstream).group(1))
         line = open(path, encoding="utf-8").read().splitlines()[first - 1]
         name = re.escape(s.attr_path[-1])
-        assert re.search(rf"\b(def|class)\s+{name}\b|^\s*{name}\s*[:=]|^from \S+ import .*\b{name}\b",
-                         line), (s.name, line)
+        assert re.search(rf"\b(def|class)\s+{name}\b|^\s*{name}\s*[:=]|^from \S+ import .*\b{name}\b"
+                         rf"|^\s+{name},$", line), (s.name, line)
 
 
 APPLY_ALL = """
@@ -96,9 +96,9 @@ print(json.dumps({"again": again, "reinstalled": reinstalled, "finders": finders
                   "count": apply.status()[0]["applied_count"], "chain": apply._marks(raw)}))
 """
     out = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1"))
-    # two stages wrap this target (the gate, then the MoE launch checks outside it): each exactly once
+    # three stages wrap this target (the gate; the MoE and attention launch settings outside it): each once
     assert out == {"again": False, "reinstalled": True, "finders": 1, "count": 2,
-                   "chain": ["moe.launch_args", "launch.gate"]}
+                   "chain": ["attention.kv_dtype", "moe.launch_args", "launch.gate"]}
 
 
 def _farm(src: str, dst: str, changed_rel: str) -> str:

@@ -7,6 +7,9 @@ row scale, and the logits run on INT8 tensor cores.
   is folded into the head weights (weights_out = w * weight_scale * s_q), as the FP8 kernel does.
 - `store_index_k_int8`: an already normed+roped+Hadamard'ed index K row -> INT8 + fp32 scale at its slot
   (slot < 0 skipped).
+- `compress_store_index_k_int8`: the indexer compressor's epilogue (RMSNorm, RoPE on dims 64..127 at the
+  block's first position, Hadamard/sqrt(128)) fused with the INT8 store; rows and their slots come from
+  SGLang's compress plan, as its JIT `compress_norm_rope_store` takes them (FP8 there).
 - `paged_mqa_logits_int8`: logits[t, j] = s_k[j] * sum_h ReLU(q8[t,h] . k8[j]) * weights[t,h], j <
   seq_len[t]: one program per (token, page of 64 keys), all 64 heads as the MMA's M; pages past the
   token's length exit at once (causal skipping). The grid width is the (static) max length, so the
@@ -153,3 +156,69 @@ def paged_mqa_logits_int8(q_int8: torch.Tensor, kv_cache: torch.Tensor, weights:
             q, raw.view(torch.int8), raw.view(torch.float32), weights.reshape(t_total, heads).float(),
             seq_lens.reshape(-1), page_table, page_table.stride(0), out, out.stride(0), max_seq_len, HEADS=heads)
     return out
+
+
+@triton.jit
+def _compress_store_index_k_kernel(kv_ptr, plan_ptr, n_rows, out_loc_ptr, w_ptr, eps, freqs_ptr, he_ptr, ho_ptr,
+                                   cache_ptr, cache_f32_ptr, IS_DECODE: tl.constexpr, RATIO: tl.constexpr,
+                                   BLOCK_R: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = r < n_rows
+    seq = tl.load(plan_ptr + r * 4, mask=in_range, other=-1)  # u32 seq_len (0xFFFFFFFF = padding row)
+    if IS_DECODE:  # DecodePlan: one row per request; only a token that completes a block stores
+        valid = in_range & (seq > 0) & (seq % RATIO == 0)
+        slot = tl.load(out_loc_ptr + r, mask=valid, other=-1)
+    else:  # CompressPlan: one row per compress event; the slot is out_loc[ragged_id]
+        valid = in_range & (seq != -1)
+        ragged = tl.load(plan_ptr + r * 4 + 1, mask=valid, other=0) & 0xFFFF
+        slot = tl.load(out_loc_ptr + ragged, mask=valid, other=-1)
+    valid = valid & (slot >= 0)
+    pos = tl.where(valid, seq - RATIO, 0).to(tl.int64)
+    i = tl.arange(0, 64)
+    rows = tl.where(valid, r, 0).to(tl.int64)
+    x0 = tl.load(kv_ptr + rows[:, None] * 128 + 2 * i[None, :], mask=valid[:, None], other=0.0)
+    x1 = tl.load(kv_ptr + rows[:, None] * 128 + 2 * i[None, :] + 1, mask=valid[:, None], other=0.0)
+    nf = 1.0 / tl.sqrt((tl.sum(x0 * x0, axis=1) + tl.sum(x1 * x1, axis=1)) / 128 + eps)
+    y0 = x0 * nf[:, None] * tl.load(w_ptr + 2 * i)[None, :]
+    y1 = x1 * nf[:, None] * tl.load(w_ptr + 2 * i + 1)[None, :]
+    rp = i - 32
+    is_rope = (rp >= 0)[None, :] & valid[:, None]
+    rp = tl.where(rp >= 0, rp, 0)
+    fr = tl.load(freqs_ptr + pos[:, None] * 64 + 2 * rp[None, :], mask=is_rope, other=1.0)
+    fi = tl.load(freqs_ptr + pos[:, None] * 64 + 2 * rp[None, :] + 1, mask=is_rope, other=0.0)
+    z0 = y0 * fr - y1 * fi
+    z1 = y0 * fi + y1 * fr
+    j = tl.arange(0, 128)
+    he = tl.load(he_ptr + i[:, None] * 128 + j[None, :])
+    ho = tl.load(ho_ptr + i[:, None] * 128 + j[None, :])
+    h = tl.dot(z0, he, input_precision="ieee") + tl.dot(z1, ho, input_precision="ieee")  # [BLOCK_R, 128]
+    s = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-4) / 127.0
+    slot64 = tl.where(valid, slot, 0).to(tl.int64)
+    page = slot64 // 64
+    off = slot64 % 64
+    tl.store(cache_ptr + page[:, None] * (64 * 132) + off[:, None] * 128 + j[None, :], _round_int8(h / s[:, None]),
+             mask=valid[:, None])
+    tl.store(cache_f32_ptr + page * (64 * 33) + 64 * 32 + off, s, mask=valid)
+
+
+def compress_store_index_k_int8(kv: torch.Tensor, plan_rows: torch.Tensor, is_decode: bool, out_loc: torch.Tensor,
+                                norm_weight: torch.Tensor, eps: float, freqs_cis: torch.Tensor, cache: torch.Tensor,
+                                ratio: int = 4) -> None:
+    """kv fp32 [N, 128] (compress_forward's output, one row per plan row); plan_rows: the plan's 16-byte
+    rows (any dtype view, [N, ...]); out_loc int64 [tokens] (decode: per request); norm_weight fp32 [128];
+    freqs_cis complex64 [max_pos, 32]; cache: the index page buffer (any view of [pages, 64 * 132] bytes)."""
+    n = kv.shape[0]
+    if n == 0:
+        return
+    if kv.shape[-1] != IDX_DIM or kv.dtype != torch.float32 or not kv.is_contiguous():
+        raise ValueError(f"index K rows must be contiguous fp32 [N, {IDX_DIM}], got {kv.dtype} {tuple(kv.shape)}")
+    plan = plan_rows.contiguous().view(torch.int32).reshape(-1, 4)
+    if plan.shape[0] < n:
+        raise ValueError(f"the plan has {plan.shape[0]} rows for {n} compressed rows")
+    raw = cache.view(torch.uint8).view(-1)
+    freqs = torch.view_as_real(freqs_cis) if freqs_cis.is_complex() else freqs_cis
+    he, ho = _hadamard_halves(str(kv.device))
+    block_r = 16
+    _compress_store_index_k_kernel[(triton.cdiv(n, block_r),)](
+        kv, plan, n, out_loc, norm_weight.float(), float(eps), freqs, he, ho, raw.view(torch.int8),
+        raw.view(torch.float32), IS_DECODE=bool(is_decode), RATIO=ratio, BLOCK_R=block_r)

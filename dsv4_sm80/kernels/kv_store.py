@@ -58,3 +58,23 @@ def k_norm_rope_store(kv: torch.Tensor, weight: torch.Tensor, eps: float, freqs_
         return
     _k_norm_rope_store_kernel[(n,)](kv, kv.stride(0), weight, freqs.contiguous(), positions, out_loc, flat,
                                     float(eps), HALF=HEAD_DIM // 2, ROPE_PAIRS=ROPE_DIM // 2)
+
+
+@triton.jit
+def _scatter_rows_kernel(src_ptr, stride_src, loc_ptr, dst_ptr, D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    loc = tl.load(loc_ptr + row).to(tl.int64)
+    if loc < 0:
+        return
+    d = tl.arange(0, D)
+    tl.store(dst_ptr + loc * D + d, tl.load(src_ptr + row * stride_src + d).to(dst_ptr.dtype.element_ty))
+
+
+def scatter_rows(src: torch.Tensor, loc: torch.Tensor, cache: torch.Tensor) -> None:
+    """cache.view(-1, D)[loc[i]] = src[i] for loc[i] >= 0; rows with loc < 0 are skipped. No host sync
+    (unlike boolean indexing), so it is capture-safe."""
+    d = src.shape[-1]
+    if src.stride(-1) != 1 or d & (d - 1):
+        raise ValueError(f"rows must have unit stride and a power-of-two width, got {tuple(src.shape)}")
+    if src.shape[0]:
+        _scatter_rows_kernel[(src.shape[0],)](src, src.stride(0), loc, cache.view(-1, d), D=d)

@@ -1,0 +1,216 @@
+"""DSV4 attention on SM80: BF16 main KV caches, an INT8 indexer cache, Triton sparse attention.
+
+The replacements for the `attention.*` seams (dsv4_sm80/seams.py; reference 02 §8; docs/attention.md):
+
+- launch: the KV cache dtype resolves to `bfloat16` (SGLang's DSV4 default is FP8 e4m3, which SM80
+  cannot run).
+- pools: `DeepSeekV4SingleKVPool` (SWA, C4, C128 pools of the target and of the DSPARK/NextN draft) holds
+  `bf16 [pages, page_size * 512]`, i.e. one 512-wide row per flat slot id, which is the id space every
+  index SGLang builds already uses; its writers scatter rows and skip slot < 0. The pool configurator
+  sizes tokens with 1024 bytes per KV row instead of the FP8 layout's 584 (the indexer stays at 132).
+- writers: the main K (RMSNorm + RoPE) goes through `kernels/kv_store.py`; the main compressor's store uses
+  SGLang's own JIT `compress_norm_rope_store` in its `bf16_store` mode; the indexer compressor's store is
+  `kernels/indexer_int8.compress_store_index_k_int8` (same math, INT8 + fp32 scale in the 132-byte pages).
+- indexer: Q quantization and the paged logits are the INT8 kernels of `kernels/indexer_int8.py`
+  (`SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1` makes SGLang call the logits function these replace and skip
+  DeepGEMM metadata; top-k stays SGLang's JIT v1).
+- attention: `DeepseekV4AttnBackend.forward` maps the backend's per-query metadata (flat slot ids, -1
+  invalid, lengths) onto `kernels/sparse_attn.py` in every mode, plain extend included, so neither FlashMLA
+  path (decode or sparse prefill) is reached; the FlashMLA scheduling metadata is never built.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+HEAD_DIM = 512
+
+
+def _refuse(text: str):
+    import compat_check
+
+    print(f"dsv4-sm80 gate refused to launch SGLang:\n{text}", file=sys.stderr, flush=True)
+    return compat_check.GateRefused(text)
+
+
+# --- launch ---------------------------------------------------------------------------------------
+
+def bf16_kv_at_launch(cls, server_args, *args, **kwargs):
+    """Before Engine._launch_subprocesses: DSV4's KV cache dtype resolves to bfloat16."""
+    dtype = str(getattr(server_args, "kv_cache_dtype", "auto"))
+    if dtype in ("auto", "fp8_e4m3"):
+        if dtype != "bfloat16":
+            print(f"dsv4-sm80 attention: KV cache dtype {dtype} -> bfloat16 (SM80 has no FP8; 1024 bytes per "
+                  "token and layer instead of 584)", file=sys.stderr, flush=True)
+        server_args.kv_cache_dtype = "bfloat16"
+    elif dtype != "bfloat16":
+        raise _refuse(
+            f"FAIL attention.kv_cache_dtype: found --kv-cache-dtype {dtype}; expected auto or bfloat16 (the SM80 "
+            "datapath keeps DSV4's KV cache in BF16); fix: drop --kv-cache-dtype"
+        )
+    return None
+
+
+# --- pools ----------------------------------------------------------------------------------------
+
+def _row_dim(pool) -> int:
+    return pool.qk_nope_head_dim + pool.qk_rope_head_dim
+
+
+def bf16_bytes_per_token(self) -> int:
+    """DeepSeekV4SingleKVPool.get_bytes_per_token: one BF16 row of nope + rope dims."""
+    return _row_dim(self) * 2
+
+
+def bf16_create_buffer(self, *, num_pages: int):
+    """DeepSeekV4SingleKVPool.create_buffer: BF16 [num_pages, page_size * 512]; row = flat slot id."""
+    dim = _row_dim(self)
+    if self.dtype != torch.bfloat16:
+        raise ValueError(
+            f"dsv4-sm80 attention.kv_pool: found KV cache dtype {self.dtype}; expected torch.bfloat16 (the SM80 "
+            "datapath's BF16 KV layout); fix: launch through SGLang's Engine/launch_server with the patch on "
+            "(it sets --kv-cache-dtype bfloat16), or pass --kv-cache-dtype bfloat16"
+        )
+    self.kv_cache_total_dim = dim
+    self.bytes_per_page_padded = self.page_size * dim * 2
+    return torch.zeros(num_pages, self.page_size * dim, dtype=torch.bfloat16, device=self.device)
+
+
+def bf16_set_key_buffer_fused(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
+    """DeepSeekV4SingleKVPool.set_key_buffer_fused: BF16 rows to their slots, slot < 0 skipped."""
+    from .kernels.kv_store import scatter_rows
+
+    if cache_k.dtype != torch.bfloat16:
+        raise TypeError(f"dsv4-sm80 attention: the BF16 KV pool takes bfloat16 rows, got {cache_k.dtype}")
+    scatter_rows(cache_k.reshape(-1, _row_dim(self)), loc, self.kv_buffer[layer_id])
+
+
+def bf16_set_key_buffer(self, layer_id: int, loc: torch.Tensor, cache_k) -> None:
+    """DeepSeekV4SingleKVPool.set_key_buffer: only BF16 rows exist on this path (no FP8 pack)."""
+    if not isinstance(cache_k, torch.Tensor):
+        raise TypeError("dsv4-sm80 attention: an FP8 nope/rope pack reached the BF16 KV pool; "
+                        "only the FP8 datapath builds those")
+    bf16_set_key_buffer_fused(self, layer_id, loc, cache_k)
+
+
+def bf16_swa_norm_rope_store(self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions) -> None:
+    """DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope: RMSNorm + RoPE + BF16 store."""
+    from .kernels.kv_store import k_norm_rope_store
+
+    buf = self.swa_kv_pool.kv_buffer[self._swa_local_layer_id(layer_id)]
+    k_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, swa_loc, buf)
+
+
+def bf16_bytes_per_full_token(original, self) -> float:
+    """Around DSV4PoolConfigurator._get_bytes_per_full_token: the same formula with a 1024-byte KV row
+    (BF16) where it hard-codes the FP8 layout's 584; the indexer's 132 bytes per entry are unchanged."""
+    fp8_row = self.qk_nope_head_dim + self.qk_rope_head_dim * 2 + 8
+    bf16_row = (self.qk_nope_head_dim + self.qk_rope_head_dim) * 2
+    rows_per_token = (self.swa_ratio * self.num_layers_total
+                      + self.num_layers_ca4 / (4 * self.c4_shrink_factor)
+                      + self.num_layers_ca128 / 128)
+    return original(self) + (bf16_row - fp8_row) * rows_per_token
+
+
+# --- compressor stores ----------------------------------------------------------------------------
+
+def compress_store(original, kv, plan, *, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size,
+                   use_fp4=False, bf16_store=False):
+    """Around compressor_v2.compress_norm_rope_store: the main compressor (512-wide rows) through SGLang's
+    JIT in its bf16_store mode into the flat BF16 rows; the indexer compressor (128-wide) through the INT8
+    epilogue+store."""
+    if kv.shape[-1] == HEAD_DIM:
+        flat = kvcache.reshape(-1, HEAD_DIM * 2)  # bytes of [slots, 512] BF16: one "page" per slot
+        return original(kv, plan, norm_weight=norm_weight, norm_eps=norm_eps, freq_cis=freq_cis, out_loc=out_loc,
+                        kvcache=flat, page_size=1, use_fp4=False, bf16_store=True)
+    if use_fp4:
+        raise ValueError("dsv4-sm80 attention: the FP4 indexer (--enable-deepseek-v4-fp4-indexer, SM100) is not "
+                         "part of the SM80 datapath; drop that flag")
+    from .kernels.indexer_int8 import compress_store_index_k_int8
+
+    compress_store_index_k_int8(kv, plan[1], bool(plan.is_decode), out_loc, norm_weight, norm_eps, freq_cis,
+                                kvcache, ratio=int(plan.compress_ratio))
+    return None
+
+
+# --- indexer ----------------------------------------------------------------------------------------
+
+def indexer_q_int8(q, weight, weight_scale, freqs_cis, positions):
+    """indexer.fused_q_indexer_rope_hadamard_quant: the INT8 variant (same arguments and returns)."""
+    from .kernels.indexer_int8 import q_rope_hadamard_int8
+
+    return q_rope_hadamard_int8(q, weight, weight_scale, freqs_cis, positions)
+
+
+def indexer_logits_int8(q, kv_cache, weights, seq_lens, page_table, deep_gemm_metadata, max_seq_len,
+                        clean_logits=False):
+    """indexer.fp8_paged_mqa_logits_torch (selected by SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1): INT8 logits
+    on INT8 tensor cores over the paged INT8 index cache."""
+    from .kernels.indexer_int8 import paged_mqa_logits_int8
+
+    return paged_mqa_logits_int8(q, kv_cache, weights, seq_lens, page_table, int(max_seq_len))
+
+
+# --- the attention backend ----------------------------------------------------------------------------
+
+def no_flashmla_metadata():
+    """deepseek_v4_backend._create_flashmla_metadata: FlashMLA's scheduler state is never needed."""
+    return None
+
+
+def refuse_sparse_prefill(self, *args, **kwargs):
+    """DeepseekV4AttnBackend._forward_prefill_sparse: unreachable with the SM80 forward (FlashMLA sparse
+    prefill over an FP8 workspace); raising keeps it that way."""
+    raise RuntimeError("dsv4-sm80 attention: FlashMLA sparse prefill was reached; the SM80 forward serves "
+                       "extend itself - this is a bug in the seam table")
+
+
+def _match_rows(x, rows: int, fill: int):
+    """The backend's match_num_queries (deepseek_v4_backend.py:1662-1672): trim, or pad with `fill`."""
+    if x is None or x.shape[0] == rows:
+        return x
+    if x.shape[0] > rows:
+        return x[:rows]
+    return torch.cat([x, x.new_full((rows - x.shape[0], *x.shape[1:]), fill)], dim=0)
+
+
+def sm80_forward(self, q, k, v, layer, forward_batch, compress_ratio, save_kv_cache=True, attn_sink=None, **kwargs):
+    """DeepseekV4AttnBackend.forward on SM80, every forward mode: the same key sets FlashMLA gets (SWA
+    list + C4 top-k or all C128 entries per query; valid = j < len and id >= 0; the sink in the
+    denominator; empty = 0), over the BF16 caches, by kernels/sparse_attn.py. Returns a new
+    [T, Hpad, 512] BF16 tensor, as the original does."""
+    from sglang.srt.layers.attention import deepseek_v4_backend as backend
+
+    from .kernels.sparse_attn import sparse_attn
+
+    if self.mtp_enabled and forward_batch.forward_mode.is_idle():
+        return q.new_empty(q.shape[0], q.shape[1], layer.v_head_dim)
+    if attn_sink is None:
+        raise ValueError("dsv4-sm80 attention: DSV4 attention needs its per-head sink")
+    core = self.forward_metadata.core_attn_metadata
+    if not isinstance(core, backend.DSV4AttnMetadata):
+        raise NotImplementedError("dsv4-sm80 attention: ragged attention metadata is not supported")
+    layer_id = layer.layer_id
+    if save_kv_cache:
+        self.store_cache(layer_id, k, forward_batch)
+    pool = self.token_to_kv_pool
+    swa_cache = pool.get_swa_key_buffer_radix(layer_id).view(-1, HEAD_DIM)
+    extra_cache = extra_ids = extra_lens = None
+    if compress_ratio == 4:
+        extra_ids, extra_lens = core.c4_sparse_page_indices, core.c4_sparse_topk_lengths
+    elif compress_ratio == 128:
+        extra_ids, extra_lens = core.c128_page_indices, core.c128_topk_lengths_clamp1
+    if compress_ratio and extra_ids is None:
+        raise RuntimeError(f"dsv4-sm80 attention: no compressed-attention metadata for a ratio-{compress_ratio} layer")
+    if extra_ids is not None:
+        extra_cache = pool.get_extra_key_buffer(layer_id).view(-1, HEAD_DIM)
+    if q.dim() == 4:
+        q = q.squeeze(1)
+    rows = q.shape[0]
+    swa_ids = _match_rows(core.swa_page_indices, rows, 0)
+    swa_lens = _match_rows(core.swa_topk_lengths, rows, 1)
+    extra_ids, extra_lens = _match_rows(extra_ids, rows, -1), _match_rows(extra_lens, rows, 1)
+    return sparse_attn(q.contiguous(), swa_cache, swa_ids, swa_lens, extra_cache, extra_ids, extra_lens,
+                       attn_sink, scale=self.softmax_scale, heads=layer.tp_q_head_num)
