@@ -70,7 +70,12 @@ LOAD_REPORT = Knob(
     "rank and model: module, method, dtype, bytes) to this file.",
 )
 
-KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC, LOAD_REPORT)
+TRIPWIRE = Knob(
+    "DSV4_SM80_TRIPWIRE", "0", ("0", "1"),
+    "Lab: every SM90/SM100-only entry point the SM80 datapath must not reach raises instead (dsv4_sm80/tripwire.py).",
+)
+
+KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC, LOAD_REPORT, TRIPWIRE)
 
 
 def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:

@@ -68,7 +68,9 @@ def test_doctor_patch_off_applies_no_seam(no_gpu):
     p = cli("doctor", "--apply", ENABLE_SGLANG_DSV4_A100_PATCH="1")
     from dsv4_sm80.seams import SEAMS
 
-    assert "APPLIED  launch.gate" in p.stdout and f"seams: {len(SEAMS)} applied in this process" in p.stdout
+    enabled = sum(s.enabled({"ENABLE_SGLANG_DSV4_A100_PATCH": "1"}) for s in SEAMS)  # tripwire seams stay off
+    assert enabled < len(SEAMS)
+    assert "APPLIED  launch.gate" in p.stdout and f"seams: {enabled} applied in this process" in p.stdout
 
 
 def test_serve_refuses_on_this_machine(no_gpu, unit_ckpt):

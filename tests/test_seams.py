@@ -66,7 +66,8 @@ print(json.dumps({"status": apply.status(), "marks": marks}))
 
 
 def test_toggle_on_applies_every_seam_once(sglang_dir):
-    out = last_json(run_python(APPLY_ALL, ENABLE_SGLANG_DSV4_A100_PATCH="1"))
+    # the tripwire seams apply only with DSV4_SM80_TRIPWIRE=1 (and the mxfp4_int8 one under that backend)
+    out = last_json(run_python(APPLY_ALL, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_TRIPWIRE="1"))
     assert [(s["name"], s["state"], s["applied_count"]) for s in out["status"]] == \
            [(s.name, "applied", 1) for s in SEAMS]
     assert out["marks"] == {s.name: s.name for s in SEAMS}
@@ -169,3 +170,24 @@ except Exception as e:
     assert out["refused"] == "GateRefused", out
     assert "FAIL gpu.count: found 0 visible GPUs" in out["msg"]
     assert "dsv4-sm80 gate refused to launch SGLang" in p.stderr
+
+
+def test_tripwire_is_off_by_default_and_raises_when_on(sglang_dir):
+    code = """
+import json
+import sglang.srt.layers.quantization.fp8_utils as f
+from dsv4_sm80 import apply
+out = {"states": sorted({s["state"] for s in apply.status() if s["name"].startswith("tripwire.")})}
+try:
+    f.deepgemm_w8a8_block_fp8_linear_with_fallback(None, None, None, None)
+    out["call"] = "ran"
+except BaseException as e:
+    out["call"] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+    off = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1"))
+    assert off["states"] == ["off"] and not off["call"].startswith("TripwireError")
+    on = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_TRIPWIRE="1"))
+    assert "off" not in on["states"]  # applied, or pending until their module is imported
+    assert on["call"].startswith("TripwireError: dsv4-sm80 tripwire: deepgemm_w8a8_block_fp8_linear_with_fallback "
+                                 "was reached")

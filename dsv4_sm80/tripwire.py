@@ -1,0 +1,32 @@
+"""Tripwire for lab runs (`DSV4_SM80_TRIPWIRE=1`): every SM90/SM100-only entry point the SM80 datapath must
+never reach is replaced by a function that raises, naming it. A lab run on an H200 with the tripwire on
+then proves the path it measured is the one an A800 can run: if anything still reached FlashMLA's FP8
+workspace, DeepGEMM, the cluster top-k, a Triton float8e4nv kernel or the MXFP4 Marlin SM check (under
+mxfp4_int8), the run fails here instead of quietly using SM90 hardware.
+
+Each tripped entry point has its own function (the seam table gives each replacement one seam).
+"""
+
+from __future__ import annotations
+
+
+class TripwireError(RuntimeError):
+    """An SM90/SM100-only entry point was reached with the SM80 datapath on."""
+
+
+def _wire(what: str, why: str):
+    def tripped(*args, **kwargs):
+        raise TripwireError(f"dsv4-sm80 tripwire: {what} was reached ({why}); the SM80 datapath must not call it")
+
+    tripped.__name__ = tripped.__qualname__ = "tripwire_" + what.replace(" ", "_").replace(".", "_")
+    return tripped
+
+
+fp8_k_pack = _wire("quant_to_nope_fp8_rope_bf16_pack_triton", "Triton float8e4nv, sm_89+")
+fp8_k_dequant = _wire("dequantize_k_cache_paged", "Triton float8e4nv workspace for FlashMLA sparse prefill")
+topk_v2 = _wire("topk_transform_512_v2", "thread-block clusters, sm_90+")
+deepgemm_linear = _wire("deepgemm_w8a8_block_fp8_linear_with_fallback", "DeepGEMM FP8 GEMM, sm_90+")
+cutlass_linear = _wire("cutlass_w8a8_block_fp8_linear_with_fallback", "CUTLASS FP8 block GEMM, sm_89+")
+triton_fp8_linear = _wire("triton_w8a8_block_fp8_linear", "Triton FP8 W8A8 GEMM, sm_89+")
+mxfp4_marlin_prepare = _wire("Mxfp4MarlinMoEMethod.process_weights_after_loading",
+                             "the MXFP4 Marlin path and its SM check, with SGLANG_DSV4_MXFP4_MOE_BACKEND=mxfp4_int8")
