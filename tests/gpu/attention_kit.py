@@ -1,0 +1,96 @@
+"""SGLang 0.5.16's own DSV4 attention test kit (sglang/test/kits/attention_unittest/attention_methods/
+dsv4_attention.py) run against the patched backend and the BF16 pool, on a GPU.
+
+    ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_TRIPWIRE=1 python tests/gpu/attention_kit.py
+
+The kit ships no driver in the wheel; this is one. Two adaptations, both to the kit's FP8 assumptions,
+none to SGLang: the kit builds its pool with dtype=float8_e4m3fn (the SM80 datapath keeps DSV4's KV in
+BF16, so the pool is built BF16), and it packs K to FP8 with a Triton float8e4nv kernel before writing
+(on the BF16 pool the rows go in as they are). Its references are pure-torch fp32 softmax over the BF16 K,
+its tolerance 8e-2 (written for FP8); the BF16 path is also held to --tol (default 2e-2).
+
+Cases: the kit's own (SWA-only extend and decode, window and page boundaries, sink on/off) for the SWA
+entry point, plus each case with compress ratio 4 and 128 through the compress entry point (the C4 and C128
+cases the kit lacks), target-verify for ratios 0/4/128 on decode cases, and draft-extend (ratio 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import traceback
+import unittest
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tol", type=float, default=2e-2)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from dsv4_sm80 import env
+
+    if not env.patch_enabled():
+        print("attention_kit: ENABLE_SGLANG_DSV4_A100_PATCH=1 is required (it is what is being tested)")
+        return 2
+    import sglang.test.kits.attention_unittest.attention_methods.dsv4_attention as K
+    from sglang.srt.mem_cache import deepseek_v4_memory_pool as P
+
+    original_init = P.DeepSeekV4TokenToKVPool.__init__
+
+    def bf16_pool(self, *a, **kw):
+        if kw.get("dtype") == torch.float8_e4m3fn:
+            kw["dtype"] = torch.bfloat16
+        return original_init(self, *a, **kw)
+
+    P.DeepSeekV4TokenToKVPool.__init__ = bf16_pool
+    K.quant_to_nope_fp8_rope_bf16_pack_triton = lambda k: k.to(torch.bfloat16).contiguous()
+    K.DSV4_ATOL = K.DSV4_RTOL = args.tol
+
+    tc = unittest.TestCase()
+    cases = list(K.make_dsv4_cases("dsv4"))
+    runs = []
+    for case in cases:
+        runs.append(("swa", case.name, lambda c=case: K.run_dsv4_attention_case(tc, c)))
+        for ratio in (4, 128):
+            c = dataclasses.replace(case, compress_ratio=ratio, name=f"{case.name}-c{ratio}")
+            runs.append((f"compress-c{ratio}", c.name,
+                         lambda c=c: K.run_dsv4_compress_attention_case(tc, c, sparse_prefill=False)))
+        if case.forward_mode.is_decode():
+            for ratio in (0, 4, 128):
+                c = dataclasses.replace(case, compress_ratio=ratio, name=f"{case.name}-verify-c{ratio}")
+                runs.append((f"verify-c{ratio}", c.name, lambda c=c: K.run_dsv4_target_verify_attention_case(tc, c)))
+            runs.append(("draft-extend", case.name, lambda c=case: K.run_dsv4_draft_extend_attention_case(tc, c)))
+
+    results = []
+    for kind, name, fn in runs:
+        try:
+            fn()
+            results.append({"kind": kind, "case": name, "ok": True})
+        except Exception as e:  # one line per failing case, the full trace in the JSON
+            results.append({"kind": kind, "case": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:600],
+                            "trace": traceback.format_exc()[-3000:]})
+    by_kind = {}
+    for r in results:
+        ok, n = by_kind.get(r["kind"], (0, 0))
+        by_kind[r["kind"]] = (ok + r["ok"], n + 1)
+    print(f"attention_kit: {torch.cuda.get_device_name(0)}, patched backend + BF16 pool, tolerance {args.tol}")
+    for kind, (ok, n) in by_kind.items():
+        print(f"  {kind:14s} {ok}/{n} passed")
+    for r in results:
+        if not r["ok"]:
+            print(f"  FAIL {r['kind']} {r['case']}: {r['error'].splitlines()[0]}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    failed = sum(not r["ok"] for r in results)
+    print("attention_kit:", "OK" if not failed else f"{failed} FAILED")
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
