@@ -213,4 +213,4 @@ def sm80_forward(self, q, k, v, layer, forward_batch, compress_ratio, save_kv_ca
     swa_lens = _match_rows(core.swa_topk_lengths, rows, 1)
     extra_ids, extra_lens = _match_rows(extra_ids, rows, -1), _match_rows(extra_lens, rows, 1)
     return sparse_attn(q.contiguous(), swa_cache, swa_ids, swa_lens, extra_cache, extra_ids, extra_lens,
-                       attn_sink, scale=self.softmax_scale, heads=layer.tp_q_head_num)
+                       attn_sink, scale=self.softmax_scale, heads=layer.tp_q_head_num, splits=None)

@@ -130,3 +130,8 @@ def test_compiles_for_sm80():
     for name, r in out.items():
         assert r["sm80"] and r["bf16_mma"] and not r["fp8"], (name, r)
         assert r["shared"] <= 163 * 1024, (name, r)
+
+
+def test_default_splits_depend_on_static_shapes_only(k):
+    assert k.default_splits(4, 16, 640, "cpu") == 1  # the interpreter: one split
+    assert k.default_splits(4, 16, 640, torch.device("cpu")) == 1

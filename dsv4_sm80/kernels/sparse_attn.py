@@ -16,6 +16,7 @@ finishes in place. Shapes never reach host logic, no autotuning: capture-safe fo
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -140,11 +141,29 @@ def _combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, o_ptr, stride_ot, stride_oh
              mask=h_ok[:, None])
 
 
+def default_splits(rows: int, heads: int, width: int, device) -> int:
+    """Split-K count from static shapes only (capture-safe): enough programs for about two waves on the
+    GPU when few queries carry long lists (decode), one split when queries are plenty (prefill)."""
+    if not (isinstance(device, torch.device) and device.type == "cuda") and not str(device).startswith("cuda"):
+        return 1
+    sms = _sm_count(torch.device(device).index or 0)
+    programs = rows * triton.cdiv(heads, BLOCK_H)
+    want = triton.cdiv(2 * sms, max(programs, 1))
+    return int(max(1, min(want, width // 128, 32)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=None, extra_lens=None, sink=None,
-                *, scale: float = HEAD_DIM ** -0.5, heads: int | None = None, splits: int = 1, block_n: int = 32,
+                *, scale: float = HEAD_DIM ** -0.5, heads: int | None = None, splits: int | None = 1,
+                block_n: int = 32,
                 out: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """o [T, Hpad, 512] (BF16) for q [T, Hpad, 512]; caches [slots, 512] BF16; ids [T, W] int32 slots;
-    lens [T] int32; sink [>= heads] fp32. Only the first `heads` heads are computed (default all)."""
+    lens [T] int32; sink [>= heads] fp32. Only the first `heads` heads are computed (default all).
+    splits=None picks `default_splits` from the static shapes."""
     t_total, hpad, dim = q.shape
     if dim != HEAD_DIM or swa_cache.shape[-1] != HEAD_DIM:
         raise ValueError(f"head dim must be {HEAD_DIM}, got q {dim}, cache {swa_cache.shape[-1]}")
@@ -152,6 +171,9 @@ def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=Non
     if q.stride(2) != 1 or swa_ids.stride(-1) != 1 or any(c.stride(0) != HEAD_DIM or c.stride(-1) != 1 for c in caches):
         raise ValueError("q and the index lists must be contiguous in their last dimension and the caches [slots, 512]")
     heads = hpad if heads is None else heads
+    if splits is None:
+        width = swa_ids.shape[1] + (extra_ids.shape[1] if extra_ids is not None else 0)
+        splits = default_splits(t_total, heads, width, q.device)
     out = torch.empty_like(q) if out is None else out
     has_extra = extra_cache is not None
     if not has_extra:

@@ -10,6 +10,7 @@
 #   tests/gpu/steps.sh moe-bench   bench/moe.py
 #   tests/gpu/steps.sh attention   SGLang's DSV4 attention test kit on the patched backend + BF16 pool (tripwire on)
 #   tests/gpu/steps.sh e2e         engine_bed with the whole SM80 datapath (tripwire on) vs the native oracle
+#   tests/gpu/steps.sh attn-bench  bench/attention.py
 #   tests/gpu/steps.sh kernels     the kernel tests, compiled on this GPU against their CPU references
 #                                  (needs pytest: carry .dev/pyt, made by `pip install --target .dev/pyt pytest`)
 # Results go to $OUT (default ./out). The native oracle is .dev/oracle/native.json (tests/gpu/engine_bed.py).
@@ -24,7 +25,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
   ( eval "$@" ) >"$OUT/$name.log" 2>&1 || { echo "=== $name: exit $?"; rc=1; }
-  grep -E "^(dense_check|moe_check|moe bench|attention_kit|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe)|Error|passed|failed" \
+  grep -E "^(dense_check|moe_check|moe bench|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe)|Error|passed|failed" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
 }
 case ${1:?step} in
@@ -63,6 +64,8 @@ case ${1:?step} in
     run e2e env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LOAD_REPORT="$OUT/report-e2e.jsonl" timeout 400 \
       python tests/gpu/engine_bed.py --out "$OUT/engine-e2e.json" --teacher-from "$ORACLE"
     python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e.json" | tee -a "$OUT/e2e.log" ;;
+  attn-bench)
+    run attn-bench timeout 500 python bench/attention.py --out "$OUT/attention.json" ;;
   kernels)
     run kernels env PYTHONPATH=$PWD/.dev/pyt:$PYTHONPATH timeout 400 python -m pytest -q -p no:cacheprovider \
       tests/test_w4a8_moe.py tests/test_sparse_attn.py tests/test_indexer_kv_store.py ;;
