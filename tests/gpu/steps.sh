@@ -11,6 +11,7 @@
 #   tests/gpu/steps.sh attention   SGLang's DSV4 attention test kit on the patched backend + BF16 pool (tripwire on)
 #   tests/gpu/steps.sh e2e         engine_bed with the whole SM80 datapath (tripwire on) vs the native oracle
 #   tests/gpu/steps.sh attn-bench  bench/attention.py
+#   tests/gpu/steps.sh jit         SGLang's JIT modules on the SM80 path compiled for sm_80 (own cache dir)
 #   tests/gpu/steps.sh kernels     the kernel tests, compiled on this GPU against their CPU references
 #                                  (needs pytest: carry .dev/pyt, made by `pip install --target .dev/pyt pytest`)
 # Results go to $OUT (default ./out). The native oracle is .dev/oracle/native.json (tests/gpu/engine_bed.py).
@@ -25,7 +26,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
   ( eval "$@" ) >"$OUT/$name.log" 2>&1 || { echo "=== $name: exit $?"; rc=1; }
-  grep -E "^(dense_check|moe_check|moe bench|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe)|Error|passed|failed" \
+  grep -E "^(jit_sm80|dense_check|moe_check|moe bench|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe)|Error|passed|failed" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
 }
 case ${1:?step} in
@@ -66,6 +67,9 @@ case ${1:?step} in
     python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e.json" | tee -a "$OUT/e2e.log" ;;
   attn-bench)
     run attn-bench timeout 500 python bench/attention.py --out "$OUT/attention.json" ;;
+  jit)
+    # a separate cache: sm_80 builds must not be picked up by this H200's own runs
+    run jit env TVM_FFI_CACHE_DIR=/tmp/jit-sm80 timeout 560 python -u tests/gpu/jit_sm80.py --out "$OUT/jit_sm80.json" ;;
   kernels)
     run kernels env PYTHONPATH=$PWD/.dev/pyt:$PYTHONPATH timeout 400 python -m pytest -q -p no:cacheprovider \
       tests/test_w4a8_moe.py tests/test_sparse_attn.py tests/test_indexer_kv_store.py ;;
