@@ -18,38 +18,9 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
 HEADS, HPAD, D, WINDOW, TOPK = 16, 64, 512, 128, 512
-
-
-def timed(torch, fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    try:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-            for _ in range(reps):
-                fn()
-        run = g.replay
-    except Exception:
-        torch.cuda.synchronize()
-
-        def run():
-            for _ in range(reps):
-                fn()
-    run()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) / 1e3 / reps)
-    return best
 
 
 def main(argv=None) -> int:
@@ -63,18 +34,13 @@ def main(argv=None) -> int:
 
     import torch
 
+    import common
+    from common import timed
     from dsv4_sm80.kernels.sparse_attn import default_splits, sparse_attn
 
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
-    def copy_peak(nbytes=2 << 30):
-        src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        return 2 * nbytes / timed(torch, lambda: dst.copy_(src), 3) / 1e9
-
-    copy_gbps = copy_peak()
-    tiny = torch.zeros(1, device=dev)
-    empty_us = timed(torch, lambda: tiny.add_(0), 100) * 1e6
+    copy_gbps, empty_us = common.copy_gbps(), common.empty_kernel_us()
     record = {"gpu": torch.cuda.get_device_name(0), "copy_gbps": copy_gbps, "empty_kernel_us": empty_us,
               "decode": [], "prefill": []}
     print(f"attention bench on {record['gpu']}: copy {copy_gbps:.0f} GB/s, empty kernel {empty_us:.1f} us")
@@ -104,7 +70,7 @@ def main(argv=None) -> int:
                 q = torch.randn(b, HPAD, D, device=dev, generator=gen).to(torch.bfloat16)
                 sink = torch.randn(HPAD, device=dev, generator=gen)
                 splits = default_splits(b, HEADS, WINDOW + ext_ids.shape[1], q.device)
-                sec = timed(torch, lambda: sparse_attn(q, swa, swa_ids, lens_s, extra, ext_ids, lens_e, sink,
+                sec = timed(lambda: sparse_attn(q, swa, swa_ids, lens_s, extra, ext_ids, lens_e, sink,
                                                       heads=HEADS, splits=splits))
                 nbytes = b * (WINDOW + extra_n) * D * 2
                 floor = empty_us / 1e6 + nbytes / (copy_gbps * 1e9)
@@ -129,7 +95,7 @@ def main(argv=None) -> int:
         lens_e = torch.clamp((pos + 1) // 4, min=1, max=TOPK).to(torch.int32)
         q = torch.randn(t, HPAD, D, device=dev, generator=gen).to(torch.bfloat16)
         sink = torch.randn(HPAD, device=dev, generator=gen)
-        sec = timed(torch, lambda: sparse_attn(q, swa, swa_ids, lens_s, extra, ext_ids, lens_e, sink, heads=HEADS,
+        sec = timed(lambda: sparse_attn(q, swa, swa_ids, lens_s, extra, ext_ids, lens_e, sink, heads=HEADS,
                                               splits=1), reps=3)
         keys = float((lens_s + lens_e).sum())
         flops = 4 * HEADS * D * keys

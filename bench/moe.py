@@ -22,42 +22,14 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
 E, H, I_PP, TOP_K = 256, 4096, 512, 6
+import common  # noqa: E402
+from common import timed  # noqa: E402
+
 DECODE = (1, 2, 4, 8, 16, 32, 64)
 PREFILL = (512, 2048, 8192, 16384)
-
-
-def timed(torch, fn, reps=10):
-    """Seconds per call of fn: a CUDA graph of `reps` calls, replayed (eager loop if capture fails)."""
-    fn()
-    torch.cuda.synchronize()
-    try:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-            for _ in range(reps):
-                fn()
-        run, mode = g.replay, "graph"
-    except Exception:
-        torch.cuda.synchronize()
-
-        def run():
-            for _ in range(reps):
-                fn()
-        mode = "eager"
-    run()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) / 1e3 / reps)
-    return best, mode
 
 
 def peaks(torch):
@@ -65,14 +37,10 @@ def peaks(torch):
     n = 8192
     a = torch.randint(-100, 100, (n, n), dtype=torch.int8, device="cuda")
     b = torch.randint(-100, 100, (n, n), dtype=torch.int8, device="cuda").t()
-    out["int8_tops"] = 2 * n**3 / timed(torch, lambda: torch._int_mm(a, b), 3)[0] / 1e12
+    out["int8_tops"] = 2 * n**3 / timed(lambda: torch._int_mm(a, b), 3) / 1e12
     x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    out["bf16_tflops"] = 2 * n**3 / timed(torch, lambda: x @ x, 3)[0] / 1e12
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    out["copy_gbps"] = 2 * src.numel() / timed(torch, lambda: dst.copy_(src), 3)[0] / 1e9
-    tiny = torch.zeros(1, device="cuda")
-    out["empty_kernel_us"] = timed(torch, lambda: tiny.add_(0), 100)[0] * 1e6
+    out["bf16_tflops"] = 2 * n**3 / timed(lambda: x @ x, 3) / 1e12
+    out["copy_gbps"], out["empty_kernel_us"] = common.copy_gbps(), common.empty_kernel_us()
     return out
 
 
@@ -136,11 +104,11 @@ def main(argv=None) -> int:
 
         row = {"tokens": m}
         try:
-            row["int8_s"], row["int8_mode"] = timed(torch, run_int8)
+            row["int8_s"] = timed(run_int8)
         except Exception as err:
             row["int8_error"] = f"{type(err).__name__}: {err}"[:300]
         try:
-            row["marlin_s"], row["marlin_mode"] = timed(torch, run_marlin)
+            row["marlin_s"] = timed(run_marlin)
         except Exception as err:
             row["marlin_error"] = f"{type(err).__name__}: {err}"[:300]
         if "int8_s" in row and "marlin_s" in row:
