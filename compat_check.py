@@ -561,11 +561,29 @@ def run(model_path=None, patch_environ=None, as_json=False, stream=sys.stdout) -
     return 1 if failures(findings) else 0
 
 
+def run_sglang_only(as_json=False, stream=sys.stdout) -> int:
+    """Only the SGLang checks (version, location, commit, clean tree, fingerprint): what docker/build.sh
+    asks of a base image before building on it; no GPU, patch or model facts are collected."""
+    facts = collect_sglang()
+    findings = check_sglang(facts)
+    bad = failures(findings)
+    if as_json:
+        print(json.dumps({"ok": not bad, "checks": [asdict(f) for f in findings], "sglang": asdict(facts)}, indent=2),
+              file=stream, flush=True)
+    else:
+        lines = [f.line() for f in findings] + [f"gate (sglang only): {'REFUSED' if bad else 'passed'}"]
+        print("\n".join(lines), file=stream, flush=True)
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="compat_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--sglang-only", action="store_true", help="only the SGLang checks (for image builds)")
     args = ap.parse_args(argv)
+    if args.sglang_only:
+        return run_sglang_only(as_json=args.json)
     return run(args.model_path, as_json=args.json)
 
 

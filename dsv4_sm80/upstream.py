@@ -89,7 +89,8 @@ def mismatches(pkg_dir: str, files=None) -> dict[str, str]:
     return out
 
 
-_VERSION_RE = re.compile(r"""^(?:__version__|version)\s*(?::\s*str\s*)?=\s*['"]([^'"]+)['"]""", re.M)
+# `__version__ = "0.5.16"`, `version: str = ...`, and vcs-versioning's `__version__ = version = '0.5.16'`
+_VERSION_RE = re.compile(r"""^(?:__version__|version)\s*(?::\s*str\s*)?=\s*(?:\w+\s*=\s*)*['"]([^'"]+)['"]""", re.M)
 
 
 def read_version(pkg_dir: str) -> Optional[str]:

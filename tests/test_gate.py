@@ -393,3 +393,15 @@ def test_gpu_probe_runs():
     assert g.error or g.devices  # on the CPU CI machine: the driver-missing error, never an exception
     if not g.devices:
         assert "libcuda" in g.error or "no CUDA device" in g.error
+
+
+def test_version_read_from_files_without_metadata(tmp_path):
+    """The official image's tree may have no importable distribution metadata: the version comes from
+    sglang/_version.py as vcs-versioning writes it (a chained assignment), and from simpler forms."""
+    from dsv4_sm80.upstream import read_version
+
+    for text, want in (("__version__ = version = '0.5.16'\n__version_tuple__ = (0, 5, 16)\n", "0.5.16"),
+                       ('__version__ = "0.5.17.dev20261101"\n', "0.5.17.dev20261101"),
+                       ("version: str = '0.5.16'\n", "0.5.16")):
+        (tmp_path / "_version.py").write_text("# generated\nfrom __future__ import annotations\n" + text)
+        assert read_version(str(tmp_path)) == want
