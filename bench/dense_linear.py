@@ -27,7 +27,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
 # per-rank (out N, in K) at TP4 (reference 01 §2.1): attention TP = 4, shared expert TP, no DP-attention
 SHAPES = (
@@ -43,6 +43,8 @@ L2_DEFEAT_BYTES = 256 << 20
 
 
 def measure_peaks(torch):
+    import common
+
     """Best of a few: BF16 GEMM 8192^3, FP8 GEMM 8192^3 (torch._scaled_mm, where supported), and
     device-to-device copy bandwidth (read + write bytes)."""
     dev = "cuda"
@@ -74,13 +76,8 @@ def measure_peaks(torch):
             out["fp8_tflops"] = None
             out["fp8_note"] = f"{type(e).__name__}: {e}"[:200]
 
-    def copy_peak(nbytes=2 << 30):
-        src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        out["copy_gbps"] = 2 * nbytes / best(lambda: dst.copy_(src)) / 1e9
-
     gemm_peaks()
-    copy_peak()
+    out["copy_gbps"] = common.copy_gbps()
     torch.cuda.empty_cache()
     return out
 

@@ -25,14 +25,9 @@ import sys
 
 import torch
 
+from .launch_gate import refusal
+
 HEAD_DIM = 512
-
-
-def _refuse(text: str):
-    import compat_check
-
-    print(f"dsv4-sm80 gate refused to launch SGLang:\n{text}", file=sys.stderr, flush=True)
-    return compat_check.GateRefused(text)
 
 
 # --- launch ---------------------------------------------------------------------------------------
@@ -46,10 +41,10 @@ def bf16_kv_at_launch(cls, server_args, *args, **kwargs):
                   "token and layer instead of 584)", file=sys.stderr, flush=True)
         server_args.kv_cache_dtype = "bfloat16"
     elif dtype != "bfloat16":
-        raise _refuse(
+        raise refusal([
             f"FAIL attention.kv_cache_dtype: found --kv-cache-dtype {dtype}; expected auto or bfloat16 (the SM80 "
             "datapath keeps DSV4's KV cache in BF16); fix: drop --kv-cache-dtype"
-        )
+        ])
     return None
 
 

@@ -10,6 +10,16 @@ from __future__ import annotations
 import sys
 
 
+def refusal(lines):
+    """The refusal every launch-time check raises: its lines on stderr, then GateRefused, before any
+    scheduler process starts (the gate here; the MoE and attention launch checks too)."""
+    import compat_check
+
+    text = "dsv4-sm80 gate refused to launch SGLang:\n" + "\n".join(lines)
+    print(text, file=sys.stderr, flush=True)
+    return compat_check.GateRefused(text)
+
+
 def before_launch(cls, server_args, *args, **kwargs):
     import compat_check
 
@@ -17,7 +27,5 @@ def before_launch(cls, server_args, *args, **kwargs):
     facts = compat_check.collect(model_path=server_args.model_path)
     bad = compat_check.failures(compat_check.evaluate(facts))
     if bad:
-        text = "dsv4-sm80 gate refused to launch SGLang:\n" + "\n".join(f.line() for f in bad)
-        print(text, file=sys.stderr, flush=True)
-        raise compat_check.GateRefused(text)
+        raise refusal(f.line() for f in bad)
     return None

@@ -24,14 +24,7 @@ import time
 import torch
 
 from . import env
-
-
-def _refuse(text: str):
-    """Same shape as the gate's refusal: one line on stderr, GateRefused before any scheduler starts."""
-    import compat_check
-
-    print(f"dsv4-sm80 gate refused to launch SGLang:\n{text}", file=sys.stderr, flush=True)
-    return compat_check.GateRefused(text)
+from .launch_gate import refusal
 
 
 # --- launch: runner backend and expert parallelism ----------------------------------------------
@@ -41,21 +34,21 @@ def route_experts_at_launch(cls, server_args, *args, **kwargs):
     ep = int(getattr(server_args, "ep_size", 1) or 1)
     a2a = str(getattr(server_args, "moe_a2a_backend", "none") or "none")
     if ep > 1 or a2a != "none":
-        raise _refuse(
+        raise refusal([
             f"FAIL moe.expert_parallel: found --ep-size {ep}, --moe-a2a-backend {a2a}; expected "
             "tensor parallelism only (--ep-size 1, --moe-a2a-backend none): SGLang 0.5.16's expert-"
             "parallel MoE paths (DeepEP, Marlin without an expert map) need SM90 kernels; fix: drop "
             "--ep-size/--moe-a2a-backend and serve with --tp-size 4"
-        )
+        ])
     backend = str(getattr(server_args, "moe_runner_backend", "auto") or "auto")
     if backend == "auto":
         server_args.moe_runner_backend = "marlin"
     elif backend != "marlin":
-        raise _refuse(
+        raise refusal([
             f"FAIL moe.runner_backend: found --moe-runner-backend {backend}; expected auto or marlin "
             f"(with the patch on the routed experts run as {env.MOE_BACKEND.name}="
             f"{env.get(env.MOE_BACKEND)} selects: mxfp4_int8 or marlin); fix: drop --moe-runner-backend"
-        )
+        ])
     return None
 
 
