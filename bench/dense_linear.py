@@ -43,10 +43,10 @@ L2_DEFEAT_BYTES = 256 << 20
 
 
 def measure_peaks(torch):
-    import common
-
     """Best of a few: BF16 GEMM 8192^3, FP8 GEMM 8192^3 (torch._scaled_mm, where supported), and
     device-to-device copy bandwidth (read + write bytes)."""
+    import common
+
     dev = "cuda"
     out = {}
 
