@@ -1,7 +1,10 @@
 """DeepSeek-V4-Flash-Vision-Exp on SGLang 0.5.16: the vision overlay (second after the A100 patch).
 
-Not built yet (issue 7). Until then `install` registers nothing, and the gate still validates a
-Vision-Exp checkpoint's vision tensors so a converted one is refused.
+In progress (issue 7). Built so far, torch-free and CPU-tested: the image geometry (resize plan, LLM grid,
+token block layout: `image_processing.py`) and the visible window (`visible_window.py`). Not built yet:
+the ViT and aligner, the VL model wrapper and its loader, bias_vl routing, the processor and chat encoding,
+and the attention/scheduler wiring, so `install` still registers nothing; the gate meanwhile validates a
+Vision-Exp checkpoint's vision tensors, so a converted one is refused.
 """
 
 
