@@ -121,3 +121,23 @@ def test_pads_before_start_stay_causal_and_partial_blocks_raise():
     assert types[s] == ip.IMAGE_START and s == 5 + 3  # the pads are outside the span
     with pytest.raises(ValueError, match="partial image block"):
         image_spans(types[:-1])
+
+
+def test_image_patches_pad_normalise_and_stretch():
+    import torch
+    from PIL import Image
+
+    red = Image.new("RGB", (300, 200), (255, 0, 0))  # up-scaled to the minimum, padded to the plan
+    patches, plan = ip.image_patches(red)
+    assert patches.dtype == torch.bfloat16 and patches.shape == (plan.n_vit_h * plan.n_vit_w, 3, 14, 14)
+    assert not plan.stretch and patches.min() >= -1 and patches.max() <= 1
+    grey = (127 / 255 - 0.5) / 0.5
+    grid = patches.float().reshape(plan.n_vit_h, plan.n_vit_w, 3, 14, 14).permute(2, 0, 3, 1, 4)
+    img = grid.reshape(3, plan.height, plan.width)
+    assert torch.allclose(img[:, 0, 0], torch.tensor([grey] * 3), atol=1e-2)  # the pad band (top)
+    mid = img[:, plan.height // 2, plan.width // 2]
+    assert torch.allclose(mid, torch.tensor([1.0, -1.0, -1.0]), atol=1e-2)  # red, normalised
+    wide = Image.new("RGB", (4000, 300), (0, 0, 255))  # wider than 8:1: stretched, no grey anywhere
+    patches, plan = ip.image_patches(wide)
+    assert plan.stretch and (plan.width, plan.height) == (2016, 252)
+    assert torch.allclose(patches.float()[:, 2].mean(), torch.tensor(1.0), atol=1e-2)

@@ -142,3 +142,27 @@ def image_block(start_pos: int, n_h: int, n_w: int) -> ImageBlock:
     types.extend([IMAGE_PAD] * (2 * ((rows // 2 * (n_w + 1)) % 2)))
     types.append(IMAGE_END)
     return ImageBlock(tuple(types), tuple(perm))
+
+
+def image_patches(image, g: Geometry = Geometry()):
+    """A PIL image -> (patches BF16 [n_vit_h * n_vit_w, 3, p, p] row-major over the grid, its ImagePlan).
+
+    RGB; resized to the plan: straight (a stretch) when the original is max_wh_ratio:1 wide or wider,
+    otherwise an aspect-preserving bicubic fit centred on grey (127, 127, 127); then x / 255, (x - 0.5) / 0.5
+    per channel (range [-1, 1]), BF16."""
+    import numpy as np
+    import torch
+    from PIL import Image, ImageOps
+
+    image = image.convert("RGB")
+    plan = plan_image(image.width, image.height, g)
+    size = (plan.width, plan.height)
+    if plan.stretch:
+        image = image.resize(size, Image.BICUBIC)
+    else:
+        image = ImageOps.pad(image, size, method=Image.BICUBIC, color=(127, 127, 127))
+    x = torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1)  # [3, H, W]
+    x = (x / 255.0 - 0.5) / 0.5
+    p = g.patch_size
+    x = x.reshape(3, plan.n_vit_h, p, plan.n_vit_w, p).permute(1, 3, 0, 2, 4)
+    return x.reshape(plan.n_vit_h * plan.n_vit_w, 3, p, p).to(torch.bfloat16), plan
