@@ -4,9 +4,9 @@ In progress (issue 7). Built so far and CPU-tested: the image geometry and pixel
 token block layout, patches: `image_processing.py`), the visible window (`visible_window.py`), the ViT and
 aligner (`vit.py`, against an independent float64 reference), the bias_vl routing function (`routing.py`).
 Not built yet: the VL model wrapper and its loader, the routing and attention wiring into SGLang, the
-processor registration and chat encoding,
-the scheduler's atomic image blocks, so `install` still registers nothing; the gate meanwhile validates a
-Vision-Exp checkpoint's vision tensors, so a converted one is refused.
+processor registration and chat encoding, the scheduler's atomic image blocks; so `install` still
+registers nothing. The gate meanwhile validates a Vision-Exp checkpoint's vision tensors, so a converted
+one is refused.
 """
 
 
