@@ -141,3 +141,45 @@ def test_image_patches_pad_normalise_and_stretch():
     patches, plan = ip.image_patches(wide)
     assert plan.stretch and (plan.width, plan.height) == (2016, 252)
     assert torch.allclose(patches.float()[:, 2].mean(), torch.tensor(1.0), atol=1e-2)
+
+
+def test_block_embeddings_place_rows_by_perm_and_sentinels_by_type():
+    import torch
+
+    b = ip.image_block(5, 3, 4)
+    rows = torch.randn(12, 8)
+    vec = {t: torch.full((8,), float(10 + t)) for t in (ip.IMAGE_START, ip.IMAGE_PAD, ip.IMAGE_NEW_LINE, ip.IMAGE_END)}
+    emb = ip.block_embeddings(b, rows, vec)
+    k = 0
+    for slot, t in enumerate(b.types):
+        if t == ip.IMAGE:
+            assert torch.equal(emb[slot], rows[b.perm[k]])
+            k += 1
+        else:
+            assert torch.equal(emb[slot], vec[t])
+    assert k == 12
+    with pytest.raises(ValueError, match="11 aligner rows for a block with 12 image slots"):
+        ip.block_embeddings(b, rows[:11], vec)
+
+
+def test_chunking_and_prefix_reuse_never_split_a_span():
+    from vision_backport.visible_window import atomic_chunk_end, atomic_prefix_len
+
+    rng = random.Random(5)
+    for _ in range(20):
+        types = stream(rng, rng.randint(1, 3))
+        spans = image_spans(types)
+        n = len(types)
+        for start in range(0, n, 37):
+            if any(s < start <= e for s, e in spans):
+                continue  # a chunk never begins inside a span (the previous one was made atomic)
+            for budget in (1, 64, 256, 640):
+                end = atomic_chunk_end(spans, start, min(start + budget, n))
+                assert end > start  # progress, also when a span is longer than the chunk
+                assert not any(s < end <= e for s, e in spans)
+                if not any(s < min(start + budget, n) <= e for s, e in spans):
+                    assert end == min(start + budget, n)  # nothing to move
+        for matched in range(0, n + 1, 13):
+            cut = atomic_prefix_len(spans, matched)
+            assert cut <= matched and not any(s < cut <= e for s, e in spans)
+            assert cut == matched or any(s == cut and s < matched <= e for s, e in spans)

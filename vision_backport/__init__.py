@@ -1,10 +1,11 @@
 """DeepSeek-V4-Flash-Vision-Exp on SGLang 0.5.16: the vision overlay (second after the A100 patch).
 
 In progress (issue 7). Built so far and CPU-tested: the image geometry and pixels (resize plan, LLM grid,
-token block layout, patches: `image_processing.py`), the visible window (`visible_window.py`), the ViT and
+token block layout, patches, block embeddings: `image_processing.py`), the visible window and the atomic
+chunk / prefix boundaries (`visible_window.py`), the ViT and
 aligner (`vit.py`, against an independent float64 reference), the bias_vl routing function (`routing.py`).
 Not built yet: the VL model wrapper and its loader, the routing and attention wiring into SGLang, the
-processor registration and chat encoding, the scheduler's atomic image blocks; so `install` still
+processor registration and chat encoding, the scheduler hooks for atomic image blocks; so `install` still
 registers nothing. The gate meanwhile validates a Vision-Exp checkpoint's vision tensors, so a converted
 one is refused.
 """

@@ -166,3 +166,21 @@ def image_patches(image, g: Geometry = Geometry()):
     p = g.patch_size
     x = x.reshape(3, plan.n_vit_h, p, plan.n_vit_w, p).permute(1, 3, 0, 2, 4)
     return x.reshape(plan.n_vit_h * plan.n_vit_w, 3, p, p).to(torch.bfloat16), plan
+
+
+def block_embeddings(block: ImageBlock, aligner_rows, vectors):
+    """The embeddings of a whole block, one row per slot: the k-th IMAGE slot takes aligner row perm[k]
+    (row-major over the LLM grid); START / PAD / NEW_LINE / END slots take their learned vectors
+    (`vectors`: {IMAGE_START: image_start, IMAGE_PAD: image_pad, IMAGE_NEW_LINE: image_newline,
+    IMAGE_END: image_end}, each [hidden])."""
+    import torch
+
+    if aligner_rows.shape[0] != len(block.perm):
+        raise ValueError(f"{aligner_rows.shape[0]} aligner rows for a block with {len(block.perm)} image slots")
+    types = torch.tensor(block.types, device=aligner_rows.device)
+    table = torch.zeros(5, aligner_rows.shape[1], dtype=aligner_rows.dtype, device=aligner_rows.device)
+    for t, v in vectors.items():
+        table[t] = v.to(table.dtype)
+    out = table[types]
+    out[types == IMAGE] = aligner_rows[torch.tensor(block.perm, device=aligner_rows.device)]
+    return out

@@ -50,3 +50,31 @@ def visible_windows(seq_len: int, spans, window: int = WINDOW, max_image_tokens:
             starts[i] = max(0, min(i - window + 1, s))
             ends[i] = min(starts[i] + width - 1, e)
     return starts, [e - s + 1 for s, e in zip(starts, ends)]
+
+
+def _cut(spans, pos: int):
+    """The span [s, e] that a boundary at `pos` (tokens before pos on one side) would split: s < pos <= e."""
+    for s, e in spans:
+        if s < pos <= e:
+            return s, e
+    return None
+
+
+def atomic_chunk_end(spans, start: int, proposed_end: int) -> int:
+    """The end (exclusive) of a prefill chunk that begins at `start`, moved so no image span is split: back
+    to the span's start when that still makes progress, otherwise forward past the span's end (a span longer
+    than the chunk is prefilled whole rather than stalled)."""
+    if proposed_end <= start:
+        raise ValueError(f"chunk [{start}, {proposed_end}) is empty")
+    hit = _cut(spans, proposed_end)
+    if hit is None:
+        return proposed_end
+    s, e = hit
+    return s if s > start else e + 1
+
+
+def atomic_prefix_len(spans, matched: int) -> int:
+    """A reused cached prefix of `matched` tokens, cut back so it never ends strictly inside an image span
+    (image queries need the whole span's keys, computed in one forward)."""
+    hit = _cut(spans, matched)
+    return matched if hit is None else hit[0]
