@@ -36,9 +36,8 @@ def bf16_kv_at_launch(cls, server_args, *args, **kwargs):
     """Before Engine._launch_subprocesses: DSV4's KV cache dtype resolves to bfloat16."""
     dtype = str(getattr(server_args, "kv_cache_dtype", "auto"))
     if dtype in ("auto", "fp8_e4m3"):
-        if dtype != "bfloat16":
-            print(f"dsv4-sm80 attention: KV cache dtype {dtype} -> bfloat16 (SM80 has no FP8; 1024 bytes per "
-                  "token and layer instead of 584)", file=sys.stderr, flush=True)
+        print(f"dsv4-sm80 attention: KV cache dtype {dtype} -> bfloat16 (SM80 has no FP8; 1024 bytes per "
+              "token and layer instead of 584)", file=sys.stderr, flush=True)
         server_args.kv_cache_dtype = "bfloat16"
     elif dtype != "bfloat16":
         raise refusal([

@@ -63,6 +63,12 @@ class Seam:
         return True
 
 
+def _tripwire(name: str, target: str, reason: str, upstream: str, *when: str) -> Seam:
+    """A lab tripwire seam: `target` is replaced by dsv4_sm80.tripwire:`name`, a function that raises."""
+    return Seam(name=f"tripwire.{name}", target=target, kind="replace", replacement=f"dsv4_sm80.tripwire:{name}",
+                reason=reason, upstream=upstream, when=("DSV4_SM80_TRIPWIRE=1", *when))
+
+
 SEAMS: tuple[Seam, ...] = (
     # --- launch: the gate runs inside SGLang too --------------------------------------------------
     Seam(
@@ -234,57 +240,28 @@ SEAMS: tuple[Seam, ...] = (
         reason="FlashMLA sparse prefill over an FP8 workspace; unreachable with the SM80 forward, and kept so.",
         upstream="srt/layers/attention/deepseek_v4_backend.py:1757-1862",
     ),
-    # --- tripwire (lab): SM90/SM100-only entry points raise (tripwire.py) -----------------------------------
-    Seam(
-        name="tripwire.fp8_k_pack",
-        target="sglang.srt.layers.attention.deepseek_v4_backend:quant_to_nope_fp8_rope_bf16_pack_triton",
-        kind="replace", replacement="dsv4_sm80.tripwire:fp8_k_pack",
-        reason="Triton float8e4nv K packer of the FP8 store path; never on the SM80 path.",
-        upstream="srt/layers/attention/deepseek_v4_backend.py:29", when=("DSV4_SM80_TRIPWIRE=1",),
-    ),
-    Seam(
-        name="tripwire.fp8_k_dequant",
-        target="sglang.srt.layers.attention.deepseek_v4_backend:dequantize_k_cache_paged",
-        kind="replace", replacement="dsv4_sm80.tripwire:fp8_k_dequant",
-        reason="Triton float8e4nv dequantization feeding FlashMLA sparse prefill.",
-        upstream="srt/layers/attention/deepseek_v4_backend.py:23", when=("DSV4_SM80_TRIPWIRE=1",),
-    ),
-    Seam(
-        name="tripwire.topk_v2",
-        target="sglang.srt.layers.attention.dsv4.indexer:topk_transform_512_v2",
-        kind="replace", replacement="dsv4_sm80.tripwire:topk_v2",
-        reason="The cluster top-k (sm_90+); SGLANG_OPT_USE_TOPK_V2=0 keeps v1.",
-        upstream="srt/layers/attention/dsv4/indexer.py:13", when=("DSV4_SM80_TRIPWIRE=1",),
-    ),
-    Seam(
-        name="tripwire.deepgemm_linear",
-        target="sglang.srt.layers.quantization.fp8_utils:deepgemm_w8a8_block_fp8_linear_with_fallback",
-        kind="replace", replacement="dsv4_sm80.tripwire:deepgemm_linear",
-        reason="DeepGEMM FP8 block GEMM (native dense path on SM90).",
-        upstream="srt/layers/quantization/fp8_utils.py:787", when=("DSV4_SM80_TRIPWIRE=1",),
-    ),
-    Seam(
-        name="tripwire.cutlass_linear",
-        target="sglang.srt.layers.quantization.fp8_utils:cutlass_w8a8_block_fp8_linear_with_fallback",
-        kind="replace", replacement="dsv4_sm80.tripwire:cutlass_linear",
-        reason="CUTLASS FP8 block GEMM.",
-        upstream="srt/layers/quantization/fp8_utils.py:747", when=("DSV4_SM80_TRIPWIRE=1",),
-    ),
-    Seam(
-        name="tripwire.triton_fp8_linear",
-        target="sglang.srt.layers.quantization.fp8_utils:triton_w8a8_block_fp8_linear",
-        kind="replace", replacement="dsv4_sm80.tripwire:triton_fp8_linear",
-        reason="Triton FP8 W8A8 block GEMM (float8e4nv).",
-        upstream="srt/layers/quantization/fp8_utils.py:972", when=("DSV4_SM80_TRIPWIRE=1",),
-    ),
-    Seam(
-        name="tripwire.mxfp4_marlin_prepare",
-        target="sglang.srt.layers.quantization.mxfp4_marlin_moe:Mxfp4MarlinMoEMethod.process_weights_after_loading",
-        kind="replace", replacement="dsv4_sm80.tripwire:mxfp4_marlin_prepare",
-        reason="Under mxfp4_int8 no expert layer may take SGLang's MXFP4 Marlin path or its SM check.",
-        upstream="srt/layers/quantization/mxfp4_marlin_moe.py:103",
-        when=("DSV4_SM80_TRIPWIRE=1", "SGLANG_DSV4_MXFP4_MOE_BACKEND=mxfp4_int8"),
-    ),
+    # --- tripwire (lab): SM90/SM100-only entry points raise (tripwire.py; only with DSV4_SM80_TRIPWIRE=1) --
+    _tripwire("fp8_k_pack", "sglang.srt.layers.attention.deepseek_v4_backend:quant_to_nope_fp8_rope_bf16_pack_triton",
+              "Triton float8e4nv K packer of the FP8 store path; never on the SM80 path.",
+              "srt/layers/attention/deepseek_v4_backend.py:29"),
+    _tripwire("fp8_k_dequant", "sglang.srt.layers.attention.deepseek_v4_backend:dequantize_k_cache_paged",
+              "Triton float8e4nv dequantization feeding FlashMLA sparse prefill.",
+              "srt/layers/attention/deepseek_v4_backend.py:23"),
+    _tripwire("topk_v2", "sglang.srt.layers.attention.dsv4.indexer:topk_transform_512_v2",
+              "The cluster top-k (sm_90+); SGLANG_OPT_USE_TOPK_V2=0 keeps v1.",
+              "srt/layers/attention/dsv4/indexer.py:13"),
+    _tripwire("deepgemm_linear", "sglang.srt.layers.quantization.fp8_utils:deepgemm_w8a8_block_fp8_linear_with_fallback",
+              "DeepGEMM FP8 block GEMM (native dense path on SM90).",
+              "srt/layers/quantization/fp8_utils.py:787"),
+    _tripwire("cutlass_linear", "sglang.srt.layers.quantization.fp8_utils:cutlass_w8a8_block_fp8_linear_with_fallback",
+              "CUTLASS FP8 block GEMM.",
+              "srt/layers/quantization/fp8_utils.py:747"),
+    _tripwire("triton_fp8_linear", "sglang.srt.layers.quantization.fp8_utils:triton_w8a8_block_fp8_linear",
+              "Triton FP8 W8A8 block GEMM (float8e4nv).",
+              "srt/layers/quantization/fp8_utils.py:972"),
+    _tripwire("mxfp4_marlin_prepare", "sglang.srt.layers.quantization.mxfp4_marlin_moe:Mxfp4MarlinMoEMethod.process_weights_after_loading",
+              "Under mxfp4_int8 no expert layer may take SGLang's MXFP4 Marlin path or its SM check.",
+              "srt/layers/quantization/mxfp4_marlin_moe.py:103", "SGLANG_DSV4_MXFP4_MOE_BACKEND=mxfp4_int8"),
     # --- dense: FP8 block linears -> BF16 at load (linear.py) ------------------------------------------
     Seam(
         name="dense.quant_method",

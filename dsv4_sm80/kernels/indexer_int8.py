@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import rope_table, round_int8
+
 PAGE = 64
 IDX_DIM = 128
 PAGE_BYTES = PAGE * (IDX_DIM + 4)
@@ -37,12 +39,6 @@ def _hadamard_halves(device: str):
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     h = (h / IDX_DIM ** 0.5).to(torch.float32)
     return h[:, 0::2].t().contiguous().to(device), h[:, 1::2].t().contiguous().to(device)
-
-
-@triton.jit
-def _round_int8(v):
-    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(-v + 0.5))
-    return tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
 
 
 @triton.jit
@@ -68,7 +64,7 @@ def _q_rope_hadamard_int8_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, 
     ho = tl.load(ho_ptr + i[:, None] * 128 + j[None, :])
     z = tl.dot(y0, he, input_precision="ieee") + tl.dot(y1, ho, input_precision="ieee")  # [BLOCK_H, 128]
     s = tl.maximum(tl.max(tl.abs(z), axis=1), 1e-4) / 127.0
-    q = _round_int8(z / s[:, None])
+    q = round_int8(z / s[:, None])
     tl.store(qo_ptr + (t * heads + offs_h[:, None]) * 128 + j[None, :], q, mask=h_ok[:, None])
     w = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     tl.store(wo_ptr + t * heads + offs_h, w * weight_scale * s, mask=h_ok)
@@ -80,7 +76,7 @@ def q_rope_hadamard_int8(q: torch.Tensor, weight: torch.Tensor, weight_scale: fl
     t_total, heads, dim = q.shape
     if dim != IDX_DIM or q.stride(-1) != 1:
         raise ValueError(f"indexer q must be [T, H, {IDX_DIM}] with unit stride, got {tuple(q.shape)}")
-    freqs = torch.view_as_real(freqs_cis) if freqs_cis.is_complex() else freqs_cis
+    freqs = rope_table(freqs_cis)
     he, ho = _hadamard_halves(str(q.device))
     q_out = torch.empty((t_total, heads, IDX_DIM), dtype=torch.int8, device=q.device)
     w_out = torch.empty((t_total, heads, 1), dtype=torch.float32, device=q.device)
@@ -103,7 +99,7 @@ def _store_index_k_kernel(x_ptr, stride_x, loc_ptr, cache_ptr, cache_f32_ptr):
     s = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4) / 127.0
     page = loc // 64
     off = loc % 64
-    tl.store(cache_ptr + page * (64 * 132) + off * 128 + d, _round_int8(x / s))
+    tl.store(cache_ptr + page * (64 * 132) + off * 128 + d, round_int8(x / s))
     tl.store(cache_f32_ptr + page * (64 * 33) + 64 * 32 + off, s)
 
 
@@ -196,7 +192,7 @@ def _compress_store_index_k_kernel(kv_ptr, plan_ptr, n_rows, out_loc_ptr, w_ptr,
     slot64 = tl.where(valid, slot, 0).to(tl.int64)
     page = slot64 // 64
     off = slot64 % 64
-    tl.store(cache_ptr + page[:, None] * (64 * 132) + off[:, None] * 128 + j[None, :], _round_int8(h / s[:, None]),
+    tl.store(cache_ptr + page[:, None] * (64 * 132) + off[:, None] * 128 + j[None, :], round_int8(h / s[:, None]),
              mask=valid[:, None])
     tl.store(cache_f32_ptr + page * (64 * 33) + 64 * 32 + off, s, mask=valid)
 
@@ -216,7 +212,7 @@ def compress_store_index_k_int8(kv: torch.Tensor, plan_rows: torch.Tensor, is_de
     if plan.shape[0] < n:
         raise ValueError(f"the plan has {plan.shape[0]} rows for {n} compressed rows")
     raw = cache.view(torch.uint8).view(-1)
-    freqs = torch.view_as_real(freqs_cis) if freqs_cis.is_complex() else freqs_cis
+    freqs = rope_table(freqs_cis)
     he, ho = _hadamard_halves(str(kv.device))
     block_r = 16
     _compress_store_index_k_kernel[(triton.cdiv(n, block_r),)](

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import rope_table
+
 HEAD_DIM = 512
 ROPE_DIM = 64
 
@@ -51,7 +53,7 @@ def k_norm_rope_store(kv: torch.Tensor, weight: torch.Tensor, eps: float, freqs_
     if kv.shape[-1] != HEAD_DIM or kv.stride(-1) != 1:
         raise ValueError(f"kv must be [N, {HEAD_DIM}] with unit stride in its last dim, got {tuple(kv.shape)}")
     flat = cache.view(-1, HEAD_DIM)
-    freqs = torch.view_as_real(freqs_cis) if freqs_cis.is_complex() else freqs_cis
+    freqs = rope_table(freqs_cis)
     if freqs.shape[-1] != 2 or freqs.shape[-2] != ROPE_DIM // 2:
         raise ValueError(f"freqs_cis must be complex [max_pos, {ROPE_DIM // 2}], got {tuple(freqs_cis.shape)}")
     if n == 0:

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import round_int8
+
 GROUP = 32  # MXFP4 scale group along K
 CHUNK = 64  # K per byte tile: two groups, low and high nibbles
 
@@ -158,9 +160,7 @@ def _w4a8_moe_kernel(
         # INT8 per (pair, this tile's columns): the scale the down kernel reads per K group
         s = tl.max(tl.abs(h), axis=1) / 127.0
         s = tl.where(s > 0, s, 1.0)
-        v = h / s[:, None]
-        q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(-v + 0.5))
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
+        q = round_int8(h / s[:, None])
         tl.store(c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :], q,
                  mask=row_ok[:, None] & n_ok[None, :])
         tl.store(c_scale_ptr + out_rows * c_scale_groups + pid_n, s, mask=row_ok)
