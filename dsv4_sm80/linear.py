@@ -188,6 +188,27 @@ def with_sm80_loader_name(names):
     return list(names) if "Sm80Bf16LinearMethod" in names else [*names, "Sm80Bf16LinearMethod"]
 
 
+def marlin_reduce_as_sm80(should_use_atomic_add_reduce):
+    """Value of marlin_utils_fp8.should_use_atomic_add_reduce (the name apply_fp8_marlin_linear calls,
+    marlin_utils_fp8.py:75): the upstream rule as SM8x evaluates it. Upstream lets Marlin sum its
+    split-K partials with BF16 atomicAdd when n < 2048 <= k, but only on capability >= 9
+    (marlin_utils.py:479-483); an A800 reduces in fp32. Measured on the H200 (lab, fp8_marlin): wo_b
+    (n 512, k 2048) came out at 1.0e-2 max relative error against the fp32 product, 5x a BF16 GEMM's;
+    every other linear (k <= 512) was within BF16 rounding. FP16 keeps the upstream answer (SM8x
+    takes atomicAdd for FP16 too)."""
+    if getattr(should_use_atomic_add_reduce, "_dsv4_sm80", False):
+        return should_use_atomic_add_reduce
+
+    @functools.wraps(should_use_atomic_add_reduce)
+    def as_sm80(m, n, k, device, dtype):
+        if dtype == torch.bfloat16:
+            return False
+        return should_use_atomic_add_reduce(m, n, k, device, dtype)
+
+    as_sm80._dsv4_sm80 = True
+    return as_sm80
+
+
 def build_wo_a_from_checkpoint(original, self, *args, **kwargs):
     """Around MqaAttentionBase.__init__ (deepseek_v4.py:378): build `wo_a` with the checkpoint's FP8
     quant config so each TP rank loads its FP8 shard and converts it on the GPU, instead of the

@@ -289,6 +289,17 @@ SEAMS: tuple[Seam, ...] = (
         upstream="srt/layers/linear.py:58-79",
     ),
     Seam(
+        name="dense.marlin_fp32_reduce",
+        target="sglang.srt.layers.quantization.marlin_utils_fp8:should_use_atomic_add_reduce",
+        kind="value",
+        replacement="dsv4_sm80.linear:marlin_reduce_as_sm80",
+        reason=(
+            "FP8-Marlin sums split-K partials with BF16 atomicAdd on SM90+ only (marlin_utils.py:479); "
+            "a lab run on an H200 must reduce in fp32 as an A800 does, or it tests another datapath."
+        ),
+        upstream="srt/layers/quantization/marlin_utils_fp8.py:13",
+    ),
+    Seam(
         name="dense.wo_a_fp8_param",
         target="sglang.srt.models.deepseek_v4:MqaAttentionBase.__init__",
         kind="around",

@@ -211,3 +211,27 @@ print(json.dumps({"wrapped": hasattr(Fp8Config.get_quant_method, "__wrapped__"),
         "wrapped": False, "dequant": "sglang.srt.models.deepseek_v4"}
     assert last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1")) == {
         "wrapped": True, "dequant": "dsv4_sm80.linear"}
+
+
+REDUCE = """
+import json, torch
+torch.cuda.get_device_capability = lambda device=None: (9, 0)  # an H200, as in a lab run
+from sglang.srt.layers.quantization import marlin_utils, marlin_utils_fp8
+cuda = torch.device("cuda")  # a device object only; nothing runs on it
+args = (8, 512, 2048, cuda)  # wo_b at the tiny checkpoint's shape: n < 2048 <= k
+print(json.dumps({"fp8_bf16": marlin_utils_fp8.should_use_atomic_add_reduce(*args, torch.bfloat16),
+                  "fp8_fp16": marlin_utils_fp8.should_use_atomic_add_reduce(*args, torch.float16),
+                  "upstream_bf16": marlin_utils.should_use_atomic_add_reduce(*args, torch.bfloat16)}))
+"""
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("patch,want_bf16", [("1", False), ("0", True)])
+def test_fp8_marlin_reduces_in_fp32_as_on_sm80(patch, want_bf16):
+    """FP8-Marlin's split-K reduction: upstream takes BF16 atomicAdd on capability >= 9 only; with the
+    patch on, the name apply_fp8_marlin_linear calls answers as on an A800 (fp32 reduce for BF16), so
+    a lab run of SGLANG_DSV4_A100_DENSE=fp8_marlin on an H200 runs the A800's datapath. Patch off:
+    upstream's answer."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    out = last_json(run_python(REDUCE, ENABLE_SGLANG_DSV4_A100_PATCH=patch, SGLANG_DSV4_A100_DENSE="fp8_marlin"))
+    assert out == {"fp8_bf16": want_bf16, "fp8_fp16": True, "upstream_bf16": True}, out

@@ -23,6 +23,9 @@ import sys
 import traceback
 import unittest
 
+DRAFT_TOKENS = 4  # MTP with 3 speculative steps: 4 tokens verified per request
+ACCEPTED = 2
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,6 +41,7 @@ def main(argv=None) -> int:
         print("attention_kit: ENABLE_SGLANG_DSV4_A100_PATCH=1 is required (it is what is being tested)")
         return 2
     import sglang.test.kits.attention_unittest.attention_methods.dsv4_attention as K
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.mem_cache import deepseek_v4_memory_pool as P
 
     original_init = P.DeepSeekV4TokenToKVPool.__init__
@@ -61,10 +65,17 @@ def main(argv=None) -> int:
             runs.append((f"compress-c{ratio}", c.name,
                          lambda c=c: K.run_dsv4_compress_attention_case(tc, c, sparse_prefill=False)))
         if case.forward_mode.is_decode():
+            # The decode cases' prefixes, re-cast as the speculative modes the runners require: a chain of
+            # DRAFT_TOKENS tokens verified per request (TARGET_VERIFY), and ACCEPTED tokens re-extended
+            # by the draft model (DRAFT_EXTEND_V2, SWA only as in production).
+            bs = len(case.prefix_lens)
             for ratio in (0, 4, 128):
-                c = dataclasses.replace(case, compress_ratio=ratio, name=f"{case.name}-verify-c{ratio}")
+                c = dataclasses.replace(case, forward_mode=ForwardMode.TARGET_VERIFY, compress_ratio=ratio,
+                                        extend_lens=(DRAFT_TOKENS,) * bs, name=f"{case.name}-verify-c{ratio}")
                 runs.append((f"verify-c{ratio}", c.name, lambda c=c: K.run_dsv4_target_verify_attention_case(tc, c)))
-            runs.append(("draft-extend", case.name, lambda c=case: K.run_dsv4_draft_extend_attention_case(tc, c)))
+            c = dataclasses.replace(case, forward_mode=ForwardMode.DRAFT_EXTEND_V2, compress_ratio=0,
+                                    extend_lens=(ACCEPTED,) * bs, name=f"{case.name}-draft-extend")
+            runs.append(("draft-extend", c.name, lambda c=c: K.run_dsv4_draft_extend_attention_case(tc, c)))
 
     results = []
     for kind, name, fn in runs:
