@@ -44,11 +44,25 @@ def peaks(torch):
     return out
 
 
+# W4A8 alternatives timed with --variants (config keys of w4a8_moe): the default is the PTX table decoder
+# with int32-merged spans and default_config's tiles.
+VARIANTS = {
+    "alu-decode": {"decode": "alu"},
+    "per-group": {"merge": False},
+    "session-3 kernel (alu, per-group)": {"decode": "alu", "merge": False},
+    "block_n 64": {"block_n": 64},
+    "block_n2 128": {"block_n2": 128},
+    "block_m 64, warps 8": {"block_m": 64, "num_warps": 8},
+}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", default=",".join(map(str, DECODE + PREFILL)))
     ap.add_argument("--experts", type=int, default=E)
+    ap.add_argument("--variants", action="store_true",
+                    help="also time the W4A8 kernel's alternatives per size (decoder, span merge, tiles)")
     args = ap.parse_args(argv)
 
     import torch
@@ -94,8 +108,8 @@ def main(argv=None) -> int:
         ids = ids.to(torch.int32)
         logits = scores.to(torch.bfloat16)
 
-        def run_int8():
-            return w4a8_moe(x, *ours, tw, ids, swiglu_limit=10.0, routed_scaling_factor=1.0)
+        def run_int8(config=None):
+            return w4a8_moe(x, *ours, tw, ids, swiglu_limit=10.0, routed_scaling_factor=1.0, config=config)
 
         def run_marlin():
             return fused_marlin_moe(x, layer.w13_weight, layer.w2_weight, layer.w13_weight_scale,
@@ -136,6 +150,15 @@ def main(argv=None) -> int:
         for k in ("int8_error", "marlin_error"):
             if k in row:
                 print("  ", k, row[k])
+        if args.variants:
+            row["variants"] = {}
+            for name, cfg in VARIANTS.items():
+                try:
+                    row["variants"][name] = timed(lambda: run_int8(cfg)) * 1e6
+                except Exception as err:
+                    row["variants"][name] = f"{type(err).__name__}: {err}"[:200]
+            print("        variants (us):", "  ".join(
+                f"{n} {v:.1f}" if isinstance(v, float) else f"{n} ERR" for n, v in row["variants"].items()))
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
     return 0

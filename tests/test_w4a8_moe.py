@@ -171,31 +171,99 @@ SIG = {
     "N": "i32", "K": "i32", "num_pairs": "i32", "a_row_div": "i32", "a_scale_groups": "i32", "limit": "fp32",
     "stride_am": "i32", "stride_be": "i32", "stride_bn": "i32", "stride_bse": "i32", "stride_bsn": "i32",
     "stride_cm": "i32", "c_scale_groups": "i32", "GATED": "constexpr", "MUL_WEIGHT": "constexpr",
-    "A_GROUP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+    "A_GROUP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "SPAN": "constexpr",
+    "DECODE_ASM": "constexpr",
 }
 out = {}
 for name, cfg in CONFIGS.items():
     for gated in (True, False):
-        sig = dict(SIG, c_ptr="*i8" if gated else "*fp32")
-        consts = {"GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": 0 if gated else cfg["block_n"],
-                  "BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"] if gated else cfg["block_n2"]}
-        ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 80, 32),
-                             options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}).asm["ptx"]
-        out[f"{name}-{'gate_up' if gated else 'down'}"] = {
-            "sm80": ".target sm_80" in ptx,
-            "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
-            "fp8": "e4m3" in ptx or "e5m2" in ptx}
+        a_group = 0 if gated else cfg["block_n"]
+        for span in sorted({32, 128 if gated else cfg["block_n"]}):
+            for asm in (True, False):
+                sig = dict(SIG, c_ptr="*i8" if gated else "*fp32")
+                consts = {"GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": a_group, "BLOCK_M": cfg["block_m"],
+                          "BLOCK_N": cfg["block_n"] if gated else cfg["block_n2"], "SPAN": span, "DECODE_ASM": asm}
+                ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                                     target=GPUTarget("cuda", 80, 32),
+                                     options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}).asm["ptx"]
+                out[f"{name}-{'gate_up' if gated else 'down'}-span{span}-{'asm' if asm else 'alu'}"] = {
+                    "sm80": ".target sm_80" in ptx,
+                    "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
+                    "prmt": "0xF4F8FAFC" in ptx,  # the negative table of the inline decoder
+                    "fp8": "e4m3" in ptx or "e5m2" in ptx}
 print(json.dumps(out))
 """
 
 
 def test_compiles_for_sm80_with_int8_mma():
-    """Both kernels, both tile configurations, compiled for sm_80 without a GPU (in a process where
-    Triton's interpreter is off): INT8 tensor-core MMA, no FP8 type anywhere."""
+    """Both kernels, both tile configurations, per-group and int32-merged spans, PRMT and ALU code
+    decoding, compiled for sm_80 without a GPU (in a process where Triton's interpreter is off): INT8
+    tensor-core MMA, the PRMT table lookup where selected, no FP8 type anywhere."""
     from conftest import last_json, run_python
 
     code = COMPILE.replace("CONFIGS", repr({"decode": DECODE, "prefill": PREFILL}))
     out = last_json(run_python(code, TRITON_INTERPRET="0"))
-    assert len(out) == 4
+    assert len(out) == 14  # decode down has only span 32 (block_n 32)
     for name, r in out.items():
-        assert r == {"sm80": True, "int8_mma": True, "fp8": False}, (name, r)
+        assert r == {"sm80": True, "int8_mma": True, "prmt": name.endswith("-asm"), "fp8": False}, (name, r)
+
+
+E2M1X2 = [0, 1, 2, 3, 4, 6, 8, 12]
+
+
+def _prmt(a, b, c):
+    """PTX prmt.b32 (default mode): byte i of the result = byte (selector nibble i) of {b, a}."""
+    src, out = (b << 32) | a, 0
+    for i in range(4):
+        sel = (c >> (4 * i)) & 0xF
+        assert sel < 8  # the sign-replicate mode is never used
+        out |= ((src >> (8 * sel)) & 0xFF) << (8 * i)
+    return out
+
+
+def _swar_nibbles(x):
+    """kernels/w4a8_moe.py _SWAR_NIBBLE, instruction by instruction, on one 32-bit register."""
+    m = x & 0x07070707
+    t = (m >> 4) | m
+    sel = _prmt(t, 0, 0x4420)
+    pos = _prmt(0x03020100, 0x0C080604, sel)
+    neg = _prmt(0xFDFEFF00, 0xF4F8FAFC, sel)
+    sg = ((x & 0x08080808) >> 3) * 255
+    return ((pos & ~sg) | (neg & sg)) & 0xFFFFFFFF
+
+
+def test_swar_decode_algorithm():
+    """The PTX decoder's algorithm (four codes per register, two table lookups, a sign blend), emulated
+    on every byte value in every position, against the E2M1 table. The kernel's PTX text is checked to
+    be these instructions with these constants; a GPU run checks the compiled kernel against the
+    reference."""
+    from dsv4_sm80.kernels import w4a8_moe as mod
+
+    for const in ("0x07070707", "0x08080808", "0x4420", "0x03020100", "0x0C080604", "0xFDFEFF00", "0xF4F8FAFC"):
+        assert const in mod._DECODE_ASM, const
+    want = lambda c: (-E2M1X2[c & 7] if c & 8 else E2M1X2[c & 7]) & 0xFF  # noqa: E731
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(0, 256, (4096, 4), generator=g).tolist() + [[b, (b + 1) % 256, 255 - b, b ^ 0x88] for b in range(256)]
+    for bs in words:
+        w = sum(b << (8 * i) for i, b in enumerate(bs))
+        lo, hi = _swar_nibbles(w), _swar_nibbles(w >> 4)
+        assert [(lo >> (8 * i)) & 0xFF for i in range(4)] == [want(b & 0xF) for b in bs], bs
+        assert [(hi >> (8 * i)) & 0xFF for i in range(4)] == [want(b >> 4) for b in bs], bs
+
+
+def test_span_merge_exact_up_to_13_binades_and_bounded_beyond(k):
+    """Scale groups merged over a 128-deep span in int32 are exact while a span's exponents stay within
+    13 binades (the tests above use 12); beyond, a group more than 13 below the span's largest is
+    dropped (each of its products is below 2^-13 of the largest group's scale), a perturbation the INT8
+    re-quantization of the intermediate can turn into a rounding flip: bounded, measured here with
+    exponents drawn over 30 binades (real checkpoints: a few binades per 128 columns)."""
+    x, w13, s13, w2, s2, tw, ids = case(t=4, seed=41, exp_lo=100, exp_hi=131)  # spreads up to 30 binades
+    merged = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(PREFILL))
+    per_group = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(PREFILL, merge=False))
+    err = rel(merged, per_group)
+    print(f"span merge with exponent spreads up to 30 binades: max relative difference {err:.1e}")
+    assert 0 < err < 1e-2
+    x, w13, s13, w2, s2, tw, ids = case(t=4, seed=42, exp_lo=118, exp_hi=132)  # spreads up to 13
+    merged = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(PREFILL))
+    per_group = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(PREFILL, merge=False))
+    assert rel(merged, per_group) < 1e-6

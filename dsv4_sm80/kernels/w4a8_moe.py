@@ -13,9 +13,18 @@ The math (reference: `w4a8_moe_ref.py`):
   per token (or per token and `input_group` columns), the intermediate per (token, expert) pair and
   BLOCK_N columns, computed in the gate-up kernel's epilogue (no extra pass). The intermediate's
   rounding dominates the error (silu(gate) * up is heavy-tailed); measured in tests/test_w4a8_moe.py.
-- For each 32-wide K group the INT8 dot accumulates exactly in int32; it is then scaled by that
-  group's weight scale in fp32. The weight side loses nothing; only the activation rounding to INT8 is
-  lossy (measured in the tests and the benchmark).
+- Each 32-wide K group's INT8 dot is exact in int32. Groups are merged over a span of 64 or 128 K in
+  int32: each group's dot is shifted left by its exponent above the span's reference exponent (the
+  span's smallest, or its largest minus 13 if the span is wider than 13 binades; a group further below
+  is dropped, below 2^-13 of the largest), then one int32 -> fp32 conversion and one power-of-two scale
+  serve the span. Exact while a span's exponents stay within 13 binades (real weights: a few). The
+  weight side loses nothing; only the activation rounding to INT8 is lossy (measured in the tests and
+  the benchmark). A span of 32 (no merging) is used where the activation scale changes every 32 K.
+- The codes are widened to INT8 four per 32-bit register by inline PTX (two PRMT table lookups and a
+  sign blend, `_DECODE_ASM`); Triton's CPU interpreter cannot run inline PTX, so there (and with
+  config decode="alu") the same mapping is computed with integer arithmetic.
+- Sorting the (token, expert) pairs by expert uses SGLang's own `moe_align_block_size` kernel on a GPU
+  (`align_by_expert` is the same contract in torch, for the CPU).
 - Gate-up computes the gate (rows [0, I)) and up (rows [I, 2I)) tiles of the same columns together, applies
   the clamped SiLU-GLU (gate <= limit, |up| <= limit, silu(gate) * up), and quantizes the result; the down
   kernel multiplies by the router weight; the sum over top-k and the routed scaling factor (once) follow.
@@ -28,11 +37,15 @@ the checkpoint's E8M0 bytes [N, K/32].
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from .common import round_int8
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # inline PTX does not run in the interpreter
 
 GROUP = 32  # MXFP4 scale group along K
 CHUNK = 64  # K per byte tile: two groups, low and high nibbles
@@ -83,16 +96,116 @@ def _e8m0(e):
     return (e << 23).to(tl.float32, bitcast=True)
 
 
+# E2M1 codes -> twice their value as INT8, four bytes per 32-bit register (SWAR): the magnitude bits of
+# four codes become one PRMT selector, two PRMTs look the magnitudes up in a positive and a negative
+# 8-byte table, the sign bits pick per byte. About 3 instructions per code instead of ~10 on int32 lanes.
+# Emulated bit for bit in tests/test_w4a8_moe.py (test_swar_decode_algorithm); on a GPU the kernel tests
+# check the compiled result against the reference.
+_SWAR_NIBBLE = """
+    and.b32 m, {x}, 0x07070707;
+    shr.b32 t, m, 4;
+    or.b32 t, t, m;
+    prmt.b32 sel, t, 0, 0x4420;
+    prmt.b32 pos, lp, hp, sel;
+    prmt.b32 neg, ln, hn, sel;
+    and.b32 sg, {x}, 0x08080808;
+    shr.b32 sg, sg, 3;
+    mul.lo.u32 sg, sg, 255;
+    and.b32 neg, neg, sg;
+    not.b32 sg, sg;
+    and.b32 pos, pos, sg;
+    or.b32 {out}, pos, neg;
+"""
+_DECODE_ASM = ("{\n.reg .b32 m, t, sel, pos, neg, sg, hi4, lp, hp, ln, hn;\n"
+               "mov.b32 lp, 0x03020100;\nmov.b32 hp, 0x0C080604;\n"
+               "mov.b32 ln, 0xFDFEFF00;\nmov.b32 hn, 0xF4F8FAFC;\n"
+               + _SWAR_NIBBLE.format(x="$2", out="$0")
+               + "shr.b32 hi4, $2, 4;\n"
+               + _SWAR_NIBBLE.format(x="hi4", out="$1")
+               + "}")
+_DECODE_ASM_C = tl.constexpr(_DECODE_ASM)
+
+
 @triton.jit
-def _w4_dots(a0, a1, b_ptrs, s_ptrs, n_ok):
-    """One 64-deep K step against one byte tile: the two 32-deep INT8 dots (low nibbles = k0..k0+31,
-    high = k0+32..k0+63), each scaled by its own group's E8M0 weight scale, in fp32."""
-    byte = tl.load(b_ptrs, mask=n_ok[None, :], other=0).to(tl.int32) & 0xFF
+def _decode_pair(byte, DECODE_ASM: tl.constexpr):
+    """A uint8 tile of packed codes -> (low-nibble codes, high-nibble codes) as INT8 twice-values."""
+    if DECODE_ASM:
+        lo, hi = tl.inline_asm_elementwise(_DECODE_ASM_C, "=r,=r,r", [byte], dtype=(tl.int8, tl.int8),
+                                           is_pure=True, pack=4)
+    else:
+        b = byte.to(tl.int32) & 0xFF
+        lo = _e2m1x2(b & 0xF).to(tl.int8)
+        hi = _e2m1x2(b >> 4).to(tl.int8)
+    return lo, hi
+
+
+@triton.jit
+def _w4_dots(a0, a1, b_ptrs, s_ptrs, n_ok, DECODE_ASM: tl.constexpr):
+    """One 64-deep K step against one byte tile, per group (activation scale per 32 columns): the two
+    32-deep INT8 dots (low nibbles = k0..k0+31, high = k0+32..k0+63), each scaled by its own group's
+    E8M0 weight scale, in fp32."""
+    byte = tl.load(b_ptrs, mask=n_ok[None, :], other=0)
     s0 = _e8m0(tl.load(s_ptrs, mask=n_ok, other=0).to(tl.int32) & 0xFF)
     s1 = _e8m0(tl.load(s_ptrs + 1, mask=n_ok, other=0).to(tl.int32) & 0xFF)
-    d0 = tl.dot(a0, _e2m1x2(byte & 0xF).to(tl.int8), out_dtype=tl.int32).to(tl.float32) * s0[None, :]
-    d1 = tl.dot(a1, _e2m1x2(byte >> 4).to(tl.int8), out_dtype=tl.int32).to(tl.float32) * s1[None, :]
+    lo, hi = _decode_pair(byte, DECODE_ASM)
+    d0 = tl.dot(a0, lo, out_dtype=tl.int32).to(tl.float32) * s0[None, :]
+    d1 = tl.dot(a1, hi, out_dtype=tl.int32).to(tl.float32) * s1[None, :]
     return d0, d1
+
+
+@triton.jit
+def _shifted(d, sh):
+    """An exact int32 group dot moved to the span's reference exponent: d * 2^sh for sh >= 0; a group more
+    than SPREAD binades below the span's largest is dropped (below 2^-13 of it; never in a checkpoint)."""
+    return tl.where(sh[None, :] >= 0, d << tl.maximum(sh, 0)[None, :], 0)
+
+
+@triton.jit
+def _span_ref(s_ptrs, n_ok, G: tl.constexpr, SPREAD: tl.constexpr):
+    """Scale bytes of a span's G groups [N, G] -> (shift per group above the reference, reference e)."""
+    offs_g = tl.arange(0, G)
+    e = tl.load(s_ptrs[:, None] + offs_g[None, :], mask=n_ok[:, None], other=0).to(tl.int32) & 0xFF
+    e_ref = tl.maximum(tl.min(e, axis=1), tl.max(e, axis=1) - SPREAD)
+    return e - e_ref[:, None], e_ref
+
+
+@triton.jit
+def _group_shift(sh, g, G: tl.constexpr):
+    return tl.sum(tl.where(tl.arange(0, G)[None, :] == g, sh, 0), axis=1)
+
+
+@triton.jit
+def _w4_span(a_ptrs, row_ok, b_ptrs, s_ptrs, n_ok, up_b, up_s,
+             GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             SPAN: tl.constexpr, SPREAD: tl.constexpr, DECODE_ASM: tl.constexpr):
+    """SPAN deep K (SPAN/32 scale groups) against one weight tile (and, GATED, the up tile `up_b` /
+    `up_s` rows further, sharing the activation loads), accumulated exactly in int32: each group's
+    INT8 dot is shifted by its exponent above the span's reference exponent e_ref = max(min e, max e -
+    SPREAD), so one int32 -> fp32 conversion and one scale multiply serve the whole span
+    (|sum| <= 127 * 12 * 32 * 2^SPREAD * groups < 2^31 for SPREAD 13, 4 groups). Returns fp32 [M, N]
+    partials (gate, up); up is zeros when not GATED."""
+    G: tl.constexpr = SPAN // 32
+    sh, e_ref = _span_ref(s_ptrs, n_ok, G, SPREAD)
+    iacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    iacc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    if GATED:
+        sh_up, e_ref_up = _span_ref(s_ptrs + up_s, n_ok, G, SPREAD)
+    for c in tl.static_range(SPAN // 64):
+        a0 = tl.load(a_ptrs + c * 64, mask=row_ok[:, None], other=0)
+        a1 = tl.load(a_ptrs + c * 64 + 32, mask=row_ok[:, None], other=0)
+        lo, hi = _decode_pair(tl.load(b_ptrs + c * 32, mask=n_ok[None, :], other=0), DECODE_ASM)
+        iacc += _shifted(tl.dot(a0, lo, out_dtype=tl.int32), _group_shift(sh, 2 * c, G))
+        iacc += _shifted(tl.dot(a1, hi, out_dtype=tl.int32), _group_shift(sh, 2 * c + 1, G))
+        if GATED:
+            lo, hi = _decode_pair(tl.load(b_ptrs + up_b + c * 32, mask=n_ok[None, :], other=0), DECODE_ASM)
+            iacc_up += _shifted(tl.dot(a0, lo, out_dtype=tl.int32), _group_shift(sh_up, 2 * c, G))
+            iacc_up += _shifted(tl.dot(a1, hi, out_dtype=tl.int32), _group_shift(sh_up, 2 * c + 1, G))
+    gate = iacc.to(tl.float32) * _e8m0(e_ref)[None, :]
+    if GATED:
+        up = iacc_up.to(tl.float32) * _e8m0(e_ref_up)[None, :]
+    else:
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return gate, up
 
 
 @triton.jit
@@ -102,8 +215,11 @@ def _w4a8_moe_kernel(
     N, K, num_pairs, a_row_div, a_scale_groups, limit,
     stride_am, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, c_scale_groups,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr = 32, DECODE_ASM: tl.constexpr = False,
 ):
+    """SPAN = 32: every scale group converted to fp32 on its own (needed when the activation scale
+    changes every 32 columns). SPAN = 64 or 128: groups merged in int32 over the span (`_w4_span`); the
+    activation scale, if grouped, is constant over the span (A_GROUP == SPAN)."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid_m = pid // n_tiles
@@ -125,26 +241,41 @@ def _w4a8_moe_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     b_base = b_ptr + expert * stride_be
     bs_base = bs_ptr + expert * stride_bse
-    for k0 in range(0, K, 64):
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
-        a0 = tl.load(a_ptrs, mask=row_ok[:, None], other=0)
-        a1 = tl.load(a_ptrs + 32, mask=row_ok[:, None], other=0)
-        if A_GROUP:  # activation scale per (row, group of A_GROUP columns of K; a multiple of 32)
-            sa0 = tl.load(a_scale_ptr + a_rows * a_scale_groups + k0 // A_GROUP, mask=row_ok, other=0.0)
-            sa1 = tl.load(a_scale_ptr + a_rows * a_scale_groups + (k0 + 32) // A_GROUP, mask=row_ok, other=0.0)
-        b_ptrs = b_base + offs_n[None, :] * stride_bn + (k0 // 2 + offs_j)[:, None]
-        s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
-        d0, d1 = _w4_dots(a0, a1, b_ptrs, s_ptrs, n_ok)
-        if A_GROUP:
-            acc += d0 * sa0[:, None] + d1 * sa1[:, None]
-        else:
-            acc += d0 + d1
-        if GATED:  # the up rows of the same columns sit N rows further
-            d0, d1 = _w4_dots(a0, a1, b_ptrs + N * stride_bn, s_ptrs + N * stride_bsn, n_ok)
+    if SPAN == 32:
+        for k0 in range(0, K, 64):
+            a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
+            a0 = tl.load(a_ptrs, mask=row_ok[:, None], other=0)
+            a1 = tl.load(a_ptrs + 32, mask=row_ok[:, None], other=0)
+            if A_GROUP:  # activation scale per (row, group of A_GROUP columns of K; a multiple of 32)
+                sa0 = tl.load(a_scale_ptr + a_rows * a_scale_groups + k0 // A_GROUP, mask=row_ok, other=0.0)
+                sa1 = tl.load(a_scale_ptr + a_rows * a_scale_groups + (k0 + 32) // A_GROUP, mask=row_ok, other=0.0)
+            b_ptrs = b_base + offs_n[None, :] * stride_bn + (k0 // 2 + offs_j)[:, None]
+            s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
+            d0, d1 = _w4_dots(a0, a1, b_ptrs, s_ptrs, n_ok, DECODE_ASM)
             if A_GROUP:
-                acc_up += d0 * sa0[:, None] + d1 * sa1[:, None]
+                acc += d0 * sa0[:, None] + d1 * sa1[:, None]
             else:
-                acc_up += d0 + d1
+                acc += d0 + d1
+            if GATED:  # the up rows of the same columns sit N rows further
+                d0, d1 = _w4_dots(a0, a1, b_ptrs + N * stride_bn, s_ptrs + N * stride_bsn, n_ok, DECODE_ASM)
+                if A_GROUP:
+                    acc_up += d0 * sa0[:, None] + d1 * sa1[:, None]
+                else:
+                    acc_up += d0 + d1
+    else:
+        for k0 in range(0, K, SPAN):
+            a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
+            b_ptrs = b_base + offs_n[None, :] * stride_bn + (k0 // 2 + offs_j)[:, None]
+            s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
+            gate, up = _w4_span(a_ptrs, row_ok, b_ptrs, s_ptrs, n_ok, N * stride_bn, N * stride_bsn,
+                                GATED, BLOCK_M, BLOCK_N, SPAN, 13, DECODE_ASM)
+            if A_GROUP:
+                sa = tl.load(a_scale_ptr + a_rows * a_scale_groups + k0 // A_GROUP, mask=row_ok, other=0.0)
+                acc += gate * sa[:, None]
+                acc_up += up * sa[:, None]
+            else:
+                acc += gate
+                acc_up += up
 
     if not A_GROUP:  # one activation scale per row
         sa = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
@@ -200,6 +331,29 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, block_expert, ends[-1:].to(torch.int32)
 
 
+def _span(k: int, a_group: int, merge: bool) -> int:
+    """K per int32-merged span: the largest of 128 and 64 that divides K and, when the activation scale
+    is grouped, its group (the activation scale must be constant over a span); 32 = no merging."""
+    if merge:
+        for span in (128, 64):
+            if k % span == 0 and (a_group == 0 or a_group % span == 0):
+                return span
+    return GROUP
+
+
+def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """`align_by_expert`, or on a GPU SGLang's own moe_align_block_size (one kernel instead of ~15
+    small ones; the same contract: padding ids = number of pairs, blocks past the end never read)."""
+    if topk_ids.is_cuda and not _INTERPRETED:
+        try:
+            from sglang.srt.layers.moe.moe_runner.triton_utils.moe_align_block_size import moe_align_block_size
+        except ImportError:
+            moe_align_block_size = None
+        if moe_align_block_size is not None:
+            return moe_align_block_size(topk_ids, block_m, num_experts)
+    return align_by_expert(topk_ids, num_experts, block_m)
+
+
 def default_config(pairs: int) -> dict:
     """Tile sizes by the number of (token, expert) pairs; a starting point, to be tuned on an A800.
     block_n is also the intermediate's INT8 group (a multiple of 32)."""
@@ -231,9 +385,13 @@ def w4a8_moe(
                          f"of block_n={block_n}, and block_n of {GROUP}")
     pairs = t * top_k
     dev = x.device
-    sorted_ids, block_expert, num_padded = align_by_expert(topk_ids, e, block_m)
+    sorted_ids, block_expert, num_padded = _align(topk_ids, e, block_m)
     if input_group % GROUP:
         raise ValueError(f"input_group={input_group} must be a multiple of {GROUP} (0: one scale per token)")
+    merge = cfg.get("merge", True)
+    span_up = _span(h, input_group, merge)
+    span_down = _span(inter, block_n, merge)
+    decode_asm = cfg.get("decode", "asm" if x.is_cuda and not _INTERPRETED else "alu") == "asm"
     xq, xs = quantize_rows_int8(x, input_group)
     hq = torch.empty((pairs, inter), dtype=torch.int8, device=dev)
     groups = inter // block_n
@@ -246,7 +404,7 @@ def w4a8_moe(
         inter, h, pairs, top_k, xs.shape[1], float(swiglu_limit),
         xq.stride(0), w13b.stride(0), w13b.stride(1), w13s.stride(0), w13s.stride(1), hq.stride(0), groups,
         GATED=True, MUL_WEIGHT=False, A_GROUP=input_group, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SPAN=span_up, DECODE_ASM=decode_asm, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     y = torch.empty((pairs, h), dtype=torch.float32, device=dev)
     tw = topk_weights.reshape(-1).to(torch.float32)
@@ -255,7 +413,7 @@ def w4a8_moe(
         h, inter, pairs, 1, groups, 0.0,
         hq.stride(0), w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0), 0,
         GATED=False, MUL_WEIGHT=True, A_GROUP=block_n, BLOCK_M=block_m, BLOCK_N=block_n2,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SPAN=span_down, DECODE_ASM=decode_asm, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     summed = y.view(t, top_k, h).sum(dim=1)
     if routed_scaling_factor != 1.0:

@@ -74,7 +74,7 @@ case ${1:?step} in
     run kernels env PYTHONPATH=$PWD/.dev/pyt:$PYTHONPATH timeout 400 python -m pytest -q -p no:cacheprovider \
       tests/test_w4a8_moe.py tests/test_sparse_attn.py tests/test_indexer_kv_store.py ;;
   moe-bench)
-    run moe-bench timeout 540 python bench/moe.py --out "$OUT/moe.json" ;;
+    run moe-bench timeout 540 python bench/moe.py --variants --out "$OUT/moe.json" ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac
 # keep the JIT caches this step built (restore with: tar -C ~ -xJf jit.tar.xz)
