@@ -30,6 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--prefill", default="8192,32768")
     ap.add_argument("--no-native", action="store_true")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time split counts x0.5 / x2, BLOCK_N 64 and 8 warps per decode shape")
     args = ap.parse_args(argv)
 
     import torch
@@ -80,6 +82,20 @@ def main(argv=None) -> int:
                 print(f"{layer:6s} {ctx:7d} {b:5d} {WINDOW + extra_n:7d} {splits:6d} {sec * 1e6:8.1f} "
                       f"{row['gbps']:8.0f} ({100 * row['gbps'] / copy_gbps:3.0f}%) {floor * 1e6:8.1f} "
                       f"{sec / floor:7.2f}")
+                if args.variants:
+                    alts = {f"splits {max(1, splits // 2)}": dict(splits=max(1, splits // 2)),
+                            f"splits {min(64, splits * 2)}": dict(splits=min(64, splits * 2)),
+                            "block_n 64": dict(splits=splits, block_n=64),
+                            "8 warps": dict(splits=splits, num_warps=8)}
+                    row["variants_us"] = {}
+                    for name, kw in alts.items():
+                        try:
+                            row["variants_us"][name] = timed(lambda: sparse_attn(
+                                q, swa, swa_ids, lens_s, extra, ext_ids, lens_e, sink, heads=HEADS, **kw)) * 1e6
+                        except Exception as err:
+                            row["variants_us"][name] = f"{type(err).__name__}: {err}"[:200]
+                    print("        variants (us):", "  ".join(
+                        f"{n} {v:.1f}" if isinstance(v, float) else f"{n} ERR" for n, v in row["variants_us"].items()))
                 del swa, extra
             torch.cuda.empty_cache()
 

@@ -102,7 +102,7 @@ main_sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32",
             "SPLITS": "constexpr", "D": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "DOT_F32": "constexpr"}
 comb_sig = {"ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32", "sink_ptr": "*fp32", "o_ptr": "*bf16", "stride_ot": "i32",
             "stride_oh": "i32", "heads": "i32", "HAS_SINK": "constexpr", "SPLITS": "constexpr", "D": "constexpr",
-            "BLOCK_H": "constexpr"}
+            "BLOCK_H": "constexpr", "BLOCK_D": "constexpr"}
 out = {}
 target = GPUTarget("cuda", 80, 32)
 for splits in (1, 8):
@@ -113,7 +113,7 @@ for splits in (1, 8):
     out[f"main-splits{splits}"] = {"sm80": ".target sm_80" in ptx, "bf16_mma": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx,
                                     "fp8": "e4m3" in ptx or "e5m2" in ptx, "shared": r.metadata.shared}
 r = triton.compile(ASTSource(fn=k._combine_kernel, signature=comb_sig,
-                             constexprs=dict(HAS_SINK=True, SPLITS=8, D=512, BLOCK_H=16)), target=target,
+                             constexprs=dict(HAS_SINK=True, SPLITS=8, D=512, BLOCK_H=16, BLOCK_D=k.COMBINE_D)), target=target,
                    options={"num_warps": 4})
 out["combine"] = {"sm80": ".target sm_80" in r.asm["ptx"], "bf16_mma": True, "fp8": False, "shared": r.metadata.shared}
 print(json.dumps(out))
@@ -135,3 +135,15 @@ def test_compiles_for_sm80():
 def test_default_splits_depend_on_static_shapes_only(k):
     assert k.default_splits(4, 16, 640, "cpu") == 1  # the interpreter: one split
     assert k.default_splits(4, 16, 640, torch.device("cpu")) == 1
+
+
+def test_default_splits_on_a_gpu_shape(k, monkeypatch):
+    """With a GPU's SM count (132: an H200; an A800 has 108): about four waves of programs, at least 32
+    list entries per split, at most 64 splits."""
+    monkeypatch.setattr(k, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)  # a device object only
+    assert k.default_splits(1, 16, 640, cuda) == 20  # batch-1 decode, C4 layer: 640 // 32
+    assert k.default_splits(64, 16, 640, cuda) == 9  # ceil(4 * 132 / 64)
+    assert k.default_splits(1, 16, 4224, cuda) == 64  # C128 at 512K: capped
+    assert k.default_splits(8192, 16, 640, cuda) == 1  # prefill
+    assert k.default_splits(1, 16, 16, cuda) == 1  # a list shorter than one step

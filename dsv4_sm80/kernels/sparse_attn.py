@@ -25,6 +25,7 @@ import triton.language as tl
 
 HEAD_DIM = 512
 BLOCK_H = 16
+COMBINE_D = 128  # columns per program of the split-K combine
 # Triton's CPU interpreter (TRITON_INTERPRET=1, the CI) multiplies BF16 tl.dot operands wrongly (Triton
 # 3.6, measured); there the kernel casts the operands to fp32 first. Compiled kernels use BF16 MMA.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -111,13 +112,16 @@ def _sparse_attn_kernel(
 
 @triton.jit
 def _combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, o_ptr, stride_ot, stride_oh, heads,
-                    HAS_SINK: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
+                    HAS_SINK: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """One program per (query token, head block, BLOCK_D columns): at batch 1 the combine would
+    otherwise be a handful of programs each reading SPLITS x [16, 512] fp32 partials serially."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < heads
-    offs_d = tl.arange(0, D)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     top = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    for s in tl.static_range(SPLITS):
+    for s in range(SPLITS):
         ms = tl.load(ws_ml_ptr + ((t * SPLITS + s) * heads + offs_h) * 2, mask=h_ok, other=float("-inf"))
         top = tl.maximum(top, ms)
     if HAS_SINK:
@@ -125,8 +129,8 @@ def _combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, o_ptr, stride_ot, stride_oh
         top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
     den = tl.zeros((BLOCK_H,), tl.float32)
-    num = tl.zeros((BLOCK_H, D), tl.float32)
-    for s in tl.static_range(SPLITS):
+    num = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+    for s in range(SPLITS):
         base = (t * SPLITS + s) * heads
         ms = tl.load(ws_ml_ptr + (base + offs_h) * 2, mask=h_ok, other=float("-inf"))
         ls = tl.load(ws_ml_ptr + (base + offs_h) * 2 + 1, mask=h_ok, other=0.0)
@@ -141,15 +145,18 @@ def _combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, o_ptr, stride_ot, stride_oh
              mask=h_ok[:, None])
 
 
-def default_splits(rows: int, heads: int, width: int, device) -> int:
-    """Split-K count from static shapes only (capture-safe): enough programs for about two waves on the
-    GPU when few queries carry long lists (decode), one split when queries are plenty (prefill)."""
+def default_splits(rows: int, heads: int, width: int, device, waves: int = 4, min_keys: int = 32) -> int:
+    """Split-K count from static shapes only (capture-safe): enough programs for about `waves` waves on
+    the GPU when few queries carry long lists (decode), one split when queries are plenty (prefill);
+    each split keeps at least `min_keys` list entries (one BLOCK_N step), at most 64 splits.
+    (Session 3's H200 bench: 2 waves and >= 128 keys per split left batch-1 decode on 5-32 programs
+    at 12-121x the launch+bandwidth floor.)"""
     if not (isinstance(device, torch.device) and device.type == "cuda") and not str(device).startswith("cuda"):
         return 1
     sms = _sm_count(torch.device(device).index or 0)
     programs = rows * triton.cdiv(heads, BLOCK_H)
-    want = triton.cdiv(2 * sms, max(programs, 1))
-    return int(max(1, min(want, width // 128, 32)))
+    want = triton.cdiv(waves * sms, max(programs, 1))
+    return int(max(1, min(want, width // min_keys, 64)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,8 +201,9 @@ def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=Non
         DOT_F32=_INTERPRETED, num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
-        _combine_kernel[(t_total, triton.cdiv(heads, BLOCK_H))](
+        _combine_kernel[(t_total, triton.cdiv(heads, BLOCK_H), HEAD_DIM // COMBINE_D)](
             ws_acc, ws_ml, sink_arg, out, out.stride(0), out.stride(1), heads,
-            HAS_SINK=sink is not None, SPLITS=splits, D=HEAD_DIM, BLOCK_H=BLOCK_H, num_warps=num_warps,
+            HAS_SINK=sink is not None, SPLITS=splits, D=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=COMBINE_D,
+            num_warps=4,
         )
     return out

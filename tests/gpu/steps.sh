@@ -66,7 +66,7 @@ case ${1:?step} in
       python tests/gpu/engine_bed.py --out "$OUT/engine-e2e.json" --teacher-from "$ORACLE"
     python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e.json" | tee -a "$OUT/e2e.log" ;;
   attn-bench)
-    run attn-bench timeout 500 python bench/attention.py --out "$OUT/attention.json" ;;
+    run attn-bench timeout 500 python bench/attention.py --variants --out "$OUT/attention.json" ;;
   jit)
     # a separate cache: sm_80 builds must not be picked up by this H200's own runs
     run jit env TVM_FFI_CACHE_DIR=/tmp/jit-sm80 timeout 560 python -u tests/gpu/jit_sm80.py --out "$OUT/jit_sm80.json" ;;
