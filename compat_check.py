@@ -378,6 +378,31 @@ def check_model_config(m: ModelFacts) -> list[Finding]:
     return out
 
 
+EAGLE_LIKE = ("EAGLE", "EAGLE3", "NEXTN")
+
+
+def check_speculative(algorithm: Optional[str], m: ModelFacts) -> Finding:
+    """`--speculative-algorithm NEXTN/EAGLE` needs a V3-style MTP layer (`mtp.N.e_proj`/`h_proj`, the
+    original V4-Flash release). The 0731 and Vision-Exp releases carry a DSPARK draft instead; NextN on
+    them builds its projections from nothing and runs on uninitialised weights (accept rate 0, slower
+    than no speculation) without any error. Refused here, before SGLang starts."""
+    algo = (algorithm or "").upper()
+    if algo not in EAGLE_LIKE:
+        return _ok("speculative.draft", algo or "no speculative decoding")
+    if m.index is None:
+        return _skip("speculative.draft", f"{algo}: needs the checkpoint index to find its draft weights")
+    names = m.index["weight_map"]
+    has_nextn = any(n.startswith("mtp.") and (".e_proj." in n or ".h_proj." in n) for n in names)
+    if has_nextn:
+        return _ok("speculative.draft", f"{algo}: the checkpoint has MTP e_proj/h_proj")
+    dspark = any(n.startswith("mtp.") for n in names)
+    return _fail("speculative.draft",
+                 f"--speculative-algorithm {algo} on a checkpoint without mtp.*.e_proj / h_proj"
+                 + (" (it carries a DSPARK draft: the 0731 / Vision-Exp releases)" if dspark else ""),
+                 "a V3-style MTP layer for NEXTN/EAGLE (it would run on uninitialised weights: accept rate 0)",
+                 "use --speculative-algorithm DSPARK" if dspark else "drop --speculative-algorithm")
+
+
 def check_model_files(m: ModelFacts) -> list[Finding]:
     names = ("model.quantization_config", "model.index", "model.shards", "model.keys",
              "model.dense_fp8", "model.experts", "model.vision", "model.tensors")

@@ -25,7 +25,9 @@ def before_launch(cls, server_args, *args, **kwargs):
 
     compat_check.banner_once()
     facts = compat_check.collect(model_path=server_args.model_path)
-    bad = compat_check.failures(compat_check.evaluate(facts))
+    findings = compat_check.evaluate(facts)
+    findings.append(compat_check.check_speculative(getattr(server_args, "speculative_algorithm", None), facts.model))
+    bad = compat_check.failures(findings)
     if bad:
         raise refusal(f.line() for f in bad)
     return None

@@ -405,3 +405,38 @@ def test_version_read_from_files_without_metadata(tmp_path):
                        ("version: str = '0.5.16'\n", "0.5.16")):
         (tmp_path / "_version.py").write_text("# generated\nfrom __future__ import annotations\n" + text)
         assert read_version(str(tmp_path)) == want
+
+
+def test_nextn_on_a_dspark_checkpoint_refused(unit_ckpt):
+    """NEXTN/EAGLE need the original release's MTP e_proj/h_proj; the 0731-format checkpoint carries a
+    DSPARK draft, so they are refused with the fix; DSPARK and no speculation pass."""
+    m = cc.collect_model(unit_ckpt)
+    for algo in ("NEXTN", "EAGLE", "eagle3"):
+        f = cc.check_speculative(algo, m)
+        assert f.status == "fail" and f.line().startswith(
+            f"FAIL speculative.draft: found --speculative-algorithm {algo.upper()} on a checkpoint without "
+            "mtp.*.e_proj / h_proj (it carries a DSPARK draft"), f.line()
+        assert f.line().endswith("fix: use --speculative-algorithm DSPARK"), f.line()
+    assert cc.check_speculative("DSPARK", m).status == "pass"
+    assert cc.check_speculative(None, m).status == "pass"
+    m.index = {"weight_map": dict(m.index["weight_map"], **{"mtp.0.e_proj.weight": "x", "mtp.0.h_proj.weight": "x"})}
+    assert cc.check_speculative("NEXTN", m).status == "pass"  # the original V4-Flash layout
+
+
+def test_engine_with_nextn_is_refused_at_launch(unit_ckpt):
+    """Through SGLang's own launch (the launch.gate seam), before any scheduler process starts. (SGLang
+    maps NEXTN to EAGLE on a GPU host before launch; the CPU host here is given EAGLE directly.)"""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    from conftest import run_python
+
+    code = f"""
+import sglang
+try:
+    sglang.Engine(model_path={unit_ckpt!r}, skip_tokenizer_init=True, device="cpu", speculative_algorithm="EAGLE",
+                  speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2)
+except BaseException as e:
+    print(type(e).__name__, str(e))
+"""
+    res = run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", timeout=300)
+    assert "FAIL speculative.draft: found --speculative-algorithm EAGLE on a checkpoint without" in res.stdout, \
+        res.stdout[-3000:] + res.stderr[-3000:]
