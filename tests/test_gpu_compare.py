@@ -35,3 +35,26 @@ def test_swapped_top1_and_kl_against_a_direct_computation():
 def test_different_sequences_are_refused():
     with pytest.raises(ValueError, match="--teacher-from"):
         compare.compare_sequence(record([[]], (1,)), record([[]], (2,)), margin=0.5)
+
+
+def _run(top1_margins, agree):
+    """A record whose positions have the given top-1/top-2 margins; `agree` says per position whether
+    the other record keeps the same top-1."""
+    tops = [[]] + [[[5, -0.01], [6, -0.01 - m]] for m in top1_margins]
+    other = [[]] + [([[5, -0.01], [6, -0.01 - m]] if same else [[6, -0.01], [5, -0.01 - m]])
+                    for m, same in zip(top1_margins, agree)]
+    seq = list(range(len(tops)))
+    return {"teacher": [record(tops, seq)]}, {"teacher": [record(other, seq)]}
+
+
+def test_margin_calibrated_on_the_native_floor():
+    # 100 positions; the native rerun flips the 5 with the smallest margins (0.0-0.4) and one at 1.0
+    margins = [i / 10 for i in range(100)]
+    a, floor = _run(margins, [m > 0.45 and m != 1.0 for m in margins])
+    m, agree, n = compare.calibrate_margin(a, floor, agree=0.99, min_positions=20)
+    # above 1.0: 89 positions, all agree; above 0.9 the 1.0 flip is in: 1/90 > 1% -> not enough
+    assert (m, agree, n) == (1.0, 1.0, 89)
+    assert compare.calibrate_margin(a, floor, agree=0.98, min_positions=20)[0] == 0.4  # 95 positions, 1 flip
+    _, patched = _run(margins, [m != 5.0 for m in margins])
+    assert compare.agreement_above(a, patched, 1.0) == (88 / 89, 89)
+    assert compare.calibrate_margin(a, floor, min_positions=200) is None

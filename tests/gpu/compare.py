@@ -8,6 +8,14 @@ Metrics per sequence (the measure "same output as native" is judged by, see ../s
 - top-1 disagreement over all positions, and over confident positions (a's top-1/top-2 margin > --margin);
 - max |delta logprob| of the input token.
 The records must hold the same sequences (run the second with --teacher-from the first).
+
+With --floor NATIVE2 (a second native run on the same sequences: another process, machine or batch
+composition), the native path's own noise is measured the same way and printed beside each figure, and
+the confident-position margin is calibrated on it: the smallest margin (nats, top-1 minus top-2 of the
+first record) at which the two native runs agree on at least --agree (99 %) of the top-1s, over at least
+--min-positions positions. The other record's top-1 agreement is then reported at that margin.
+
+    python tests/gpu/compare.py native.json patched.json --floor native2.json
 """
 
 from __future__ import annotations
@@ -53,20 +61,78 @@ def compare(a: dict, b: dict, margin: float = 0.5) -> list[dict]:
     return [compare_sequence(x, y, margin) for x, y in zip(a["teacher"], b["teacher"])]
 
 
+def _margins_and_agreement(a: dict, b: dict):
+    """Per position of every sequence: (a's top-1/top-2 margin, a and b agree on the top-1)."""
+    out = []
+    for x, y in zip(a["teacher"], b["teacher"]):
+        if x["sequence"] != y["sequence"]:
+            raise ValueError("the records hold different sequences: run the second with --teacher-from the first")
+        for ta, tb in zip(x["top"], y["top"]):
+            if len(ta) > 1 and tb:
+                out.append((ta[0][1] - ta[1][1], ta[0][0] == tb[0][0]))
+    return out
+
+
+def calibrate_margin(a: dict, floor: dict, agree: float = 0.99, min_positions: int = 20):
+    """The smallest margin at which `a` and `floor` (two runs of the same path) agree on >= `agree` of
+    the top-1s at positions whose margin exceeds it, with at least `min_positions` such positions.
+    Returns (margin, agreement, positions), or None when no margin qualifies."""
+    pts = sorted(_margins_and_agreement(a, floor), reverse=True)  # largest margin first
+    best, agreeing = None, 0
+    for i, (m, same) in enumerate(pts):
+        agreeing += same
+        n = i + 1
+        last_of_tie = i + 1 == len(pts) or pts[i + 1][0] < m
+        if last_of_tie and n >= min_positions and agreeing / n >= agree:
+            nxt = pts[i + 1][0] if i + 1 < len(pts) else 0.0
+            best = (nxt, agreeing / n, n)  # positions with margin > nxt are exactly these n
+    return best
+
+
+def agreement_above(a: dict, b: dict, margin: float):
+    pts = [same for m, same in _margins_and_agreement(a, b) if m > margin]
+    return (sum(pts) / len(pts) if pts else float("nan")), len(pts)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("a")
     ap.add_argument("b")
     ap.add_argument("--margin", type=float, default=0.5)
+    ap.add_argument("--floor", help="a second run of a's path on the same sequences: the noise floor")
+    ap.add_argument("--agree", type=float, default=0.99)
+    ap.add_argument("--min-positions", type=int, default=20)
     args = ap.parse_args(argv)
     a, b = json.load(open(args.a)), json.load(open(args.b))
+    if args.floor:
+        fl = json.load(open(args.floor))
+        cal = calibrate_margin(a, fl, args.agree, args.min_positions)
+        if cal is None:
+            print(f"floor: no margin gives {100 * args.agree:.0f}% native-vs-native top-1 agreement over "
+                  f">= {args.min_positions} positions")
+        else:
+            m, agree_floor, n_floor = cal
+            agree_b, n_b = agreement_above(a, b, m)
+            print(f"confident positions: margin > {m:.3f} nats (native vs native agree {100 * agree_floor:.2f}% "
+                  f"of {n_floor}); this record agrees {100 * agree_b:.2f}% of {n_b}")
+        for r, f in zip(compare(a, b, args.margin), compare(a, fl, args.margin)):
+            print(f"seq {r['length']:5d}: KL mean {r['kl_mean']:.4f} (floor {f['kl_mean']:.4f}) max {r['kl_max']:.4f} "
+                  f"(floor {f['kl_max']:.4f}); top-1 disagree {100 * r['top1_disagree']:.1f}% (floor "
+                  f"{100 * f['top1_disagree']:.1f}%); max |dlogprob| {r['max_abs_dlogprob']:.3f} (floor "
+                  f"{f['max_abs_dlogprob']:.3f})")
     for r in compare(a, b, args.margin):
         print(f"seq {r['length']:5d}: KL mean {r['kl_mean']:.4f} max {r['kl_max']:.4f} nats; top-1 disagree "
               f"{100 * r['top1_disagree']:.1f}% ({100 * r['confident_disagree']:.1f}% of {r['confident_positions']} "
               f"positions with margin > {args.margin}); max |dlogprob| {r['max_abs_dlogprob']:.3f}")
     for pa, pb in zip(a["prompts"], b["prompts"]):
-        same = sum(x == y for x, y in zip(pa["batched"]["output_ids"], pb["batched"]["output_ids"]))
-        print(f"prompt {pa['length']:5d}: greedy tokens agree {same}/{len(pa['batched']['output_ids'])}")
+        ia, ib = pa["batched"]["output_ids"], pb["batched"]["output_ids"]
+        same = sum(x == y for x, y in zip(ia, ib))
+        # decode-path logprobs where the two generations still share their prefix (CUDA graphs vs eager)
+        k = next((i for i, (x, y) in enumerate(zip(ia, ib)) if x != y), min(len(ia), len(ib)))
+        dlp = max((abs(x - y) for x, y in zip(pa["batched"]["logprobs"][:k], pb["batched"]["logprobs"][:k])),
+                  default=0.0)
+        print(f"prompt {pa['length']:5d}: greedy tokens agree {same}/{len(ia)}; first {k} identical, "
+              f"max |dlogprob| over them {dlp:.2e}")
     return 0
 
 
