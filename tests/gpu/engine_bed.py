@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cuda-graph", action="store_true")
     ap.add_argument("--speculative-algorithm", help="e.g. DSPARK (draft stages bundled in the checkpoint)")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
+    ap.add_argument("--batch", type=int, default=0,
+                    help="N concurrent prompts cycling over --lengths (distinct ids); 0 = one per length")
     args = ap.parse_args(argv)
 
     from dsv4_sm80 import env
@@ -67,7 +69,9 @@ def main(argv=None) -> int:
     config = json.load(open(os.path.join(args.ckpt, "config.json")))
     vocab = int(config["vocab_size"])
     lengths = [int(x) for x in args.lengths.split(",")]
-    prompts = [prompt_ids(n, vocab, seed=7) for n in lengths]
+    count = max(args.batch, len(lengths))
+    lengths = [lengths[i % len(lengths)] for i in range(count)]
+    prompts = [prompt_ids(n, vocab, seed=7 + i // len(set(lengths))) for i, n in enumerate(lengths)]
 
     import sglang
     import torch
@@ -117,6 +121,7 @@ def main(argv=None) -> int:
                         "top5": [_pairs(x) for x in b["meta_info"]["output_top_logprobs"]]},
             "alone": {"output_ids": a["output_ids"], "logprobs": [e[0] for e in a["meta_info"]["output_token_logprobs"]]},
             "finite": all(math.isfinite(x) for x in lp),
+            "spec": {k: v for k, v in b["meta_info"].items() if k.startswith("spec_") and k != "spec_accept_histogram"},
         })
     record["teacher"] = []
     for s, r in zip(seqs, tf):
@@ -137,8 +142,9 @@ def main(argv=None) -> int:
         lp = pr["batched"]["logprobs"]
         agree = sum(x == y for x, y in zip(pr["batched"]["output_ids"], pr["alone"]["output_ids"]))
         ok &= pr["finite"] and len(pr["batched"]["output_ids"]) == args.max_new
+        spec = f"  spec {pr['spec']}" if pr["spec"] else ""
         print(f"  prompt {pr['length']:5d} ids -> {pr['batched']['output_ids']}  finite={pr['finite']} "
-              f"mean logprob {sum(lp) / len(lp):.3f}  batched-vs-alone agree {agree}/{len(lp)}")
+              f"mean logprob {sum(lp) / len(lp):.3f}  batched-vs-alone agree {agree}/{len(lp)}{spec}")
     for t in record["teacher"]:
         top1 = [row[0][1] for row in t["top"] if row]
         finite = all(math.isfinite(x) for x in top1)

@@ -12,6 +12,12 @@
 #   tests/gpu/steps.sh e2e         engine_bed with the whole SM80 datapath (tripwire on) vs the native oracle
 #   tests/gpu/steps.sh attn-bench  bench/attention.py
 #   tests/gpu/steps.sh jit         SGLang's JIT modules on the SM80 path compiled for sm_80 (own cache dir)
+#   tests/gpu/steps.sh floor       native twice more on the oracle's sequences (another process; batch 16
+#                                  over 20/300/3000/20000 ids): the noise floor compare.py --floor calibrates on
+#   tests/gpu/steps.sh parity      patched (tripwire on) bf16+marlin, bf16+mxfp4_int8, fp8_marlin+marlin on the
+#                                  batch-16 sequences, each against native with the floor beside it
+#   tests/gpu/steps.sh graphs      patched with CUDA graphs vs patched eager (decode outputs)
+#   tests/gpu/steps.sh spec        patched DSPARK vs patched without speculation (greedy tokens, acceptance)
 #   tests/gpu/steps.sh kernels     the kernel tests, compiled on this GPU against their CPU references
 #                                  (needs pytest: carry .dev/pyt, made by `pip install --target .dev/pyt pytest`)
 # Results go to $OUT (default ./out). The native oracle is .dev/oracle/native.json (tests/gpu/engine_bed.py).
@@ -67,6 +73,34 @@ case ${1:?step} in
     python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e.json" | tee -a "$OUT/e2e.log" ;;
   attn-bench)
     run attn-bench timeout 500 python bench/attention.py --variants --out "$OUT/attention.json" ;;
+  floor)
+    B16="--lengths 20,300,3000,20000 --batch 16"
+    run native16 env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 280 \
+      python tests/gpu/engine_bed.py --out "$OUT/native16.json" $B16
+    run native16b env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 280 \
+      python tests/gpu/engine_bed.py --out "$OUT/native16b.json" $B16 --teacher-from "$OUT/native16.json"
+    python tests/gpu/compare.py "$OUT/native16.json" "$OUT/native16b.json" | tee -a "$OUT/native16b.log" ;;
+  parity)
+    N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}
+    for combo in bf16:marlin bf16:mxfp4_int8 fp8_marlin:marlin; do
+      d=${combo%%:*}; b=${combo##*:}
+      run "parity-$d-$b" env $LAB DSV4_SM80_TRIPWIRE=1 SGLANG_DSV4_A100_DENSE=$d SGLANG_DSV4_MXFP4_MOE_BACKEND=$b \
+        timeout 200 python tests/gpu/engine_bed.py --out "$OUT/parity-$d-$b.json" --lengths 20,300,3000,20000 \
+        --batch 16 --teacher-from "$N16"
+      python tests/gpu/compare.py "$N16" "$OUT/parity-$d-$b.json" --floor "$F16" | tee -a "$OUT/parity-$d-$b.log"
+    done ;;
+  graphs)
+    for g in eager graph; do
+      run "graphs-$g" env $LAB DSV4_SM80_TRIPWIRE=1 timeout 280 python tests/gpu/engine_bed.py \
+        --out "$OUT/graphs-$g.json" --teacher-from "$ORACLE" --max-new 64 $([ $g = graph ] && echo --cuda-graph)
+    done
+    python tests/gpu/compare.py "$OUT/graphs-eager.json" "$OUT/graphs-graph.json" | tee -a "$OUT/graphs-graph.log" ;;
+  spec)
+    run spec-off env $LAB DSV4_SM80_TRIPWIRE=1 timeout 250 python tests/gpu/engine_bed.py \
+      --out "$OUT/spec-off.json" --teacher-from "$ORACLE" --lengths 20,300 --max-new 64
+    run spec-dspark env $LAB DSV4_SM80_TRIPWIRE=1 timeout 300 python tests/gpu/engine_bed.py \
+      --out "$OUT/spec-dspark.json" --teacher-from "$ORACLE" --lengths 20,300 --max-new 64 --speculative-algorithm DSPARK
+    python tests/gpu/compare.py "$OUT/spec-off.json" "$OUT/spec-dspark.json" | tee -a "$OUT/spec-dspark.log" ;;
   jit)
     # a separate cache: sm_80 builds must not be picked up by this H200's own runs
     run jit env TVM_FFI_CACHE_DIR=/tmp/jit-sm80 timeout 560 python -u tests/gpu/jit_sm80.py --out "$OUT/jit_sm80.json" ;;
