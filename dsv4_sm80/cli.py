@@ -143,7 +143,8 @@ def make_tiny(args) -> int:
     except TinyConfigError as e:
         print(f"make-tiny: {e}", file=sys.stderr)
         return 2
-    generate(args.out_dir, config, seed=args.seed, head_scale=args.head_scale)
+    generate(args.out_dir, config, seed=args.seed, head_scale=args.head_scale,
+             fast_experts=args.fast_experts or args.preset == "wide")
     return 0
 
 
@@ -159,13 +160,15 @@ def main(argv=None) -> int:
     s.add_argument("--model-path")
     t = sub.add_parser("make-tiny", help="write a tiny official-format checkpoint")
     t.add_argument("out_dir")
-    t.add_argument("--preset", default="tiny", choices=("tiny", "unit"))
+    t.add_argument("--preset", default="tiny", choices=("tiny", "unit", "wide"))
     for k in ("hidden", "layers", "heads", "o_groups", "q_lora", "o_lora", "moe_inter", "experts", "vocab"):
         t.add_argument("--" + k.replace("_", "-"), dest=k, type=int)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--vision", action="store_true", help="add the Vision-Exp tensors and config fields")
     t.add_argument("--head-scale", type=float, default=1.0,
                    help="scale the LM head for peaked next-token distributions (e.g. 12)")
+    t.add_argument("--fast-experts", action="store_true",
+                   help="random MXFP4 expert codes instead of quantized draws (default for --preset wide)")
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "serve":
         return serve(args, rest)

@@ -269,3 +269,27 @@ def test_sglang_config_and_name_remapping(unit_ckpt):
         assert dst.startswith(("model.", "lm_head.")), dst
         assert ".attn." not in dst and ".ffn." not in dst and not dst.endswith(".scale"), (src, dst)
         assert not any(f".w{i}." in dst for i in (1, 2, 3)), (src, dst)
+
+
+def test_wide_preset_and_fast_experts(tmp_path, unit_ckpt):
+    """The full-width preset is a valid DSV4-Flash geometry (per-rank shapes of the real model); fast
+    experts change only the routed-expert bytes (random codes, E8M0 2^-8..2^-6) and the checkpoint still
+    passes the gate's format checks."""
+    import compat_check as cc
+    from dsv4_sm80.tiny.generate import PRESETS, generate, tiny_config
+
+    cfg = tiny_config(PRESETS["wide"])
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["q_lora_rank"], cfg["o_lora_rank"],
+            cfg["moe_intermediate_size"], cfg["n_routed_experts"]) == (4096, 64, 1024, 1024, 2048, 256)
+    out = tmp_path / "fast"
+    generate(str(out), tiny_config(PRESETS["unit"]), seed=0, log=lambda *_: None, fast_experts=True)
+    findings = cc.check_model_files(cc.collect_model(str(out)))
+    assert not cc.failures(findings), [f.line() for f in cc.failures(findings)]
+    expert = "layers.0.ffn.experts.3.w1"
+    _, fast_w = load_raw(str(out), expert + ".weight")
+    _, fast_s = load_raw(str(out), expert + ".scale")
+    _, slow_w = load_raw(unit_ckpt, expert + ".weight")
+    assert fast_w.shape == slow_w.shape and not np.array_equal(fast_w, slow_w)
+    assert set(np.unique(fast_s.view(np.uint8))) <= {119, 120, 121}
+    for name in ("layers.0.attn.wq_b.weight", "embed.weight"):  # everything else as before
+        assert np.array_equal(load_raw(str(out), name)[1], load_raw(unit_ckpt, name)[1]), name

@@ -44,6 +44,11 @@ PRESETS = {
     # CPU unit tests: small vocab and widths (~20 MB), same layer pattern.
     "unit": TinySize(hidden=256, heads=64, o_groups=8, q_lora=128, o_lora=128, moe_inter=128,
                      experts=8, vocab=1024, markov_rank=64),
+    # DSV4-Flash widths (hidden 4096, 64 heads, q/o LoRA 1024, 256 experts of 2048) with the fewest
+    # layers that still hold SWA, C4, C128 and hash layers: the real per-rank shapes for end-to-end
+    # benchmarks. ~24 GB with the DSPARK stages; generate with fast_experts (random MXFP4 codes).
+    "wide": TinySize(hidden=4096, layers=4, heads=64, o_groups=8, q_lora=1024, o_lora=1024, moe_inter=2048,
+                     experts=256, vocab=129280, markov_rank=256),
 }
 
 VISION_TINY = OrderedDict([
@@ -120,8 +125,19 @@ def _fill(spec: fmt.TensorSpec, seed: int, head_scale: float, vocab: int, expert
     return w.to(torch_dtype)
 
 
-def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=print) -> dict:
-    """Write config.json, the shards and model.safetensors.index.json into out_dir."""
+def _random_mxfp4(spec: fmt.TensorSpec, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 codes and E8M0 exponents 2^-8..2^-6 (|w| mostly below 0.05, like N(0, 0.02) quantized),
+    without drawing and quantizing fp32 weights: seconds instead of minutes per full-width layer."""
+    n, k = _dense_shape(spec)
+    g = _rng(seed, spec.name)
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int32).to(torch.uint8)
+    return packed, torch.randint(119, 122, (n, k // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+
+
+def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=print,
+             fast_experts: bool = False) -> dict:
+    """Write config.json, the shards and model.safetensors.index.json into out_dir. fast_experts: routed
+    experts get random MXFP4 codes instead of quantized N(0, 0.02) draws (for full-width checkpoints)."""
     specs = fmt.inventory(config)
     n_shards = fmt.shard_count(config)
     vocab, experts = int(config["vocab_size"]), int(config["n_routed_experts"])
@@ -138,6 +154,10 @@ def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=p
         for s in by_shard[shard]:
             if s.init == "pair":
                 data = pending_scale.pop(s.name)
+            elif s.init == "mxfp4" and fast_experts:
+                q, scale = _random_mxfp4(s, seed)
+                data = _raw(q)
+                pending_scale[s.name[: -len(".weight")] + ".scale"] = _raw(scale)
             elif s.init in ("fp8", "mxfp4"):
                 w = torch.randn(_dense_shape(s), generator=_rng(seed, s.name)) * WEIGHT_STD
                 q, scale = fp8_block_quantize(w) if s.init == "fp8" else mxfp4_quantize(w)
@@ -154,7 +174,8 @@ def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=p
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     summary = {"dir": out_dir, "tensors": len(specs), "shards": n_shards, "bytes": total,
-               "seed": seed, "head_scale": head_scale, "vision": fmt.has_vision(config)}
+               "seed": seed, "head_scale": head_scale, "vision": fmt.has_vision(config),
+               "fast_experts": fast_experts}
     log(f"dsv4-sm80 make-tiny: {summary['tensors']} tensors, {n_shards} shards, "
         f"{total / 2**20:.1f} MiB -> {out_dir}")
     return summary

@@ -18,6 +18,8 @@
 #                                  batch-16 sequences, each against native with the floor beside it
 #   tests/gpu/steps.sh graphs      patched with CUDA graphs vs patched eager (decode outputs)
 #   tests/gpu/steps.sh spec        patched DSPARK vs patched without speculation (greedy tokens, acceptance)
+#   tests/gpu/steps.sh wide        generate the full-width checkpoint (/tmp/dsv4-wide, ~24 GB, fast experts)
+#   tests/gpu/steps.sh e2e-bench   bench/e2e.py on it: decode tok/s and TTFT, patched vs native, batch 1 and 16
 #   tests/gpu/steps.sh kernels     the kernel tests, compiled on this GPU against their CPU references
 #                                  (needs pytest: carry .dev/pyt, made by `pip install --target .dev/pyt pytest`)
 # Results go to $OUT (default ./out). The native oracle is .dev/oracle/native.json (tests/gpu/engine_bed.py).
@@ -101,6 +103,10 @@ case ${1:?step} in
     run spec-dspark env $LAB DSV4_SM80_TRIPWIRE=1 timeout 300 python tests/gpu/engine_bed.py \
       --out "$OUT/spec-dspark.json" --teacher-from "$ORACLE" --lengths 20,300 --max-new 64 --speculative-algorithm DSPARK
     python tests/gpu/compare.py "$OUT/spec-off.json" "$OUT/spec-dspark.json" | tee -a "$OUT/spec-dspark.log" ;;
+  wide)
+    run wide timeout 500 python -m dsv4_sm80 make-tiny /tmp/dsv4-wide --preset wide ;;
+  e2e-bench)
+    run e2e-bench timeout 560 python bench/e2e.py --ckpt /tmp/dsv4-wide --out "$OUT/e2e.json" ;;
   jit)
     # a separate cache: sm_80 builds must not be picked up by this H200's own runs
     run jit env TVM_FFI_CACHE_DIR=/tmp/jit-sm80 timeout 560 python -u tests/gpu/jit_sm80.py --out "$OUT/jit_sm80.json" ;;

@@ -1,0 +1,122 @@
+"""End to end: decode tokens/s and time to first token, the patched SM80 datapath vs native SGLang, in
+one run, on a full-width checkpoint (DSV4-Flash widths, few layers: `make-tiny --preset wide`).
+
+Each path runs in its own process (the patch state is read at interpreter start): `--child native`
+with ENABLE_SGLANG_DSV4_A100_PATCH=0 (SGLang's SM90 path: FP8, MXFP4 Marlin, FlashMLA) and `--child
+patched` with the patch on in lab mode (an explicit override of the gate on this GPU, never a default).
+Both use CUDA graphs (SGLang's defaults for DSV4), TP1, the tokenizer skipped, greedy sampling with EOS
+ignored so every request decodes exactly --decode tokens.
+
+    python bench/e2e.py --ckpt /tmp/dsv4-wide --out e2e.json      (an H200 prints H200 numbers)
+
+Measured per batch size (1 and 16 by default), best of --reps:
+  TTFT      wall time of a generate() of --prompt-len ids with max_new_tokens=1 (the batch at once)
+  decode    (time of max_new_tokens=--decode) - TTFT, as batch * (decode - 1) / that time  [tok/s]
+The goal of the end-to-end issue: patched / native decode >= 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAB = {"ENABLE_SGLANG_DSV4_A100_PATCH": "1", "DSV4_SM80_LAB_GPU_COUNT": "1", "DSV4_SM80_LAB_CC": "9.0"}
+
+
+def child(args) -> dict:
+    sys.path.insert(0, ROOT)
+    import random
+
+    import sglang
+    import torch
+
+    vocab = int(json.load(open(os.path.join(args.ckpt, "config.json")))["vocab_size"])
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, min(vocab, 128000)) for _ in range(args.prompt_len)] for _ in range(max(args.batches))]
+    t0 = time.time()
+    engine = sglang.Engine(model_path=args.ckpt, skip_tokenizer_init=True, tp_size=1, moe_runner_backend="marlin",
+                           mem_fraction_static=args.mem_fraction, random_seed=0, log_level="warning")
+    out = {"mode": args.child, "gpu": torch.cuda.get_device_name(0), "engine_start_s": time.time() - t0, "rows": []}
+    try:
+        def timed(batch, new):
+            params = {"temperature": 0.0, "max_new_tokens": new, "ignore_eos": True}
+            best = float("inf")
+            for _ in range(args.reps):
+                t = time.perf_counter()
+                res = engine.generate(input_ids=prompts[:batch], sampling_params=params)
+                best = min(best, time.perf_counter() - t)
+                assert all(len(r["output_ids"]) == new for r in res), [len(r["output_ids"]) for r in res]
+            return best
+
+        timed(max(args.batches), 4)  # warm-up: compile caches, graphs
+        for b in args.batches:
+            ttft = timed(b, 1)
+            total = timed(b, args.decode)
+            out["rows"].append({"batch": b, "ttft_s": ttft, "total_s": total,
+                                "decode_tok_s": b * (args.decode - 1) / max(total - ttft, 1e-9)})
+    finally:
+        engine.shutdown()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ckpt", default="/tmp/dsv4-wide")
+    ap.add_argument("--out")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--mem-fraction", type=float, default=0.8)
+    ap.add_argument("--modes", default="native,patched")
+    ap.add_argument("--child", choices=("native", "patched"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.batches = [int(x) for x in str(args.batches).split(",")]
+    if args.child:
+        print("E2E_RESULT " + json.dumps(child(args)), flush=True)
+        return 0
+
+    if not os.path.isfile(os.path.join(args.ckpt, "model.safetensors.index.json")):
+        sys.path.insert(0, ROOT)
+        from dsv4_sm80.tiny.generate import PRESETS, generate, tiny_config
+
+        generate(args.ckpt, tiny_config(PRESETS["wide"]), fast_experts=True)
+    results = {}
+    for mode in args.modes.split(","):
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   SGLANG_JIT_DEEPGEMM_PRECOMPILE="0")
+        env.update(LAB if mode == "patched" else {"ENABLE_SGLANG_DSV4_A100_PATCH": "0"})
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--ckpt", args.ckpt,
+               "--batches", ",".join(map(str, args.batches)), "--prompt-len", str(args.prompt_len),
+               "--decode", str(args.decode), "--reps", str(args.reps), "--mem-fraction", str(args.mem_fraction)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("E2E_RESULT ")), None)
+        if line is None:
+            print(f"e2e {mode}: no result (exit {proc.returncode})\n{proc.stderr[-3000:]}")
+            results[mode] = {"error": proc.stderr[-3000:]}
+            continue
+        results[mode] = json.loads(line[len("E2E_RESULT "):])
+    print(f"e2e bench ({args.ckpt}; prompt {args.prompt_len} ids, decode {args.decode} tokens, CUDA graphs on)")
+    print(f"{'batch':>5s} {'mode':>8s} {'TTFT ms':>9s} {'decode tok/s':>13s} {'patched/native':>15s}")
+    for i, b in enumerate(args.batches):
+        nat = results.get("native", {}).get("rows", [None] * len(args.batches))[i]
+        for mode in ("native", "patched"):
+            r = results.get(mode, {}).get("rows", [None] * len(args.batches))[i]
+            if r is None:
+                continue
+            ratio = (f"{r['decode_tok_s'] / nat['decode_tok_s']:.2f} decode, "
+                     f"{nat['ttft_s'] / r['ttft_s']:.2f} TTFT") if mode == "patched" and nat else ""
+            print(f"{b:5d} {mode:>8s} {r['ttft_s'] * 1e3:9.1f} {r['decode_tok_s']:13.1f} {ratio:>15s}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    return 0 if all("rows" in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
