@@ -12,6 +12,11 @@ its tolerance 8e-2 (written for FP8); the BF16 path is also held to --tol (defau
 Cases: the kit's own (SWA-only extend and decode, window and page boundaries, sink on/off) for the SWA
 entry point, plus each case with compress ratio 4 and 128 through the compress entry point (the C4 and C128
 cases the kit lacks), target-verify for ratios 0/4/128 on decode cases, and draft-extend (ratio 0).
+
+CUDA graphs: the kit's own decode graph runner on each decode case (the backend's capture-time and
+replay-time metadata path, replay padded to the capture batch, against eager and the reference), and a
+real `torch.cuda.CUDAGraph` of the SM80 kernel captured once and replayed while every request's lists grow
+(SWA window filling, C4 top-k and C128 entries appearing), bit-equal to an eager call at every step.
 """
 
 from __future__ import annotations
@@ -77,6 +82,16 @@ def main(argv=None) -> int:
                                     extend_lens=(ACCEPTED,) * bs, name=f"{case.name}-draft-extend")
             runs.append(("draft-extend", c.name, lambda c=c: K.run_dsv4_draft_extend_attention_case(tc, c)))
 
+    from sglang.test.kits.attention_unittest.runner_modes import cuda_graph_decode_runner as G
+
+    G.DSV4_ATOL = G.DSV4_RTOL = args.tol
+    for case in cases:
+        if case.forward_mode.is_decode():
+            runs.append(("graph-decode", case.name, lambda c=case: G.run_dsv4_cuda_graph_decode_case(
+                tc, c, cuda_graph_capture_batch_size=max(2, len(c.prefix_lens)))))
+    for ratio in (4, 128):
+        runs.append(("graph-replay", f"growing-c{ratio}", lambda r=ratio: graph_replay_growing(r)))
+
     results = []
     for kind, name, fn in runs:
         try:
@@ -101,6 +116,53 @@ def main(argv=None) -> int:
     failed = sum(not r["ok"] for r in results)
     print("attention_kit:", "OK" if not failed else f"{failed} FAILED")
     return 0 if not failed else 1
+
+
+def graph_replay_growing(ratio: int, batch: int = 4, steps: int = 40) -> None:
+    """Capture the SM80 sparse-attention kernel once in a CUDA graph with short lists, then grow every
+    request's lists in place (SWA up to the 128 window; C4: top-k entries up to 512; C128: one entry per
+    128 tokens) and replay: each replay must equal an eager call on the same buffers bit for bit."""
+    import torch
+
+    from dsv4_sm80.kernels.sparse_attn import sparse_attn
+
+    torch.manual_seed(ratio)
+    dev, heads, hpad, width_e = "cuda", 16, 64, 512 if ratio == 4 else 256
+    slots = 8192
+    swa = torch.randn(slots, 512, device=dev).to(torch.bfloat16)
+    ext = torch.randn(slots, 512, device=dev).to(torch.bfloat16)
+    q = torch.randn(batch, hpad, 512, device=dev).to(torch.bfloat16)
+    sink = torch.randn(hpad, device=dev)
+    swa_ids = torch.full((batch, 128), -1, dtype=torch.int32, device=dev)
+    ext_ids = torch.full((batch, width_e), -1, dtype=torch.int32, device=dev)
+    swa_lens = torch.ones(batch, dtype=torch.int32, device=dev)
+    ext_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
+
+    def call():
+        return sparse_attn(q, swa, swa_ids, swa_lens, ext, ext_ids, ext_lens, sink, heads=heads, splits=None)
+
+    call()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for step in range(steps):
+        seq = 1 + step * 37  # tokens so far per request, growing past the window and the top-k width
+        for b in range(batch):
+            n_swa = min(seq, 128)
+            swa_ids[b, :n_swa] = torch.randint(0, slots, (n_swa,), device=dev, dtype=torch.int32)
+            n_ext = min(seq // ratio, width_e)
+            ext_ids[b, :n_ext] = torch.randint(0, slots, (n_ext,), device=dev, dtype=torch.int32)
+            if n_ext > 2:
+                ext_ids[b, 1] = -1  # a hole, as padding and DSPARK write
+            swa_lens[b], ext_lens[b] = n_swa, n_ext
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        want = call()
+        torch.cuda.synchronize()
+        if not torch.equal(out[:, :heads], want[:, :heads]):
+            diff = (out[:, :heads].float() - want[:, :heads].float()).abs().max().item()
+            raise AssertionError(f"replay differs from eager at step {step} (seq {seq}): max |diff| {diff}")
 
 
 if __name__ == "__main__":
