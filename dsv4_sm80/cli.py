@@ -148,6 +148,29 @@ def make_tiny(args) -> int:
     return 0
 
 
+# --- footprint ----------------------------------------------------------------------------------
+
+def footprint(args) -> int:
+    import json as _json
+
+    from . import footprint as fp
+    from .checkpoint import format as fmt
+
+    if args.model_path or args.config:
+        path = args.config or os.path.join(args.model_path, "config.json")
+        with open(path) as f:
+            configs = {path: _json.load(f)}
+    else:
+        configs = {"DeepSeek-V4-Flash-0731 (config from dsv4_sm80.checkpoint.format)": fmt.flash_0731_config(),
+                   "DeepSeek-V4-Flash-Vision-Exp": fmt.vision_exp_config()}
+    kw = dict(tp=args.tp, gpu_gib=args.gpu_gib, draft=not args.no_draft, speculative=not args.no_draft,
+              max_running_requests=args.max_running_requests, context=args.context)
+    for name, cfg in configs.items():
+        print(f"== {name}")
+        print(fp.report(cfg, **kw))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsv4_sm80")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -169,9 +192,19 @@ def main(argv=None) -> int:
                    help="scale the LM head for peaked next-token distributions (e.g. 12)")
     t.add_argument("--fast-experts", action="store_true",
                    help="random MXFP4 expert codes instead of quantized draws (default for --preset wide)")
+    f = sub.add_parser("footprint", help="per-GPU memory arithmetic for a checkpoint config on this datapath")
+    f.add_argument("--model-path")
+    f.add_argument("--config")
+    f.add_argument("--tp", type=int, default=4)
+    f.add_argument("--gpu-gib", type=float, default=80.0)
+    f.add_argument("--no-draft", action="store_true", help="without the DSPARK draft (no speculative decoding)")
+    f.add_argument("--context", type=int, default=524288)
+    f.add_argument("--max-running-requests", type=int, default=256)
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "serve":
         return serve(args, rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "footprint":
+        return footprint(args)
     return doctor(args) if args.cmd == "doctor" else make_tiny(args)
