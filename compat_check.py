@@ -378,6 +378,28 @@ def check_model_config(m: ModelFacts) -> list[Finding]:
     return out
 
 
+def is_loopback(host: Optional[str]) -> bool:
+    h = (host or "127.0.0.1").strip().strip("[]").lower()
+    return h in ("localhost", "::1", "ip6-localhost") or h.startswith("127.")
+
+
+def check_bind(host: Optional[str], has_api_key: bool, environ=None) -> Finding:
+    """A patched server on a non-loopback address needs --api-key, or the logged opt-out
+    DSV4_SM80_ALLOW_OPEN_BIND=1. Never sees or prints the key itself, only whether one is set."""
+    host = host or "127.0.0.1"
+    if is_loopback(host):
+        return _ok("server.bind", f"{host} (loopback)")
+    if has_api_key:
+        return _ok("server.bind", f"{host} with an API key (requests without it are rejected)")
+    if env.get(env.ALLOW_OPEN_BIND, environ) == "1":
+        return _ok("server.bind", f"{host} WITHOUT an API key ({env.ALLOW_OPEN_BIND.name}=1): anyone who can "
+                                  "reach this port can use the model")
+    return _fail("server.bind", f"--host {host} (not loopback) without --api-key",
+                 "--api-key KEY for any address other than loopback",
+                 f"add --api-key (clients send 'Authorization: Bearer KEY'), bind 127.0.0.1, or set "
+                 f"{env.ALLOW_OPEN_BIND.name}=1 to serve it open on purpose")
+
+
 EAGLE_LIKE = ("EAGLE", "EAGLE3", "NEXTN")
 
 

@@ -94,10 +94,41 @@ def _lab_model() -> str:
     """The embedded default model of lab mode: the tiny checkpoint, generated once."""
     from .tiny.generate import PRESETS, generate, tiny_config
 
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dsv4_sm80", "tiny-s0")
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dsv4_sm80", "tiny-s0-tok")
     if not os.path.isfile(os.path.join(cache, "model.safetensors.index.json")):
         generate(cache, tiny_config(PRESETS["tiny"]), seed=0, head_scale=12.0)
     return cache
+
+
+SECRET_FLAGS = ("--api-key", "--admin-api-key", "--ssl-keyfile-password")
+
+
+def _flag_value(argv, flag):
+    """The value of `flag` in an argv list (`--flag V` or `--flag=V`), the last one wins; None if absent."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def redact(argv):
+    """argv with the values of secret flags replaced by ***, for anything printed or logged."""
+    out, hide = [], False
+    for a in argv:
+        if hide:
+            out.append("***")
+            hide = False
+        elif a in SECRET_FLAGS:
+            out.append(a)
+            hide = True
+        elif a.split("=", 1)[0] in SECRET_FLAGS and "=" in a:
+            out.append(a.split("=", 1)[0] + "=***")
+        else:
+            out.append(a)
+    return out
 
 
 def serve(args, rest) -> int:
@@ -111,8 +142,15 @@ def serve(args, rest) -> int:
                   "only lab mode has an embedded default model", file=sys.stderr)
             return 2
         model = _lab_model()
-        if not any(a.startswith("--tokenizer") or a == "--skip-tokenizer-init" for a in rest):
-            rest = ["--skip-tokenizer-init", *rest]  # the tiny checkpoint ships no tokenizer
+    if (not os.path.isfile(os.path.join(model, "tokenizer.json"))
+            and not any(a.startswith("--tokenizer") or a == "--skip-tokenizer-init" for a in rest)):
+        rest = ["--skip-tokenizer-init", *rest]  # a checkpoint without a tokenizer: token ids only
+    bind = compat_check.check_bind(_flag_value(rest, "--host"), bool(_flag_value(rest, "--api-key")))
+    if bind.status == "fail":
+        print(f"serve: {bind.line()}", file=sys.stderr)
+        return 1
+    if "WITHOUT" in bind.found:
+        print(f"serve: {bind.line()}", file=sys.stderr)
     launch_env = dict(os.environ)
     launch_env[env.PATCH.name] = "1"
     # The platform directory (sitecustomize, compat_check) first, then the patch body's directory.
@@ -124,7 +162,7 @@ def serve(args, rest) -> int:
     if rc:
         return rc
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, *rest]
-    print("serve:", " ".join(cmd), flush=True)
+    print("serve:", " ".join(redact(cmd)), flush=True)
     os.execvpe(sys.executable, cmd, launch_env)
 
 

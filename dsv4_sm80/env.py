@@ -75,7 +75,14 @@ TRIPWIRE = Knob(
     "Lab: every SM90/SM100-only entry point the SM80 datapath must not reach raises instead (dsv4_sm80/tripwire.py).",
 )
 
-KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC, LOAD_REPORT, TRIPWIRE)
+ALLOW_OPEN_BIND = Knob(
+    "DSV4_SM80_ALLOW_OPEN_BIND", "0", ("0", "1"),
+    "1: let the patched server bind a non-loopback address without --api-key (logged at every start). "
+    "0: such a start is refused.",
+)
+
+KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC, LOAD_REPORT, TRIPWIRE,
+         ALLOW_OPEN_BIND)
 
 
 def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:

@@ -85,6 +85,33 @@ def test_serve_refuses_on_this_machine(no_gpu, unit_ckpt):
 def test_serve_lab_mode_is_loud_and_uses_the_embedded_model(no_gpu, tmp_path):
     p = cli("serve", XDG_CACHE_HOME=str(tmp_path), DSV4_SM80_LAB_GPU_COUNT="1", DSV4_SM80_LAB_CC="9.0", timeout=900)
     assert "dsv4-sm80 LAB MODE: DSV4_SM80_LAB_GPU_COUNT=1, DSV4_SM80_LAB_CC=9.0" in p.stderr
-    assert os.path.isfile(tmp_path / "dsv4_sm80" / "tiny-s0" / "model.safetensors.index.json")
+    assert os.path.isfile(tmp_path / "dsv4_sm80" / "tiny-s0-tok" / "model.safetensors.index.json")
     assert p.returncode == 1 and "FAIL gpu.count: found 0 visible GPUs" in p.stdout
     assert "PASS model.keys" in p.stdout
+
+
+def test_serve_refuses_an_open_bind_without_a_key(no_gpu, unit_ckpt):
+    """Patched serving on a non-loopback address needs --api-key (or the logged opt-out); the key itself
+    is never printed."""
+    p = cli("serve", "--model-path", unit_ckpt, "--host", "0.0.0.0")
+    assert p.returncode == 1
+    assert ("FAIL server.bind: found --host 0.0.0.0 (not loopback) without --api-key; expected --api-key KEY "
+            "for any address other than loopback") in p.stderr
+    assert "== gate" not in p.stdout and "serve:" not in p.stdout  # refused before anything else
+    p = cli("serve", "--model-path", unit_ckpt, "--host=10.1.2.3", "--api-key", "sk-secret-123")
+    assert "server.bind" not in p.stderr and "FAIL gpu.count" in p.stdout  # past the bind rule, stopped by the gate
+    assert "sk-secret-123" not in p.stdout + p.stderr
+    p = cli("serve", "--model-path", unit_ckpt, "--host", "0.0.0.0", DSV4_SM80_ALLOW_OPEN_BIND="1")
+    assert "PASS server.bind: 0.0.0.0 WITHOUT an API key (DSV4_SM80_ALLOW_OPEN_BIND=1)" in p.stderr
+    p = cli("serve", "--model-path", unit_ckpt, "--host", "127.0.0.1")
+    assert "server.bind" not in p.stderr
+
+
+def test_redact_and_doctor_keep_secrets_out():
+    from dsv4_sm80.cli import redact
+
+    assert redact(["x", "--api-key", "k1", "--admin-api-key=k2", "--port", "1", "--ssl-keyfile-password", "p"]) == \
+        ["x", "--api-key", "***", "--admin-api-key=***", "--port", "1", "--ssl-keyfile-password", "***"]
+    p = cli("doctor", "--json", HF_TOKEN="hf_secret_token_9", SGLANG_API_KEY="sk-env-secret")
+    assert "hf_secret_token_9" not in p.stdout + p.stderr and "sk-env-secret" not in p.stdout + p.stderr
+    assert json.loads(p.stdout)["ok"] in (True, False)

@@ -440,3 +440,34 @@ except BaseException as e:
     res = run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", timeout=300)
     assert "FAIL speculative.draft: found --speculative-algorithm EAGLE on a checkpoint without" in res.stdout, \
         res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_bind_rule():
+    assert cc.check_bind(None, False).status == "pass"  # SGLang's default host is 127.0.0.1
+    for host in ("127.0.0.1", "localhost", "::1", "[::1]", "127.0.1.1"):
+        assert cc.check_bind(host, False).status == "pass", host
+    f = cc.check_bind("0.0.0.0", False, environ={})
+    assert f.status == "fail" and "DSV4_SM80_ALLOW_OPEN_BIND=1" in f.fix
+    assert cc.check_bind("0.0.0.0", True, environ={}).status == "pass"
+    opt_out = cc.check_bind("192.168.1.5", False, environ={"DSV4_SM80_ALLOW_OPEN_BIND": "1"})
+    assert opt_out.status == "pass" and "WITHOUT an API key" in opt_out.found
+
+
+def test_launch_server_path_refuses_an_open_bind(unit_ckpt):
+    """Also without `serve` (PYTHONPATH injection, `python -m sglang.launch_server --host 0.0.0.0`): the
+    launch.gate seam applies the same rule before any scheduler starts; the key is never echoed."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    from conftest import run_python
+
+    code = f"""
+import sglang
+for kw in (dict(host="0.0.0.0"), dict(host="0.0.0.0", api_key="sk-launch-secret")):
+    try:
+        sglang.Engine(model_path={unit_ckpt!r}, skip_tokenizer_init=True, device="cpu", **kw)
+    except BaseException as e:
+        print("REFUSED", "server.bind" in str(e), "FAIL server.bind: found --host 0.0.0.0 (not loopback)" in str(e))
+"""
+    res = run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", timeout=300)
+    assert res.stdout.count("REFUSED") == 2, res.stdout + res.stderr[-3000:]
+    assert "REFUSED True True" in res.stdout and "REFUSED False False" in res.stdout
+    assert "sk-launch-secret" not in res.stdout + res.stderr

@@ -293,3 +293,22 @@ def test_wide_preset_and_fast_experts(tmp_path, unit_ckpt):
     assert set(np.unique(fast_s.view(np.uint8))) <= {119, 120, 121}
     for name in ("layers.0.attn.wq_b.weight", "embed.weight"):  # everything else as before
         assert np.array_equal(load_raw(str(out), name)[1], load_raw(unit_ckpt, name)[1]), name
+
+
+def test_stand_in_tokenizer(unit_ckpt, tmp_path):
+    """Every tiny checkpoint ships a tokenizer SGLang's HTTP path can use: exactly vocab_size ids (any id a
+    random model emits decodes), BOS/EOS at config.json's ids, SGLang's DSV4 chat encoding round-trips."""
+    transformers = pytest.importorskip("transformers")
+    cfg = json.load(open(os.path.join(unit_ckpt, "config.json")))
+    tok = transformers.AutoTokenizer.from_pretrained(unit_ckpt)
+    assert len(tok) == cfg["vocab_size"] == 1024
+    assert (tok.bos_token_id, tok.eos_token_id) == (cfg["bos_token_id"], cfg["eos_token_id"]) == (0, 1)
+    text = "<｜begin▁of▁sentence｜><｜User｜>Hello, 世界! <think>x</think><｜Assistant｜>"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids[:2] == [0, 2] and tok.decode(ids) == text
+    assert len(tok.decode(list(range(1024)))) > 0
+    from dsv4_sm80.tiny.tokenizer import write_tokenizer
+
+    write_tokenizer(str(tmp_path), 129280)  # the real vocabulary: the vision sentinels at 129257..129261
+    big = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert len(big) == 129280 and big.convert_ids_to_tokens(129257) == "<|place_holder_mm_span_0431|>"

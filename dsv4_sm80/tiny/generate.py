@@ -135,9 +135,10 @@ def _random_mxfp4(spec: fmt.TensorSpec, seed: int) -> tuple[torch.Tensor, torch.
 
 
 def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=print,
-             fast_experts: bool = False) -> dict:
-    """Write config.json, the shards and model.safetensors.index.json into out_dir. fast_experts: routed
-    experts get random MXFP4 codes instead of quantized N(0, 0.02) draws (for full-width checkpoints)."""
+             fast_experts: bool = False, tokenizer: bool = True) -> dict:
+    """Write config.json, the shards and model.safetensors.index.json into out_dir, and (tokenizer=True) the
+    stand-in tokenizer of `tiny.tokenizer`. fast_experts: routed experts get random MXFP4 codes instead of
+    quantized N(0, 0.02) draws (for full-width checkpoints)."""
     specs = fmt.inventory(config)
     n_shards = fmt.shard_count(config)
     vocab, experts = int(config["vocab_size"]), int(config["n_routed_experts"])
@@ -173,6 +174,10 @@ def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=p
         write_shard(os.path.join(out_dir, name), tensors)
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    if tokenizer:
+        from .tokenizer import write_tokenizer
+
+        write_tokenizer(out_dir, vocab)
     summary = {"dir": out_dir, "tensors": len(specs), "shards": n_shards, "bytes": total,
                "seed": seed, "head_scale": head_scale, "vision": fmt.has_vision(config),
                "fast_experts": fast_experts}
