@@ -1,0 +1,115 @@
+"""The patched server over HTTP on the tiny checkpoint (lab mode): the OpenAI-compatible and native
+endpoints work, the API key is enforced, bad requests get a clear 4xx and the server keeps serving.
+
+    DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 python tests/gpu/http_check.py --out http.json
+
+Starts `python -m dsv4_sm80 serve` (the one-command lab start: the embedded tiny model with its stand-in
+tokenizer) on 127.0.0.1 with --api-key and a small --context-length, then sends each request below and
+records the status and the first line of the body. Loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KEY = "lab-key-1"
+
+
+def call(port, path, body=None, key=KEY, raw=None, method=None):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method or ("POST" if data else "GET"))
+    req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--port", type=int, default=30123)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--startup-timeout", type=int, default=400)
+    args = ap.parse_args(argv)
+
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "dsv4_sm80", "serve", "--host", "127.0.0.1", "--port", str(args.port),
+           "--api-key", KEY, "--context-length", str(args.context), "--moe-runner-backend", "marlin",
+           "--mem-fraction-static", "0.6", "--disable-cuda-graph"]
+    log = open(os.path.join(os.path.dirname(os.path.abspath(args.out)), "http_server.log"), "w")
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    results, ok = [], True
+    try:
+        t0 = time.time()
+        while time.time() - t0 < args.startup_timeout:
+            if server.poll() is not None:
+                raise RuntimeError(f"server exited with {server.returncode} before it was healthy")
+            try:
+                if call(args.port, "/health", key=None)[0] == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(2)
+        else:
+            raise RuntimeError("server not healthy in time")
+        startup = time.time() - t0
+
+        long_ids = list(range(1000, 1000 + args.context + 100))
+        checks = [  # name, path, body / raw, key, expected status (None: any 4xx)
+            ("chat completion", "/v1/chat/completions",
+             {"model": "x", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8, "temperature": 0}, KEY, 200),
+            ("generate text", "/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}, KEY, 200),
+            ("generate ids", "/generate", {"input_ids": [0, 2, 100, 200], "sampling_params": {"max_new_tokens": 8}}, KEY, 200),
+            ("completion", "/v1/completions", {"model": "x", "prompt": "Hi", "max_tokens": 4}, KEY, 200),
+            ("no API key", "/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "Hi"}]}, None, 401),
+            ("wrong API key", "/generate", {"text": "Hi"}, "wrong", 401),
+            ("prompt longer than the context", "/generate", {"input_ids": long_ids, "sampling_params": {"max_new_tokens": 4}}, KEY, None),
+            ("max_tokens beyond the context", "/v1/completions", {"model": "x", "prompt": "Hi", "max_tokens": args.context * 4}, KEY, None),
+            ("empty prompt", "/v1/completions", {"model": "x", "prompt": "", "max_tokens": 4}, KEY, None),
+            ("empty messages", "/v1/chat/completions", {"model": "x", "messages": []}, KEY, None),
+            ("token id beyond the vocabulary", "/generate", {"input_ids": [0, 10_000_000], "sampling_params": {"max_new_tokens": 4}}, KEY, None),
+            ("negative token id", "/generate", {"input_ids": [0, -5], "sampling_params": {"max_new_tokens": 4}}, KEY, None),
+            ("malformed JSON", "/v1/chat/completions", b'{"model": "x", "messages": [', KEY, None),
+            ("negative max_tokens", "/v1/completions", {"model": "x", "prompt": "Hi", "max_tokens": -1}, KEY, None),
+            ("chat after the bad requests", "/v1/chat/completions",
+             {"model": "x", "messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 8}, KEY, 200),
+        ]
+        for name, path, body, key, want in checks:
+            raw = body if isinstance(body, bytes) else None
+            status, text = call(args.port, path, None if raw else body, key=key, raw=raw)
+            good = (status == want) if want else (400 <= status < 500)
+            ok &= good
+            first = text.strip().splitlines()[0][:200] if text.strip() else ""
+            results.append({"check": name, "status": status, "expected": want or "4xx", "ok": good, "body": first})
+        healthy = call(args.port, "/health", key=None)[0] == 200
+        ok &= healthy and server.poll() is None
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    print(f"http_check: server healthy after {startup:.0f} s; {sum(r['ok'] for r in results)}/{len(results)} as expected; "
+          f"alive and healthy after all requests: {healthy}")
+    for r in results:
+        print(f"  {'OK  ' if r['ok'] else 'FAIL'} {r['check']:34s} {r['status']} (want {r['expected']}): {r['body']}")
+    with open(args.out, "w") as f:
+        json.dump({"startup_s": startup, "results": results, "healthy_after": healthy}, f, indent=1)
+    print("http_check:", "OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
