@@ -3,10 +3,12 @@
 In progress (issue 7). Built so far and CPU-tested: the image geometry and pixels (resize plan, LLM grid,
 token block layout, patches, block embeddings: `image_processing.py`), the visible window and the atomic
 chunk / prefix boundaries (`visible_window.py`), the ViT and
-aligner (`vit.py`, against an independent float64 reference), the bias_vl routing function (`routing.py`).
+aligner (`vit.py`, against an independent float64 reference), the bias_vl routing function (`routing.py`),
+request processing (`processor.py`: image decoding and refusals, placeholder -> token block expansion, the
+SGLang processor class) and image content in chat messages (`chat.py`).
 Not built yet: the VL model wrapper and its loader, the routing and attention wiring into SGLang, the
-processor registration and chat encoding, the scheduler hooks for atomic image blocks; so `install` still
-registers nothing. The gate meanwhile validates a Vision-Exp checkpoint's vision tensors, so a converted
+processor registration and the serving_chat hook, the scheduler hooks for atomic image blocks; so
+`install` still registers nothing. The gate meanwhile validates a Vision-Exp checkpoint's vision tensors, so a converted
 one is refused.
 """
 

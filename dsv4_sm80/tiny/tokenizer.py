@@ -5,7 +5,8 @@ offline); this one has what the serving path needs, not its merges:
 - exactly `vocab_size` ids, so every id a random-weight model can emit decodes;
 - DSV4's chat-encoding special tokens (SGLang's `encoding_dsv4`: BOS `<｜begin▁of▁sentence｜>` = 0 and EOS
   `<｜end▁of▁sentence｜>` = 1 as in config.json, `<｜User｜>`, `<｜Assistant｜>`, `<think>`, `</think>`, ...),
-  and the five reserved ids 129257-129261 the Vision-Exp processor borrows for image sentinels;
+  the five reserved ids 129257-129261 the Vision-Exp processor borrows for image sentinels, and its image
+  placeholder `<｜deepseek_image｜>` at 129264;
 - byte-level encoding of any text (256 byte tokens, no merges): text round-trips exactly;
 - every other id is a filler that decodes to " w<id>".
 """
@@ -19,6 +20,7 @@ SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<�
             "<｜latest_reminder｜>", "<｜action｜>", "<｜query｜>", "<｜authority｜>", "<｜domain｜>", "<｜title｜>",
             "<｜read_url｜>", "<｜▁pad▁｜>")
 VISION_IDS = {129257 + i: f"<|place_holder_mm_span_{431 + i:04d}|>" for i in range(5)}
+VISION_IDS[129264] = "<｜deepseek_image｜>"  # the Vision-Exp image placeholder
 
 
 def _byte_alphabet() -> list[str]:
