@@ -183,3 +183,88 @@ def report(config, tp: int = 4, **kw) -> str:
         lines.append(f"  KV budget {p.kv_budget_gib:.2f} GiB -> {p.tokens:,} tokens = {p.concurrency:.2f} requests "
                      f"of {p.context:,} tokens" + ("" if p.concurrency >= 1 else "  (DOES NOT FIT)"))
     return "\n".join(lines)
+
+
+# --- the start-up report: what one GPU really holds, after SGLang allocated everything --------------
+
+VISION_PREFIXES = ("vision.", "aligner.", "image_", "visual.")
+
+
+def _unique_bytes(tensors, seen: set) -> int:
+    total = 0
+    for t in tensors:
+        try:
+            storage = t.untyped_storage()
+            key = (storage.device.type, storage.device.index, storage.data_ptr())
+        except Exception:
+            continue
+        if key in seen or storage.data_ptr() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def tensors_of(obj, depth: int = 3, _visited=None):
+    """Every torch tensor reachable from obj's attributes (lists, tuples, dicts, nested objects) up to depth."""
+    import torch
+
+    _visited = set() if _visited is None else _visited
+    if id(obj) in _visited or depth < 0:
+        return
+    _visited.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        return
+    if isinstance(obj, (list, tuple, set)):
+        items = obj
+    elif isinstance(obj, dict):
+        items = obj.values()
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)) and \
+            type(obj).__module__.split(".")[0] in ("sglang", "dsv4_sm80"):
+        items = vars(obj).values()
+    else:
+        return
+    for x in items:
+        yield from tensors_of(x, depth - 1, _visited)
+
+
+def model_bytes(model) -> dict:
+    """Bytes of a model's parameters and buffers (unique storages), split into vision and the rest."""
+    seen: set = set()
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    vision = _unique_bytes((t for n, t in named if n.startswith(VISION_PREFIXES)), seen)
+    rest = _unique_bytes((t for _, t in named), seen)
+    return {"weights": rest, "vision": vision}
+
+
+def startup_line(runner) -> str:
+    """One line for one ModelRunner after its CUDA graphs: weights, vision, KV pool, graphs, free memory."""
+    import torch
+
+    role = "draft" if getattr(runner, "is_draft_worker", False) else "target"
+    m = model_bytes(runner.model)
+    pool = getattr(runner, "token_to_kv_pool", None)
+    kv = _unique_bytes(tensors_of(pool), set()) if pool is not None else 0
+    graphs = float(getattr(runner, "graph_mem_usage", 0.0) or 0.0)  # GB, as SGLang measures it
+    parts = [f"weights {m['weights'] / GIB:.2f} GiB" + (f" (+ vision {m['vision'] / GIB:.2f} GiB)" if m["vision"] else ""),
+             f"KV pool {kv / GIB:.2f} GiB ({getattr(runner, 'max_total_num_tokens', 0):,} tokens)",
+             f"CUDA graphs {graphs:.2f} GB"]
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        parts.append(f"free {free / GIB:.2f} of {total / GIB:.2f} GiB")
+    rank = getattr(getattr(runner, "ps", None), "tp_rank", getattr(runner, "tp_rank", 0))
+    return f"[rank {rank}] dsv4-sm80 footprint ({role}): " + ", ".join(parts)
+
+
+def log_startup(result, runner, *args, **kwargs):
+    """After ModelRunner.init_cuda_graphs (model_runner.py:838): the start-up footprint of this GPU, one line
+    per model (target, then a draft). A report, never a reason to fail a start: errors are printed instead."""
+    import sys
+
+    try:
+        line = startup_line(runner)
+    except Exception as e:  # diagnostics only
+        line = f"dsv4-sm80 footprint: not available ({type(e).__name__}: {e})"
+    print(line, file=sys.stderr, flush=True)
+    return None

@@ -300,6 +300,17 @@ SEAMS: tuple[Seam, ...] = (
         upstream="srt/layers/quantization/marlin_utils_fp8.py:13",
     ),
     Seam(
+        name="footprint.startup",
+        target="sglang.srt.model_executor.model_runner:ModelRunner.init_cuda_graphs",
+        kind="after",
+        replacement="dsv4_sm80.footprint:log_startup",
+        reason=(
+            "One line per GPU and model once everything is allocated: weights (vision apart), the KV pool, "
+            "the CUDA graphs' memory and the free headroom, to compare with docs/footprint.md."
+        ),
+        upstream="srt/model_executor/model_runner.py:838",
+    ),
+    Seam(
         name="dense.wo_a_fp8_param",
         target="sglang.srt.models.deepseek_v4:MqaAttentionBase.__init__",
         kind="around",

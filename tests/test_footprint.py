@@ -88,3 +88,30 @@ def test_footprint_cli():
     text = buf.getvalue()
     assert "== DeepSeek-V4-Flash-Vision-Exp" in text and "vision   0.87 GiB" in text
     assert "13,630.0 B per pool token" in text and "requests of 524,288 tokens" in text
+
+
+@pytest.mark.sglang
+def test_startup_report_counts_weights_pool_and_graphs(capsys):
+    """The start-up line's pieces on real objects: a module with vision-named parameters (shared storage
+    counted once) and a real SGLang pool built on the CPU; errors never fail a start."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    import types
+
+    import torch
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(1024, 256)  # 1 MiB fp32
+    model.vision = torch.nn.Linear(512, 512, bias=False)  # 1 MiB
+    model.tied = model.embed  # the same storage twice
+    assert fp.model_bytes(model) == {"weights": 2 ** 20, "vision": 2 ** 20}  # the text part, vision apart
+    pool = ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    table = pool.req_to_token.numel() * pool.req_to_token.element_size()
+    assert table <= fp._unique_bytes(fp.tensors_of(pool), set()) < table + 4096  # + its small free-slot list
+    runner = types.SimpleNamespace(model=model, token_to_kv_pool=pool, graph_mem_usage=1.25,
+                                   max_total_num_tokens=4096, is_draft_worker=True, tp_rank=2)
+    line = fp.startup_line(runner)
+    assert line.startswith("[rank 2] dsv4-sm80 footprint (draft): weights 0.00 GiB (+ vision 0.00 GiB), KV pool")
+    assert "(4,096 tokens), CUDA graphs 1.25 GB" in line
+    fp.log_startup(None, types.SimpleNamespace())  # nothing to report: a message, not an exception
+    assert "dsv4-sm80 footprint: not available (AttributeError" in capsys.readouterr().err
