@@ -5,8 +5,11 @@ token block layout, patches, block embeddings: `image_processing.py`), the visib
 chunk / prefix boundaries (`visible_window.py`), the ViT and
 aligner (`vit.py`, against an independent float64 reference), the bias_vl routing function (`routing.py`),
 request processing (`processor.py`: image decoding and refusals, placeholder -> token block expansion, the
-SGLang processor class) and image content in chat messages (`chat.py`).
-Not built yet: the VL model wrapper and its loader, the routing and attention wiring into SGLang, the
+SGLang processor class), image content in chat messages (`chat.py`), and the wrapper's vision part
+(`model.py`: the weight split the text loader needs, ViT + aligner + sentinels loaded from the checkpoint,
+the block embeddings for SGLang's `get_image_feature`).
+Not built yet: the VL model class itself (registration, forward through SGLang's multimodal routine,
+`input_embeds` in the text model, `pad_input_ids`), the routing and attention wiring into SGLang, the
 processor registration and the serving_chat hook, the scheduler hooks for atomic image blocks; so
 `install` still registers nothing. The gate meanwhile validates a Vision-Exp checkpoint's vision tensors, so a converted
 one is refused.
