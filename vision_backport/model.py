@@ -96,3 +96,102 @@ class VisionPart(nn.Module):
     def image_feature(self, items) -> torch.Tensor:
         """SGLang's `get_image_feature(items)`: the blocks of all items, in item order, concatenated."""
         return torch.cat([self.image_embeddings(it.feature, it.n_vit_h, it.n_vit_w, it.types, it.perm) for it in items])
+
+
+# --- the VL model class SGLang instantiates for a Vision-Exp checkpoint (not registered yet) ------------
+
+def vl_model_class():
+    """A subclass of SGLang's DeepseekV4ForCausalLM (so it inherits whatever the SM80 seams patched), named
+    like it (the registry and the gate match the architecture string). A text-only config gets the plain
+    text model. Adds the vision part, an fp32 `e_score_correction_bias_vl` [E] on every MoE gate (the name
+    0.5.16's renamer gives `layers.N.ffn.gate.bias_vl`, so the text loader loads it), splits the vision
+    weights off before the text loader and refuses a checkpoint whose vision weights are incomplete.
+
+    Not registered with SGLang yet: its image routing (bias_vl at the top-k call sites) and the bidirectional
+    image window are not wired, and serving images without them would be silently wrong."""
+    from sglang.srt.managers.schedule_batch import Modality
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM as Text
+
+    class DeepseekV4ForCausalLM(Text):
+        def __new__(cls, config, quant_config=None, prefix=""):
+            if not is_dsv4_vision(config):
+                obj = Text.__new__(Text)
+                obj.__init__(config, quant_config, prefix)
+                return obj
+            return super().__new__(cls)
+
+        def __init__(self, config, quant_config=None, prefix=""):
+            super().__init__(config, quant_config, prefix)
+            self.vision_part = VisionPart(config)
+            experts = int(config.n_routed_experts)
+            for layer in self.model.layers:
+                gate = getattr(getattr(layer, "mlp", None), "gate", None)
+                if gate is not None and not hasattr(gate, "e_score_correction_bias_vl"):
+                    gate.e_score_correction_bias_vl = nn.Parameter(torch.zeros(experts, dtype=torch.float32),
+                                                                   requires_grad=False)
+
+        def load_weights(self, weights, is_nextn=False):
+            result = super().load_weights(split_vision_weights(weights, self.vision_part.load), is_nextn)
+            missing = self.vision_part.missing()
+            if missing:
+                raise VisionLoadError(f"the checkpoint lacks {len(missing)} Vision-Exp vision weight(s), e.g. "
+                                      f"{missing[:3]}: re-download the official checkpoint (never a converted one)")
+            return result
+
+        def get_image_feature(self, items):
+            return self.vision_part.image_feature(items)
+
+        def pad_input_ids(self, input_ids, mm_inputs):
+            from sglang.srt.managers.mm_utils import MultiModalityDataPaddingPatternMultimodalTokens
+
+            return MultiModalityDataPaddingPatternMultimodalTokens().pad_input_tokens(input_ids, mm_inputs)
+
+        @torch.no_grad()
+        def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
+            if input_embeds is not None or not forward_batch.contains_mm_inputs():
+                return super().forward(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
+            from sglang.srt.managers.mm_utils import general_mm_embed_routine
+
+            # the ids before SGLang clamps them in place: image positions carry pad values >= vocab_size
+            forward_batch.dsv4_routing_input_ids = input_ids.clone()
+            hidden = general_mm_embed_routine(input_ids=input_ids, forward_batch=forward_batch,
+                                              language_model=self.model,
+                                              data_embedding_funcs={Modality.IMAGE: self.get_image_feature},
+                                              positions=positions)
+            if not self.pp_group.is_last_rank:
+                return hidden
+            aux = None
+            if self.capture_aux_hidden_states:
+                hidden, aux = hidden
+            hidden, pre_hc_head = hidden
+            return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, aux,
+                                         hidden_states_before_norm=None if aux is not None else pre_hc_head)
+
+    DeepseekV4ForCausalLM.__qualname__ = "DeepseekV4ForCausalLM"
+    return DeepseekV4ForCausalLM
+
+
+def text_forward_with_embeds(original, self, input_ids, positions, forward_batch, input_embeds=None,
+                             pp_proxy_tensors=None):
+    """Around DeepseekV4Model.forward (deepseek_v4.py:2250), which always embeds `input_ids` and ignores
+    `input_embeds`: with embeddings given (the multimodal routine calls it with input_ids=None), the layers
+    get those embeddings and the hash-routing layers the snapshot ids, clamped into the vocabulary (image
+    rows are routed by bias_vl instead, once that is wired)."""
+    if input_embeds is None:
+        return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
+    ids = getattr(forward_batch, "dsv4_routing_input_ids", None)
+    if ids is None:
+        raise RuntimeError("DeepSeek-V4 with input_embeds needs forward_batch.dsv4_routing_input_ids (the VL "
+                           "wrapper snapshots them before the multimodal routine)")
+    ids = ids.clamp(0, self.embed_tokens.org_vocab_size - 1)  # VocabParallelEmbedding: the unpadded vocab
+
+    class _Given(nn.Module):
+        def forward(self, _ids):
+            return input_embeds
+
+    embed = self._modules["embed_tokens"]
+    self._modules["embed_tokens"] = _Given()
+    try:
+        return original(self, ids, positions, forward_batch, None, pp_proxy_tensors)
+    finally:
+        self._modules["embed_tokens"] = embed
