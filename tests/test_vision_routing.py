@@ -1,6 +1,7 @@
 """bias_vl routing (vision_backport/routing.py) on mixed text/image batches against the model's gate,
 transcribed per token from reference 03 §4.1 (float64, one row at a time)."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -62,3 +63,98 @@ def test_bias_vl_steers_only_image_rows():
     text = ~mask
     _, plain = vl_route(logits, torch.zeros_like(mask), 6, steer, bias=bias)
     assert torch.equal(ids[text], plain[text])  # text rows never see bias_vl
+
+
+HOOKS = """
+import json, os, sys
+import torch
+sys.path.insert(0, {root!r})
+from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+set_global_server_args_for_scheduler(ServerArgs(model_path={ckpt!r}, device="cpu", skip_tokenizer_init=True))
+from sglang.srt.layers.moe.topk import TopK, TopKOutputFormat
+from sglang.srt.layers.moe.hash_topk import HashTopK
+from vision_backport import routing as R
+g = torch.Generator().manual_seed(5)
+T, E, K, V = 11, 16, 6, 1000
+logits = torch.randn(T, E, generator=g)
+bias, bias_vl = torch.randn(E, generator=g) * 0.3, torch.randn(E, generator=g) * 0.3
+mask = torch.tensor([0, 1, 1, 0, 1, 1, 1, 0, 0, 1, 0], dtype=torch.bool)
+ids_tok = torch.randint(0, V, (T,), generator=g)
+ids_tok[mask] = 1_000_000 + torch.arange(int(mask.sum()))  # SGLang's pad values: past the vocabulary
+hidden = torch.zeros(T, 8)
+out = {{}}
+
+def rows(w, i):
+    o = i.long().argsort(1)
+    return w.gather(1, o).double(), i.long().gather(1, o)
+
+for scaled in (False,):  # SGLang's torch-native TopK (the CPU path) does not scale on output
+    tk = TopK(top_k=K, layer_id=3, renormalize=True, use_grouped_topk=False, scoring_func="sqrtsoftplus",
+              correction_bias=bias, routed_scaling_factor=1.5, apply_routed_scaling_factor_on_output=scaled,
+              output_format=TopKOutputFormat.STANDARD)
+    tk.correction_bias_vl = bias_vl
+    plain = TopK.forward_native(tk, hidden, logits)
+    with R.image_rows(mask):
+        got = R.topk_with_vl(TopK.forward_native, tk, hidden, logits)
+    with R.image_rows(None):
+        untouched = R.topk_with_vl(TopK.forward_native, tk, hidden, logits)
+    want_w, want_i = R.vl_route(logits, mask, K, bias_vl, bias=bias)
+    gw, gi = rows(got.topk_weights, got.topk_ids)
+    ww, wi = rows(want_w * (1.5 if scaled else 1.0), want_i)
+    pw, pi = rows(plain.topk_weights, plain.topk_ids)
+    out[f"topk{{int(scaled)}}"] = dict(ids=torch.equal(gi, wi), w=float((gw - ww).abs().max()),
+                                       text_same=torch.equal(gi[~mask], pi[~mask]) and torch.equal(gw[~mask], pw[~mask]),
+                                       no_mask_same=torch.equal(untouched.topk_ids, plain.topk_ids))
+os.environ["SGLANG_OPT_USE_FUSED_HASH_TOPK"] = "0"
+hk = HashTopK(topk=K, num_experts=E, num_fused_shared_experts=0, vocab_size=V, scoring_func="sqrtsoftplus",
+              routed_scaling_factor=1.5)
+tid2eid = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(V)]).to(torch.int32)
+hk.tid2eid.data.copy_(tid2eid)
+hk.correction_bias_vl = bias_vl
+with R.image_rows(mask):
+    got = R.hash_topk_with_vl(HashTopK.forward, hk, hidden, logits, ids_tok)
+want_w, want_i = R.vl_route(logits, mask, K, bias_vl, tid2eid=tid2eid, token_ids=ids_tok)
+gw, gi = rows(got.topk_weights, got.topk_ids)
+ww, wi = rows(want_w, want_i)
+out["hash"] = dict(ids=torch.equal(gi, wi), w=float((gw - ww).abs().max()))
+try:
+    HashTopK.forward(hk, hidden, logits, ids_tok)
+    out["hash_unpatched"] = "ran"
+except Exception as e:
+    out["hash_unpatched"] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.sglang
+def test_hooks_route_image_rows_by_bias_vl_in_sglangs_topk(unit_ckpt):
+    """SGLang's own TopK (DSV4 settings: ungrouped sqrtsoftplus with the correction bias) and HashTopK, run
+    through the hooks on a mixed text/image batch: image rows equal the bias_vl reference (vl_route), text
+    rows stay SGLang's own, the routed scaling applied exactly where the layer applies it; hash layers
+    never index their token table with an image pad value (which, unpatched, is out of range)."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    import os
+
+    from conftest import last_json, run_python
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = last_json(run_python(HOOKS.format(root=root, ckpt=unit_ckpt), TORCHDYNAMO_DISABLE="1"))
+    for key in ("topk0",):
+        r = out[key]
+        assert r["ids"] and r["text_same"] and r["no_mask_same"] and r["w"] < 1e-6, (key, r)
+    assert out["hash"]["ids"] and out["hash"]["w"] < 1e-6, out["hash"]
+    assert out["hash_unpatched"] in ("IndexError", "RuntimeError"), out
+
+
+def test_with_image_rows_scales_only_where_the_layer_does():
+    from vision_backport.routing import with_image_rows
+
+    g = torch.Generator().manual_seed(2)
+    logits, bias_vl = torch.randn(4, 8, generator=g), torch.randn(8, generator=g)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=torch.int32)
+    w = torch.full((4, 2), 0.5)
+    mask = torch.tensor([False, True, False, True])
+    w1, i1 = with_image_rows(w, ids, logits, mask, bias_vl, True, 1.0)
+    w2, i2 = with_image_rows(w, ids, logits, mask, bias_vl, True, 1.5)
+    assert torch.equal(i1, i2) and torch.equal(w2[mask], w1[mask] * 1.5) and torch.equal(w2[~mask], w[~mask])
+    assert torch.equal(i1[~mask], ids[~mask]) and torch.allclose(w1[mask].sum(1), torch.ones(2))

@@ -125,10 +125,13 @@ def vl_model_class():
             self.vision_part = VisionPart(config)
             experts = int(config.n_routed_experts)
             for layer in self.model.layers:
-                gate = getattr(getattr(layer, "mlp", None), "gate", None)
+                mlp = getattr(layer, "mlp", None)
+                gate = getattr(mlp, "gate", None)
                 if gate is not None and not hasattr(gate, "e_score_correction_bias_vl"):
                     gate.e_score_correction_bias_vl = nn.Parameter(torch.zeros(experts, dtype=torch.float32),
                                                                    requires_grad=False)
+                    if getattr(mlp, "topk", None) is not None:  # read by routing.topk_with_vl / hash_topk_with_vl
+                        mlp.topk.correction_bias_vl = gate.e_score_correction_bias_vl
 
         def load_weights(self, weights, is_nextn=False):
             result = super().load_weights(split_vision_weights(weights, self.vision_part.load), is_nextn)
@@ -176,14 +179,19 @@ def text_forward_with_embeds(original, self, input_ids, positions, forward_batch
     """Around DeepseekV4Model.forward (deepseek_v4.py:2250), which always embeds `input_ids` and ignores
     `input_embeds`: with embeddings given (the multimodal routine calls it with input_ids=None), the layers
     get those embeddings and the hash-routing layers the snapshot ids, clamped into the vocabulary (image
-    rows are routed by bias_vl instead, once that is wired)."""
+    rows are re-routed by bias_vl: the image mask is held for routing.topk_with_vl / hash_topk_with_vl for the
+    duration of the forward)."""
     if input_embeds is None:
         return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
     ids = getattr(forward_batch, "dsv4_routing_input_ids", None)
     if ids is None:
         raise RuntimeError("DeepSeek-V4 with input_embeds needs forward_batch.dsv4_routing_input_ids (the VL "
                            "wrapper snapshots them before the multimodal routine)")
-    ids = ids.clamp(0, self.embed_tokens.org_vocab_size - 1)  # VocabParallelEmbedding: the unpadded vocab
+    from .routing import image_rows
+
+    vocab = self.embed_tokens.org_vocab_size  # VocabParallelEmbedding: the unpadded vocabulary
+    mask = ids >= vocab  # every image-block position carries a pad value past the vocabulary
+    ids = ids.clamp(0, vocab - 1)
 
     class _Given(nn.Module):
         def forward(self, _ids):
@@ -192,6 +200,7 @@ def text_forward_with_embeds(original, self, input_ids, positions, forward_batch
     embed = self._modules["embed_tokens"]
     self._modules["embed_tokens"] = _Given()
     try:
-        return original(self, ids, positions, forward_batch, None, pp_proxy_tensors)
+        with image_rows(mask):
+            return original(self, ids, positions, forward_batch, None, pp_proxy_tensors)
     finally:
         self._modules["embed_tokens"] = embed
