@@ -7,12 +7,14 @@ aligner (`vit.py`, against an independent float64 reference), the bias_vl routin
 request processing (`processor.py`: image decoding and refusals, placeholder -> token block expansion, the
 SGLang processor class), image content in chat messages (`chat.py`), and the wrapper's vision part
 (`model.py`: the weight split the text loader needs, ViT + aligner + sentinels loaded from the checkpoint,
-the block embeddings for SGLang's `get_image_feature`).
-Not built yet: the VL model class itself (registration, forward through SGLang's multimodal routine,
-`input_embeds` in the text model, `pad_input_ids`), the routing and attention wiring into SGLang, the
-processor registration and the serving_chat hook, the scheduler hooks for atomic image blocks; so
-`install` still registers nothing. The gate meanwhile validates a Vision-Exp checkpoint's vision tensors, so a converted
-one is refused.
+the block embeddings for SGLang's `get_image_feature`), the VL model class (`vl_model_class`: SGLang's DSV4
+class subclassed, bias_vl parameters, the vision weight split, the multimodal forward, `input_embeds` for the
+text model) and the bias_vl hooks for SGLang's TopK / HashTopK (`routing.py`; checked on SGLang's own top-k).
+Not built yet: the installation of all of this into SGLang (model registry, processor mapping,
+`is_multimodal`, the TopK / HashTopK / DeepseekV4Model.forward hooks, the serving_chat hook), the
+bidirectional image window in the attention, the scheduler hooks for atomic image blocks; so `install` still
+registers nothing (serving images without the window would be silently wrong). The gate meanwhile validates
+a Vision-Exp checkpoint's vision tensors, so a converted one is refused.
 """
 
 
