@@ -23,6 +23,7 @@
 #   tests/gpu/steps.sh http        serve in lab mode (tiny model + stand-in tokenizer, --api-key): OpenAI and native
 #                                  endpoints, the key enforced, bad requests answered 4xx, the server alive after
 #   tests/gpu/steps.sh vision      the Vision-Exp model class loads the tiny --vision checkpoint in SGLang's ModelRunner
+#   tests/gpu/steps.sh soak        64 streams against the patched server for 4 minutes, DSPARK off then on (SOAK_MIN)
 #   tests/gpu/steps.sh kernels     the kernel tests, compiled on this GPU against their CPU references
 #                                  (needs pytest: carry .dev/pyt, made by `pip install --target .dev/pyt pytest`)
 # Results go to $OUT (default ./out). The native oracle is .dev/oracle/native.json (tests/gpu/engine_bed.py).
@@ -37,7 +38,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
   ( eval "$@" ) >"$OUT/$name.log" 2>&1 || { echo "=== $name: exit $?"; rc=1; }
-  grep -E "^(vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe)|Error|passed|failed" \
+  grep -E "^(soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe)|Error|passed|failed" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
 }
 case ${1:?step} in
@@ -114,6 +115,10 @@ case ${1:?step} in
     run http env $LAB timeout 560 python -u tests/gpu/http_check.py --out "$OUT/http.json" ;;
   vision)
     run vision env $LAB timeout 400 python -u tests/gpu/vision_check.py --out "$OUT/vision.json" ;;
+  soak)
+    run soak env $LAB timeout 420 python -u tests/gpu/soak.py --minutes ${SOAK_MIN:-4} --out "$OUT/soak.json"
+    run soak-dspark env $LAB timeout 420 python -u tests/gpu/soak.py --minutes ${SOAK_MIN:-4} --dspark \
+      --out "$OUT/soak-dspark.json" ;;
   jit)
     # a separate cache: sm_80 builds must not be picked up by this H200's own runs
     run jit env TVM_FFI_CACHE_DIR=/tmp/jit-sm80 timeout 560 python -u tests/gpu/jit_sm80.py --out "$OUT/jit_sm80.json" ;;

@@ -1,0 +1,189 @@
+"""Soak the patched server (lab mode, tiny checkpoint, loopback only), bounded in time and count.
+
+    DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 python tests/gpu/soak.py --minutes 5 --out soak.json [--dspark]
+
+64 concurrent streams of `/generate` (streaming, with logprobs): random prompt lengths up to the context
+limit, random max_tokens, a third of the prompts sharing long prefixes (radix-cache hits), one in ten
+cancelled mid-stream by closing the connection, small chunked-prefill chunks so long prompts span several
+batches. Reported: requests done, errors (anything but a deliberate cancellation; must be 0), NaN/Inf in the
+returned logprobs (must be 0), the KV pool's used tokens after the run and a cache flush (must be the idle
+value: no leaked pages), and GPU memory over the run (first vs last minute: stable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KEY = "soak-key"
+
+
+def post(port, path, body, timeout=600):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST")
+    req.add_header("Content-Type", "application/json")
+    req.add_header("Authorization", f"Bearer {KEY}")
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def get_json(port, path):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+    req.add_header("Authorization", f"Bearer {KEY}")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read().decode())
+
+
+def find(obj, key):
+    """Every value of `key` anywhere in a JSON value."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k == key:
+                yield v
+            yield from find(v, key)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from find(v, key)
+
+
+def gpu_used_mib():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout.split()
+        return sum(int(x) for x in out)
+    except Exception:
+        return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--minutes", type=float, default=5.0)
+    ap.add_argument("--max-requests", type=int, default=5000)
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--port", type=int, default=30131)
+    ap.add_argument("--dspark", action="store_true")
+    args = ap.parse_args(argv)
+
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "dsv4_sm80", "serve", "--host", "127.0.0.1", "--port", str(args.port), "--api-key", KEY,
+           "--context-length", str(args.context), "--chunked-prefill-size", "1024", "--max-running-requests", "64",
+           "--moe-runner-backend", "marlin", "--mem-fraction-static", "0.7"]
+    if args.dspark:
+        cmd += ["--speculative-algorithm", "DSPARK"]
+    log = open(os.path.join(os.path.dirname(os.path.abspath(args.out)), "soak_server.log"), "w")
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    stats = {"done": 0, "cancelled": 0, "errors": [], "nonfinite": 0, "tokens": 0}
+    lock = threading.Lock()
+    mem = []
+    try:
+        t0 = time.time()
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"server exited with {server.returncode} during start-up")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health", timeout=5)
+                break
+            except Exception:
+                if time.time() - t0 > 500:
+                    raise RuntimeError("server not healthy in 500 s")
+                time.sleep(2)
+        post(args.port, "/flush_cache", {}).read()
+        idle = list(find(get_json(args.port, "/v1/loads"), "num_used_tokens"))
+        prefixes = [[random.Random(p).randrange(1000, 120000) for _ in range(2048)] for p in range(4)]
+        deadline = time.time() + 60 * args.minutes
+        issued = [0]
+
+        def worker(seed):
+            rng = random.Random(seed)
+            while time.time() < deadline:
+                with lock:
+                    if issued[0] >= args.max_requests:
+                        return
+                    issued[0] += 1
+                max_new = rng.randint(1, 256)
+                n = rng.randint(1, args.context - max_new - 1)
+                ids = (prefixes[rng.randrange(4)][:n] if rng.random() < 0.33 else []) + \
+                      [rng.randrange(1000, 120000) for _ in range(n)]
+                ids = ids[:n]
+                cancel_after = rng.randint(1, 5) if rng.random() < 0.1 else None
+                body = {"input_ids": ids, "stream": True, "return_logprob": True,
+                        "sampling_params": {"max_new_tokens": max_new, "temperature": rng.choice([0.0, 0.7])}}
+                try:
+                    with post(args.port, "/generate", body) as r:
+                        chunks = 0
+                        for raw in r:
+                            line = raw.decode(errors="replace").strip()
+                            if not line.startswith("data:") or line == "data: [DONE]":
+                                continue
+                            chunks += 1
+                            msg = json.loads(line[5:])
+                            lps = [e[0] for e in msg.get("meta_info", {}).get("output_token_logprobs", []) if e]
+                            bad = sum(1 for x in lps if x is None or not math.isfinite(x))
+                            if bad:
+                                with lock:
+                                    stats["nonfinite"] += bad
+                            if cancel_after and chunks >= cancel_after:
+                                break
+                    with lock:
+                        if cancel_after and chunks >= cancel_after:
+                            stats["cancelled"] += 1
+                        else:
+                            stats["done"] += 1
+                            stats["tokens"] += max_new
+                except Exception as e:
+                    with lock:
+                        stats["errors"].append(f"{type(e).__name__}: {str(e)[:200]}")
+
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(args.streams)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            mem.append((round(time.time() - t0, 1), gpu_used_mib()))
+            time.sleep(10)
+        time.sleep(5)
+        for _ in range(60):  # let cancelled requests drain
+            loads = get_json(args.port, "/v1/loads")
+            if sum(x or 0 for x in find(loads, "num_running_reqs")) == 0:
+                break
+            time.sleep(2)
+        post(args.port, "/flush_cache", {}).read()
+        time.sleep(2)
+        after = list(find(get_json(args.port, "/v1/loads"), "num_used_tokens"))
+        alive = server.poll() is None
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    first = [m for t, m in mem if m is not None][:6]
+    last = [m for t, m in mem if m is not None][-6:]
+    report = {"minutes": args.minutes, "dspark": args.dspark, "done": stats["done"], "cancelled": stats["cancelled"],
+              "errors": len(stats["errors"]), "error_samples": stats["errors"][:10], "nonfinite_logprobs": stats["nonfinite"],
+              "tokens_requested": stats["tokens"], "used_tokens_idle": idle, "used_tokens_after_flush": after,
+              "gpu_mib_first_minute": first, "gpu_mib_last_minute": last, "server_alive": alive}
+    ok = (report["errors"] == 0 and report["nonfinite_logprobs"] == 0 and after == idle and alive
+          and report["done"] > 0)
+    print(f"soak: {args.minutes} min{' DSPARK' if args.dspark else ''}: {report['done']} done, {report['cancelled']} "
+          f"cancelled, {report['errors']} errors, {report['nonfinite_logprobs']} non-finite logprobs; KV used tokens "
+          f"idle {idle} -> after flush {after}; GPU MiB first {first[:1]} last {last[-1:]}; alive {alive}")
+    for e in report["error_samples"]:
+        print("  error:", e)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print("soak:", "OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
