@@ -23,7 +23,7 @@
 #   tests/gpu/steps.sh http        serve in lab mode (tiny model + stand-in tokenizer, --api-key): OpenAI and native
 #                                  endpoints, the key enforced, bad requests answered 4xx, the server alive after
 #   tests/gpu/steps.sh vision      the Vision-Exp model class loads the tiny --vision checkpoint in SGLang's ModelRunner
-#   tests/gpu/steps.sh soak        64 streams against the patched server for 4 minutes, DSPARK off then on (SOAK_MIN)
+#   tests/gpu/steps.sh soak        64 streams against the patched server for SOAK_MIN (4) minutes; soak-dspark: with DSPARK
 #   tests/gpu/steps.sh kernels     the kernel tests, compiled on this GPU against their CPU references
 #                                  (needs pytest: carry .dev/pyt, made by `pip install --target .dev/pyt pytest`)
 # Results go to $OUT (default ./out). The native oracle is .dev/oracle/native.json (tests/gpu/engine_bed.py).
@@ -116,8 +116,9 @@ case ${1:?step} in
   vision)
     run vision env $LAB timeout 400 python -u tests/gpu/vision_check.py --out "$OUT/vision.json" ;;
   soak)
-    run soak env $LAB timeout 420 python -u tests/gpu/soak.py --minutes ${SOAK_MIN:-4} --out "$OUT/soak.json"
-    run soak-dspark env $LAB timeout 420 python -u tests/gpu/soak.py --minutes ${SOAK_MIN:-4} --dspark \
+    run soak env $LAB timeout 560 python -u tests/gpu/soak.py --minutes ${SOAK_MIN:-4} --out "$OUT/soak.json" ;;
+  soak-dspark)
+    run soak-dspark env $LAB timeout 560 python -u tests/gpu/soak.py --minutes ${SOAK_MIN:-4} --dspark \
       --out "$OUT/soak-dspark.json" ;;
   jit)
     # a separate cache: sm_80 builds must not be picked up by this H200's own runs
