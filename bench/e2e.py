@@ -39,7 +39,7 @@ def child(args) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, min(vocab, 128000)) for _ in range(args.prompt_len)] for _ in range(max(args.batches))]
     t0 = time.time()
-    engine = sglang.Engine(model_path=args.ckpt, skip_tokenizer_init=True, tp_size=1, moe_runner_backend="marlin",
+    engine = sglang.Engine(model_path=args.ckpt, skip_tokenizer_init=True, tp_size=args.tp, moe_runner_backend="marlin",
                            mem_fraction_static=args.mem_fraction, random_seed=0, log_level="warning")
     out = {"mode": args.child, "gpu": torch.cuda.get_device_name(0), "engine_start_s": time.time() - t0, "rows": []}
     try:
@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--mem-fraction", type=float, default=0.8)
     ap.add_argument("--modes", default="native,patched")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (4: the production topology)")
     ap.add_argument("--child", choices=("native", "patched"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.batches = [int(x) for x in str(args.batches).split(",")]
@@ -90,10 +91,12 @@ def main(argv=None) -> int:
     for mode in args.modes.split(","):
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    SGLANG_JIT_DEEPGEMM_PRECOMPILE="0")
-        env.update(LAB if mode == "patched" else {"ENABLE_SGLANG_DSV4_A100_PATCH": "0"})
+        env.update(dict(LAB, DSV4_SM80_LAB_GPU_COUNT=str(args.tp)) if mode == "patched"
+                   else {"ENABLE_SGLANG_DSV4_A100_PATCH": "0"})
         cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--ckpt", args.ckpt,
                "--batches", ",".join(map(str, args.batches)), "--prompt-len", str(args.prompt_len),
-               "--decode", str(args.decode), "--reps", str(args.reps), "--mem-fraction", str(args.mem_fraction)]
+               "--decode", str(args.decode), "--reps", str(args.reps), "--mem-fraction", str(args.mem_fraction),
+               "--tp", str(args.tp)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("E2E_RESULT ")), None)
         if line is None:
@@ -101,7 +104,8 @@ def main(argv=None) -> int:
             results[mode] = {"error": proc.stderr[-3000:]}
             continue
         results[mode] = json.loads(line[len("E2E_RESULT "):])
-    print(f"e2e bench ({args.ckpt}; prompt {args.prompt_len} ids, decode {args.decode} tokens, CUDA graphs on)")
+    print(f"e2e bench ({args.ckpt}; TP{args.tp}; prompt {args.prompt_len} ids, decode {args.decode} tokens, "
+          "CUDA graphs on)")
     print(f"{'batch':>5s} {'mode':>8s} {'TTFT ms':>9s} {'decode tok/s':>13s} {'patched/native':>15s}")
     for i, b in enumerate(args.batches):
         nat = results.get("native", {}).get("rows", [None] * len(args.batches))[i]

@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cuda-graph", action="store_true")
     ap.add_argument("--speculative-algorithm", help="e.g. DSPARK (draft stages bundled in the checkpoint)")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (lab mode: DSV4_SM80_LAB_GPU_COUNT=N)")
     ap.add_argument("--batch", type=int, default=0,
                     help="N concurrent prompts cycling over --lengths (distinct ids); 0 = one per length")
     args = ap.parse_args(argv)
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     extra = {"speculative_algorithm": args.speculative_algorithm} if args.speculative_algorithm else {}
     engine = sglang.Engine(
-        model_path=args.ckpt, skip_tokenizer_init=True, tp_size=1,
+        model_path=args.ckpt, skip_tokenizer_init=True, tp_size=args.tp,
         moe_runner_backend=args.moe_runner_backend, disable_cuda_graph=not args.cuda_graph,
         mem_fraction_static=args.mem_fraction, random_seed=0, log_level="warning", **extra,
     )
