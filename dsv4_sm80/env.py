@@ -81,8 +81,15 @@ ALLOW_OPEN_BIND = Knob(
     "0: such a start is refused.",
 )
 
+VISION = Knob(
+    "DSV4_SM80_VISION", "0", ("0", "1"),
+    "Experimental: 1 installs the Vision-Exp backport (VL model class, image processor, bias_vl routing). "
+    "Incomplete: images are attended causally only (the bidirectional image window is not in the attention "
+    "yet), so outputs differ from the reference model. 0: not installed.",
+)
+
 KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC, LOAD_REPORT, TRIPWIRE,
-         ALLOW_OPEN_BIND)
+         ALLOW_OPEN_BIND, VISION)
 
 
 def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:

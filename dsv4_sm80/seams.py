@@ -262,6 +262,64 @@ SEAMS: tuple[Seam, ...] = (
     _tripwire("mxfp4_marlin_prepare", "sglang.srt.layers.quantization.mxfp4_marlin_moe:Mxfp4MarlinMoEMethod.process_weights_after_loading",
               "Under mxfp4_int8 no expert layer may take SGLang's MXFP4 Marlin path or its SM check.",
               "srt/layers/quantization/mxfp4_marlin_moe.py:103", "SGLANG_DSV4_MXFP4_MOE_BACKEND=mxfp4_int8"),
+    # --- vision (vision_backport/), experimental: only with DSV4_SM80_VISION=1 ---------------------------
+    Seam(
+        name="vision.model_class",
+        target="sglang.srt.models.registry:ModelRegistry",
+        kind="value",
+        replacement="vision_backport.install:register_model",
+        reason=("Stock 0.5.16 dies on a Vision-Exp checkpoint (KeyError: aligner.gate_up_proj) and would drop "
+                "image content; the VL class loads the vision weights and embeds images."),
+        upstream="srt/models/registry.py:130",
+        when=("DSV4_SM80_VISION=1",),
+    ),
+    Seam(
+        name="vision.processor",
+        target="sglang.srt.managers.multimodal_processor:PROCESSOR_MAPPING",
+        kind="value",
+        replacement="vision_backport.install:register_processor",
+        reason="Images of a request become each image's token block and patches (reference 03 §6).",
+        upstream="srt/managers/multimodal_processor.py:13",
+        when=("DSV4_SM80_VISION=1",),
+    ),
+    Seam(
+        name="vision.model_config",
+        target="sglang.srt.configs.model_config:ModelConfig.__init__",
+        kind="after",
+        replacement="vision_backport.install:mark_multimodal",
+        reason="0.5.16 does not know DeepseekV4ForCausalLM can be multimodal (model_config.py:414).",
+        upstream="srt/configs/model_config.py:232",
+        when=("DSV4_SM80_VISION=1",),
+    ),
+    Seam(
+        name="vision.text_embeds",
+        target="sglang.srt.models.deepseek_v4:DeepseekV4Model.forward",
+        kind="around",
+        replacement="vision_backport.model:text_forward_with_embeds",
+        reason=("DeepseekV4Model.forward ignores input_embeds (deepseek_v4.py:2259); the multimodal routine "
+                "passes the image embeddings that way, and the routing needs the image mask."),
+        upstream="srt/models/deepseek_v4.py:2250",
+        when=("DSV4_SM80_VISION=1",),
+    ),
+    Seam(
+        name="vision.topk",
+        target="sglang.srt.layers.moe.topk:TopK.forward_cuda",
+        kind="around",
+        replacement="vision_backport.routing:topk_with_vl",
+        reason="Image-block tokens choose experts with bias_vl, text tokens with the correction bias (§4.1).",
+        upstream="srt/layers/moe/topk.py:484",
+        when=("DSV4_SM80_VISION=1",),
+    ),
+    Seam(
+        name="vision.hash_topk",
+        target="sglang.srt.layers.moe.hash_topk:HashTopK.forward",
+        kind="around",
+        replacement="vision_backport.routing:hash_topk_with_vl",
+        reason=("Hash layers route image tokens by bias_vl instead of the token table, which an image pad "
+                "value would index out of range."),
+        upstream="srt/layers/moe/hash_topk.py:180",
+        when=("DSV4_SM80_VISION=1",),
+    ),
     # --- dense: FP8 block linears -> BF16 at load (linear.py) ------------------------------------------
     Seam(
         name="dense.quant_method",

@@ -89,3 +89,48 @@ def test_block_embeddings_slot_by_slot(part):
     assert not torch.equal(feats[first][types0 == IMAGE], feats2[first][types0 == IMAGE])
     assert torch.equal(feats[first][types0 != IMAGE], feats2[first][types0 != IMAGE])
     assert torch.equal(feats[len(blocks[0].block):], feats2[len(blocks[0].block):])
+
+
+INSTALLED = """
+import json, sys
+sys.path.insert(0, {root!r})
+from transformers import AutoTokenizer
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.models.registry import ModelRegistry
+from sglang.srt.managers.multimodal_processor import PROCESSOR_MAPPING, get_mm_processor
+out = {{}}
+for name, path in (("vision", {vckpt!r}), ("text", {tckpt!r})):
+    sa = ServerArgs(model_path=path, device="cpu", skip_tokenizer_init=True)
+    mc = ModelConfig.from_server_args(sa)
+    cls, _ = ModelRegistry.resolve_model_cls(mc.hf_config.architectures)
+    rec = dict(multimodal=bool(mc.is_multimodal), image=bool(mc.is_image_understandable_model),
+               cls=cls.__module__ + "." + cls.__qualname__)
+    if mc.is_multimodal:
+        proc = get_mm_processor(mc.hf_config, sa, AutoTokenizer.from_pretrained(path), None, model_config=mc)
+        rec["processor"] = type(proc).__name__
+        rec["placeholder"] = proc.placeholder_id
+    out[name] = rec
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("vision", ["1", "0"])
+def test_installed_with_the_experimental_switch(unit_vision_ckpt, unit_ckpt, vision):
+    """DSV4_SM80_VISION=1: a Vision-Exp config is multimodal, resolves to the VL class and gets the image
+    processor; a text config stays text (the VL class hands it the plain text model). Off (the default):
+    nothing changes."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    from conftest import last_json, run_python
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = last_json(run_python(INSTALLED.format(root=root, vckpt=unit_vision_ckpt, tckpt=unit_ckpt),
+                               ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_VISION=vision))
+    stock, vl = "sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM", "vision_backport.model.DeepseekV4ForCausalLM"
+    assert out["text"] == {"multimodal": False, "image": False, "cls": vl if vision == "1" else stock}
+    if vision == "1":
+        assert out["vision"] == {"multimodal": True, "image": True, "cls": "vision_backport.model.DeepseekV4ForCausalLM",
+                                 "processor": "DeepseekV4VLImageProcessor", "placeholder": 129264}
+    else:
+        assert out["vision"] == {"multimodal": False, "image": False, "cls": stock}

@@ -10,10 +10,12 @@ SGLang processor class), image content in chat messages (`chat.py`), and the wra
 the block embeddings for SGLang's `get_image_feature`), the VL model class (`vl_model_class`: SGLang's DSV4
 class subclassed, bias_vl parameters, the vision weight split, the multimodal forward, `input_embeds` for the
 text model) and the bias_vl hooks for SGLang's TopK / HashTopK (`routing.py`; checked on SGLang's own top-k).
-Not built yet: the installation of all of this into SGLang (model registry, processor mapping,
-`is_multimodal`, the TopK / HashTopK / DeepseekV4Model.forward hooks, the serving_chat hook), the
-bidirectional image window in the attention, the scheduler hooks for atomic image blocks; so `install` still
-registers nothing (serving images without the window would be silently wrong). The gate meanwhile validates
+Installed into SGLang only with the experimental switch DSV4_SM80_VISION=1 (the `vision.*` seams of
+`dsv4_sm80/seams.py`, replacements in `install.py`): model registry, processor mapping, `is_multimodal`,
+`input_embeds` + image mask in the text model, bias_vl at SGLang's TopK / HashTopK. Not built yet: the
+bidirectional image window in the attention (without it images are attended causally: outputs differ from
+the reference, hence the switch), the scheduler hooks for atomic image blocks, the serving_chat hook (the
+OpenAI chat path still drops image content; `/generate` with `image_data` reaches the processor). The gate meanwhile validates
 a Vision-Exp checkpoint's vision tensors, so a converted one is refused.
 """
 

@@ -42,12 +42,23 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=30123)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--startup-timeout", type=int, default=400)
+    ap.add_argument("--vision", action="store_true",
+                    help="the tiny --vision checkpoint with DSV4_SM80_VISION=1: image requests instead")
     args = ap.parse_args(argv)
 
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "dsv4_sm80", "serve", "--host", "127.0.0.1", "--port", str(args.port),
            "--api-key", KEY, "--context-length", str(args.context), "--moe-runner-backend", "marlin",
            "--mem-fraction-static", "0.6", "--disable-cuda-graph"]
+    if args.vision:
+        ckpt = "/tmp/dsv4-tiny-vl"
+        if not os.path.isfile(os.path.join(ckpt, "model.safetensors.index.json")):
+            sys.path.insert(0, ROOT)
+            from dsv4_sm80.tiny.generate import PRESETS, generate, tiny_config
+
+            generate(ckpt, tiny_config(PRESETS["tiny"], vision=True), head_scale=12.0)
+        cmd += ["--model-path", ckpt]
+        env["DSV4_SM80_VISION"] = "1"
     log = open(os.path.join(os.path.dirname(os.path.abspath(args.out)), "http_server.log"), "w")
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     results, ok = [], True
@@ -67,25 +78,10 @@ def main(argv=None) -> int:
         startup = time.time() - t0
 
         long_ids = list(range(1000, 1000 + args.context + 100))
-        checks = [  # name, path, body / raw, key, expected status (None: any 4xx)
-            ("chat completion", "/v1/chat/completions",
-             {"model": "x", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8, "temperature": 0}, KEY, 200),
-            ("generate text", "/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}, KEY, 200),
-            ("generate ids", "/generate", {"input_ids": [0, 2, 100, 200], "sampling_params": {"max_new_tokens": 8}}, KEY, 200),
-            ("completion", "/v1/completions", {"model": "x", "prompt": "Hi", "max_tokens": 4}, KEY, 200),
-            ("no API key", "/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "Hi"}]}, None, 401),
-            ("wrong API key", "/generate", {"text": "Hi"}, "wrong", 401),
-            ("prompt longer than the context", "/generate", {"input_ids": long_ids, "sampling_params": {"max_new_tokens": 4}}, KEY, None),
-            ("max_tokens beyond the context", "/v1/completions", {"model": "x", "prompt": "Hi", "max_tokens": args.context * 4}, KEY, None),
-            ("empty prompt", "/v1/completions", {"model": "x", "prompt": "", "max_tokens": 4}, KEY, None),
-            ("empty messages", "/v1/chat/completions", {"model": "x", "messages": []}, KEY, None),
-            ("token id beyond the vocabulary", "/generate", {"input_ids": [0, 10_000_000], "sampling_params": {"max_new_tokens": 4}}, KEY, None),
-            ("negative token id", "/generate", {"input_ids": [0, -5], "sampling_params": {"max_new_tokens": 4}}, KEY, None),
-            ("malformed JSON", "/v1/chat/completions", b'{"model": "x", "messages": [', KEY, None),
-            ("negative max_tokens", "/v1/completions", {"model": "x", "prompt": "Hi", "max_tokens": -1}, KEY, None),
-            ("chat after the bad requests", "/v1/chat/completions",
-             {"model": "x", "messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 8}, KEY, 200),
-        ]
+        if args.vision:
+            checks = vision_checks(args.port)
+        else:
+            checks = text_checks(args.context, long_ids)
         for name, path, body, key, want in checks:
             raw = body if isinstance(body, bytes) else None
             status, text = call(args.port, path, None if raw else body, key=key, raw=raw)
@@ -93,6 +89,15 @@ def main(argv=None) -> int:
             ok &= good
             first = text.strip().splitlines()[0][:200] if text.strip() else ""
             results.append({"check": name, "status": status, "expected": want or "4xx", "ok": good, "body": first})
+        if args.vision:  # the image reaches the model: a different image, different logprobs
+            lps = []
+            for color in ((220, 20, 20), (20, 20, 220)):
+                status, text = call(args.port, "/generate", image_request([png(640, 480, color)]))
+                lps.append(json.loads(text)["meta_info"]["output_token_logprobs"] if status == 200 else None)
+            differ = lps[0] is not None and lps[1] is not None and [x[0] for x in lps[0]] != [x[0] for x in lps[1]]
+            ok &= differ
+            results.append({"check": "a different image changes the logprobs", "status": 200, "expected": 200,
+                            "ok": differ, "body": ""})
         healthy = call(args.port, "/health", key=None)[0] == 200
         ok &= healthy and server.poll() is None
     finally:
@@ -109,6 +114,63 @@ def main(argv=None) -> int:
         json.dump({"startup_s": startup, "results": results, "healthy_after": healthy}, f, indent=1)
     print("http_check:", "OK" if ok else "FAILED")
     return 0 if ok else 1
+
+
+PROMPT = "<｜begin▁of▁sentence｜><｜User｜>{images}What is in the picture?<｜Assistant｜></think>"
+
+
+def png(width, height, color):
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_request(images, placeholders=None):
+    import base64
+
+    urls = ["data:image/png;base64," + base64.b64encode(b).decode() for b in images]
+    n = len(images) if placeholders is None else placeholders
+    return {"text": PROMPT.format(images="<｜deepseek_image｜>" * n), "image_data": urls, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+
+
+def vision_checks(port):
+    red = png(640, 480, (220, 20, 20))
+    return [
+        ("one image", "/generate", image_request([red]), KEY, 200),
+        ("two images", "/generate", image_request([red, png(200, 900, (20, 20, 220))]), KEY, 200),
+        ("corrupt image bytes", "/generate", image_request([b"\x89PNG broken"]), KEY, None),
+        ("aspect ratio 10:1", "/generate", image_request([png(1000, 100, (9, 9, 9))]), KEY, None),
+        ("17 images", "/generate", image_request([red] * 17), KEY, None),
+        ("placeholder count != images", "/generate", image_request([red], placeholders=2), KEY, None),
+        ("one image after the bad ones", "/generate", image_request([red]), KEY, 200),
+    ]
+
+
+def text_checks(context, long_ids):
+    return [  # name, path, body / raw, key, expected status (None: any 4xx)
+            ("chat completion", "/v1/chat/completions",
+             {"model": "x", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8, "temperature": 0}, KEY, 200),
+            ("generate text", "/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}, KEY, 200),
+            ("generate ids", "/generate", {"input_ids": [0, 2, 100, 200], "sampling_params": {"max_new_tokens": 8}}, KEY, 200),
+            ("completion", "/v1/completions", {"model": "x", "prompt": "Hi", "max_tokens": 4}, KEY, 200),
+            ("no API key", "/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "Hi"}]}, None, 401),
+            ("wrong API key", "/generate", {"text": "Hi"}, "wrong", 401),
+            ("prompt longer than the context", "/generate", {"input_ids": long_ids, "sampling_params": {"max_new_tokens": 4}}, KEY, None),
+            ("max_tokens beyond the context", "/v1/completions", {"model": "x", "prompt": "Hi", "max_tokens": context * 4}, KEY, None),
+            ("empty prompt", "/v1/completions", {"model": "x", "prompt": "", "max_tokens": 4}, KEY, None),
+            ("empty messages", "/v1/chat/completions", {"model": "x", "messages": []}, KEY, None),
+            ("token id beyond the vocabulary", "/generate", {"input_ids": [0, 10_000_000], "sampling_params": {"max_new_tokens": 4}}, KEY, None),
+            ("negative token id", "/generate", {"input_ids": [0, -5], "sampling_params": {"max_new_tokens": 4}}, KEY, None),
+            ("malformed JSON", "/v1/chat/completions", b'{"model": "x", "messages": [', KEY, None),
+            ("negative max_tokens", "/v1/completions", {"model": "x", "prompt": "Hi", "max_tokens": -1}, KEY, None),
+            ("chat after the bad requests", "/v1/chat/completions",
+             {"model": "x", "messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 8}, KEY, 200),
+        ]
 
 
 if __name__ == "__main__":

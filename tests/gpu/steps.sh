@@ -22,6 +22,8 @@
 #   tests/gpu/steps.sh e2e-bench   bench/e2e.py on it: decode tok/s and TTFT, patched vs native, batch 1 and 16
 #   tests/gpu/steps.sh http        serve in lab mode (tiny model + stand-in tokenizer, --api-key): OpenAI and native
 #                                  endpoints, the key enforced, bad requests answered 4xx, the server alive after
+#   tests/gpu/steps.sh http-vision the tiny --vision checkpoint served with DSV4_SM80_VISION=1: image requests,
+#                                  bad images answered 4xx, a different image changes the logprobs
 #   tests/gpu/steps.sh vision      the Vision-Exp model class loads the tiny --vision checkpoint in SGLang's ModelRunner
 #   tests/gpu/steps.sh soak        64 streams against the patched server for SOAK_MIN (4) minutes; soak-dspark: with DSPARK
 #   tests/gpu/steps.sh kernels     the kernel tests, compiled on this GPU against their CPU references
@@ -113,6 +115,9 @@ case ${1:?step} in
     run e2e-bench timeout 560 python bench/e2e.py --ckpt /tmp/dsv4-wide --out "$OUT/e2e.json" ;;
   http)
     run http env $LAB timeout 560 python -u tests/gpu/http_check.py --out "$OUT/http.json" ;;
+  http-vision)
+    run http-vision env $LAB DSV4_SM80_TRIPWIRE=1 timeout 560 python -u tests/gpu/http_check.py --vision \
+      --out "$OUT/http-vision.json" ;;
   vision)
     run vision env $LAB timeout 400 python -u tests/gpu/vision_check.py --out "$OUT/vision.json" ;;
   soak)
