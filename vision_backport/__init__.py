@@ -21,4 +21,10 @@ a Vision-Exp checkpoint's vision tensors, so a converted one is refused.
 
 
 def install(environ=None) -> dict:
-    return {"seams": 0, "note": "vision backport not implemented yet"}
+    """Called by the bootstrap after the SM80 patch. The vision replacements are applied by the one seam
+    mechanism (the `vision.*` seams, toggled by DSV4_SM80_VISION); this reports the switch."""
+    from dsv4_sm80 import env
+
+    on = env.get(env.VISION, environ) == "1"
+    return {"switch": f"{env.VISION.name}={'1' if on else '0'}",
+            "note": "experimental: images attended causally only" if on else "not installed"}
