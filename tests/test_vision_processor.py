@@ -145,3 +145,19 @@ def test_sglang_processor_end_to_end(tmp_path):
         asyncio.run(proc.process_mm_data_async(image_data=["data:image/png;base64,AAAA"], input_text=ids,
                                                request_obj=None))
     assert Geometry.from_config(hf_config) == Geometry()
+
+
+def test_block_hash_covers_the_layout():
+    """Same pixels and grid at another 4-alignment: another block (leading pads), so another hash."""
+    from PIL import Image
+
+    img = Image.new("RGB", (640, 480), (1, 2, 3))
+    _, (a,) = P.expand_prompt([5, 99], [img], 99)
+    _, (b,) = P.expand_prompt([5, 6, 99], [img], 99)
+    _, (c,) = P.expand_prompt([7, 99], [img], 99)
+    ha, hb, hc = (P.block_hash(x.patches, x.n_vit_h, x.n_vit_w, x.block.start_offset) for x in (a, b, c))
+    assert a.block.start_offset != b.block.start_offset and ha != hb
+    assert ha == hc  # the text before does not matter, only the alignment it leaves
+    other = P.expand_prompt([5, 99], [Image.new("RGB", (640, 480), (1, 2, 4))], 99)[1][0]
+    assert P.block_hash(other.patches, other.n_vit_h, other.n_vit_w, other.block.start_offset) != ha
+    assert 0 <= ha < 2 ** 63

@@ -102,6 +102,19 @@ def expand_prompt(ids: list[int], images: list, placeholder_id: int, g: Geometry
     return out, expanded
 
 
+def block_hash(patches, n_vit_h: int, n_vit_w: int, lead_pads: int) -> int:
+    """The item's hash (SGLang derives the block's pad value and the embedding cache key from it): the pixels
+    plus the layout. The same image at another 4-alignment has a different leading pad and so a different
+    block; hashing the pixels alone would let the embedding cache hand one layout's rows to the other."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256(patches.contiguous().view(torch.uint8).numpy().tobytes())
+    digest.update(f"{n_vit_h}x{n_vit_w}+{lead_pads}".encode())
+    return int.from_bytes(digest.digest()[:8], "little") & ((1 << 63) - 1)
+
+
 def _processor_class():
     """Built lazily: importing SGLang's processor base pulls in torch and transformers."""
     from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, MultimodalProcessorOutput
@@ -131,6 +144,7 @@ def _processor_class():
                 ids = list(input_text)
             ids, blocks = expand_prompt(ids, checked, self.placeholder_id, self.geometry, self.max_images)
             items = [MultimodalDataItem(modality=Modality.IMAGE, feature=b.patches, offsets=[(b.start, b.end)],
+                                        hash=block_hash(b.patches, b.n_vit_h, b.n_vit_w, b.block.start_offset),
                                         model_specific_data={"types": list(b.block.types),
                                                              "perm": list(b.block.perm),
                                                              "n_vit_h": b.n_vit_h, "n_vit_w": b.n_vit_w})
