@@ -170,6 +170,42 @@ def _match_rows(x, rows: int, fill: int):
     return torch.cat([x, x.new_full((rows - x.shape[0], *x.shape[1:]), fill)], dim=0)
 
 
+WINDOW = 128  # deepseek_v4_backend.SWA_WINDOW
+VISIBLE_WIDTH = 512  # the Vision-Exp visible window: 128 causal + up to 384 image-block keys
+
+
+def visible_swa_lists(swa_ids, swa_lens, spans_per_req, positions, req_tokens, req_rows, req_to_token,
+                      full_to_swa):
+    """The Vision-Exp bidirectional image window (reference 03 §5) as SWA index lists, for an extend batch:
+    a query inside an image span [s, e] (IMAGE_START .. IMAGE_END, absolute positions, wholly in this
+    extend) sees raw keys [max(0, min(p - 127, s)), min(that + 511, e)], i.e. the whole block both ways plus
+    the causal window before it; every other query keeps its causal list (the same ids, now padded to
+    VISIBLE_WIDTH with -1). The image rows are built as the backend builds causal ones: positions ->
+    req_to_token -> full_to_swa (deepseek_v4_backend.py:1968). Returns (ids [T, 512] int32, lens [T] int32)."""
+    rows = swa_ids.shape[0]
+    ids = swa_ids.new_full((rows, max(VISIBLE_WIDTH, swa_ids.shape[1])), -1)
+    ids[:, : swa_ids.shape[1]] = swa_ids
+    lens = swa_lens.clone()
+    start = 0
+    for r, (n_tok, spans) in enumerate(zip(req_tokens, spans_per_req)):
+        for s, e in spans or ():
+            pos = positions[start:start + n_tok].long()
+            inside = ((pos >= s) & (pos <= e)).nonzero().flatten()
+            if inside.numel() == 0:
+                continue
+            p = pos[inside]
+            lo = torch.clamp(torch.minimum(p - (WINDOW - 1), torch.full_like(p, s)), min=0)
+            hi = torch.minimum(lo + VISIBLE_WIDTH - 1, torch.full_like(p, e))
+            offs = lo[:, None] + torch.arange(VISIBLE_WIDTH, device=p.device)[None, :]
+            valid = offs <= hi[:, None]
+            full = req_to_token[req_rows[r], torch.where(valid, offs, 0)]
+            slots = full_to_swa[full.long()].to(ids.dtype)
+            ids[start + inside] = torch.where(valid, slots, torch.full_like(slots, -1))
+            lens[start + inside] = (hi - lo + 1).to(lens.dtype)
+        start += n_tok
+    return ids, lens
+
+
 def sm80_forward(self, q, k, v, layer, forward_batch, compress_ratio, save_kv_cache=True, attn_sink=None, **kwargs):
     """DeepseekV4AttnBackend.forward on SM80, every forward mode: the same key sets FlashMLA gets (SWA
     list + C4 top-k or all C128 entries per query; valid = j < len and id >= 0; the sink in the
@@ -206,5 +242,11 @@ def sm80_forward(self, q, k, v, layer, forward_batch, compress_ratio, save_kv_ca
     swa_ids = _match_rows(core.swa_page_indices, rows, 0)
     swa_lens = _match_rows(core.swa_topk_lengths, rows, 1)
     extra_ids, extra_lens = _match_rows(extra_ids, rows, -1), _match_rows(extra_lens, rows, 1)
+    spans = getattr(forward_batch, "dsv4_image_spans", None)
+    if spans and any(spans) and forward_batch.forward_mode.is_extend_without_speculative():
+        # Vision-Exp prefill with image blocks in this extend (set by vision_backport's VL forward)
+        swa_ids, swa_lens = visible_swa_lists(
+            swa_ids, swa_lens, spans, forward_batch.positions, forward_batch.extend_seq_lens_cpu,
+            forward_batch.req_pool_indices, self.req_to_token, pool.full_to_swa_index_mapping)
     return sparse_attn(q.contiguous(), swa_cache, swa_ids, swa_lens, extra_cache, extra_ids, extra_lens,
                        attn_sink, scale=self.softmax_scale, heads=layer.tp_q_head_num, splits=None)

@@ -83,9 +83,9 @@ ALLOW_OPEN_BIND = Knob(
 
 VISION = Knob(
     "DSV4_SM80_VISION", "0", ("0", "1"),
-    "Experimental: 1 installs the Vision-Exp backport (VL model class, image processor, bias_vl routing). "
-    "Incomplete: images are attended causally only (the bidirectional image window is not in the attention "
-    "yet), so outputs differ from the reference model. 0: not installed.",
+    "Experimental: 1 installs the Vision-Exp backport (VL model class, image processor, bias_vl routing, the "
+    "bidirectional image window in the SM80 attention). Not yet run on a GPU; an image block split across "
+    "prefill chunks is refused (no scheduler hooks yet). 0: not installed.",
 )
 
 KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC, LOAD_REPORT, TRIPWIRE,

@@ -134,3 +134,55 @@ def test_installed_with_the_experimental_switch(unit_vision_ckpt, unit_ckpt, vis
                                  "processor": "DeepseekV4VLImageProcessor", "placeholder": 129264}
     else:
         assert out["vision"] == {"multimodal": False, "image": False, "cls": stock}
+
+
+def test_extend_image_spans():
+    types = [IMAGE_PAD, IMAGE_PAD, IMAGE_START, IMAGE, IMAGE, IMAGE_NEW_LINE, IMAGE_END]
+    item = lambda a: type("I", (), dict(offsets=[(a, a + len(types) - 1)], types=types))  # noqa: E731
+    mm = lambda *items: type("MM", (), dict(mm_items=list(items)))  # noqa: E731
+    # request 0: one block inside the extend; request 1: no images; request 2: a block cached before the extend
+    spans = M.extend_image_spans([mm(item(10)), None, mm(item(3))], [0, 0, 20], [30, 5, 8])
+    assert spans == [[(12, 16)], [], []]
+    with pytest.raises(M.PartialImageBlock, match=r"image block \[12, 16\] is split by this prefill chunk \[0, 14\)"):
+        M.extend_image_spans([mm(item(10))], [0], [14])
+
+
+@pytest.mark.sglang
+def test_visible_window_lists_against_brute_force():
+    """SGLang's own causal SWA lists, widened by the SM80 forward for image queries, equal the brute-force
+    visible window (vision_backport.visible_window) mapped through req_to_token and full_to_swa; text
+    queries keep SGLang's list exactly."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    from sglang.kernels.ops.attention.dsv4_attn_metadata_kernels import build_causal_swa_page_indices
+
+    from dsv4_sm80.attention import visible_swa_lists
+    from vision_backport.visible_window import visible_windows
+
+    g = torch.Generator().manual_seed(0)
+    ctx, pool = 1200, 5000
+    req_to_token = torch.stack([torch.randperm(pool, generator=g)[:ctx] for _ in range(3)]).to(torch.int32)
+    full_to_swa = torch.randperm(pool, generator=g).to(torch.int64)
+    full_to_swa[-1] = -1
+    # two requests in one extend: prefix 0 / 700, extend 900 / 250; spans inside each extend
+    prefix, ext, rows = [0, 700], [900, 250], torch.tensor([2, 0])
+    spans = [[(40, 420), (600, 610)], [(760, 900)]]
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, ext)])
+    rep = torch.repeat_interleave(rows, torch.tensor(ext))
+    causal = build_causal_swa_page_indices(req_to_token=req_to_token, full_to_swa_mapping=full_to_swa,
+                                           req_pool_indices_repeated=rep, seq_lens_casual=positions + 1,
+                                           swa_window=128, page_index_aligned_size=64)
+    lens = torch.clamp(positions + 1, max=128).to(torch.int32)
+    ids, new_lens = visible_swa_lists(causal, lens, spans, positions, ext, rows, req_to_token, full_to_swa)
+    assert ids.shape == (sum(ext), 512) and ids.dtype == causal.dtype
+    t = 0
+    for r, (p0, n) in enumerate(zip(prefix, ext)):
+        starts, lengths = visible_windows(p0 + n, spans[r])
+        for pos in range(p0, p0 + n):
+            in_image = any(s <= pos <= e for s, e in spans[r])
+            want = {int(full_to_swa[req_to_token[rows[r], x]]) for x in range(starts[pos], starts[pos] + lengths[pos])}
+            got = {int(x) for x in ids[t, : int(new_lens[t])] if x >= 0}
+            assert got == want - {-1}, (r, pos)
+            if not in_image:
+                assert torch.equal(ids[t, :128], causal[t, :128]) and int(new_lens[t]) == int(lens[t])
+                assert (ids[t, 128:] == -1).all()
+            t += 1

@@ -12,10 +12,14 @@ class subclassed, bias_vl parameters, the vision weight split, the multimodal fo
 text model) and the bias_vl hooks for SGLang's TopK / HashTopK (`routing.py`; checked on SGLang's own top-k).
 Installed into SGLang only with the experimental switch DSV4_SM80_VISION=1 (the `vision.*` seams of
 `dsv4_sm80/seams.py`, replacements in `install.py`): model registry, processor mapping, `is_multimodal`,
-`input_embeds` + image mask in the text model, bias_vl at SGLang's TopK / HashTopK. Not built yet: the
-bidirectional image window in the attention (without it images are attended causally: outputs differ from
-the reference, hence the switch), the scheduler hooks for atomic image blocks, the serving_chat hook (the
-OpenAI chat path still drops image content; `/generate` with `image_data` reaches the processor). The gate meanwhile validates
+`input_embeds` + image mask in the text model, bias_vl at SGLang's TopK / HashTopK, and the bidirectional
+image window (the VL forward records each extend's image blocks, `extend_image_spans`; the SM80 attention
+widens those queries' SWA lists to the whole block, `dsv4_sm80.attention.visible_swa_lists`; checked against
+a brute-force window on SGLang's own causal lists). Not built yet: the scheduler hooks that keep an image
+block inside one prefill chunk and a cached prefix off a block's middle (until then a split block is
+refused with a message, not attended wrongly), the window on the native SM90 path (for A/B), the
+serving_chat hook (the OpenAI chat path still drops image content; `/generate` with `image_data` reaches the
+processor). Nothing of it has run on a GPU: the switch stays experimental. The gate meanwhile validates
 a Vision-Exp checkpoint's vision tensors, so a converted one is refused.
 """
 

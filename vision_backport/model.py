@@ -98,6 +98,35 @@ class VisionPart(nn.Module):
         return torch.cat([self.image_embeddings(it.feature, it.n_vit_h, it.n_vit_w, it.types, it.perm) for it in items])
 
 
+class PartialImageBlock(RuntimeError):
+    pass
+
+
+def extend_image_spans(mm_inputs, prefix_lens, extend_lens) -> list:
+    """Per request of an extend batch: the (IMAGE_START, IMAGE_END) absolute positions of the image blocks
+    this extend computes. A block before the extend is cached already (its queries ran); a block split by the
+    extend's edges is refused: its queries need every key of the block in one forward (reference 03 §5.4),
+    and the scheduler hooks that keep blocks whole are not installed yet."""
+    out = []
+    for mm, prefix, n in zip(mm_inputs or [], prefix_lens, extend_lens):
+        spans = []
+        for item in getattr(mm, "mm_items", None) or []:
+            types = getattr(item, "types", None)
+            if types is None:
+                continue
+            (o_start, o_end), = item.offsets
+            s, e = o_start + list(types).index(IMAGE_START), o_end
+            if e < prefix:
+                continue
+            if s < prefix or e >= prefix + n:
+                raise PartialImageBlock(
+                    f"an image block [{s}, {e}] is split by this prefill chunk [{prefix}, {prefix + n}): not supported "
+                    "yet; raise --chunked-prefill-size above the prompt length (or 1024) for image requests")
+            spans.append((s, e))
+        out.append(spans)
+    return out
+
+
 # --- the VL model class SGLang instantiates for a Vision-Exp checkpoint (not registered yet) ------------
 
 def vl_model_class():
@@ -157,6 +186,9 @@ def vl_model_class():
 
             # the ids before SGLang clamps them in place: image positions carry pad values >= vocab_size
             forward_batch.dsv4_routing_input_ids = input_ids.clone()
+            # the image blocks of this extend, for the bidirectional window (dsv4_sm80.attention)
+            forward_batch.dsv4_image_spans = extend_image_spans(
+                forward_batch.mm_inputs, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu)
             hidden = general_mm_embed_routine(input_ids=input_ids, forward_batch=forward_batch,
                                               language_model=self.model,
                                               data_embedding_funcs={Modality.IMAGE: self.get_image_feature},
