@@ -31,4 +31,4 @@ def install(environ=None) -> dict:
 
     on = env.get(env.VISION, environ) == "1"
     return {"switch": f"{env.VISION.name}={'1' if on else '0'}",
-            "note": "experimental: images attended causally only" if on else "not installed"}
+            "note": "experimental: not yet run on a GPU" if on else "not installed"}
