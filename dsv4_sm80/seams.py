@@ -302,6 +302,16 @@ SEAMS: tuple[Seam, ...] = (
         when=("DSV4_SM80_VISION=1",),
     ),
     Seam(
+        name="vision.chat",
+        target="sglang.srt.entrypoints.openai.serving_chat:OpenAIServingChat._apply_jinja_template",
+        kind="around",
+        replacement="vision_backport.chat:chat_with_images",
+        reason=("The DSV4 chat branch flattens content lists and drops image blocks (serving_chat.py:916); "
+                "images become placeholders and image_data instead."),
+        upstream="srt/entrypoints/openai/serving_chat.py:863",
+        when=("DSV4_SM80_VISION=1",),
+    ),
+    Seam(
         name="vision.topk",
         target="sglang.srt.layers.moe.topk:TopK.forward_cuda",
         kind="around",

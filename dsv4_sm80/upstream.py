@@ -22,6 +22,7 @@ FINGERPRINTS = {
     "srt/configs/deepseek_v4.py": "mt9wMKT2o5RZk00ovdPn-43vH1JLuRznhiEvTUBMMm8",
     "srt/configs/model_config.py": "YPN8ywNoLCDWpkZwqej_J2MNdgF8Se4as0gAS90P1_8",
     "srt/entrypoints/engine.py": "P8AQEtXgYFB2dXOjHqalsHRH6IE20jy3_YRUdD2sHbQ",
+    "srt/entrypoints/openai/serving_chat.py": "_jnZpL2aNHq9_ixuYr9Ql2jSPwdksnXi38GMhJucazI",
     "srt/environ.py": "YNnQIwAT_aKG8_D8nCyfnTMq0EQkowbIzoossDXtFnU",
     "srt/layers/attention/deepseek_v4_backend.py": "V-akHwBeTyihI5St2wKMtHd7DwUCaoy878AxlSf3Tqc",
     "srt/layers/attention/dsv4/compressor_v2.py": "sWRnBD5opGfRFa1lF-o-aesU1PaClztFtSZPyAFqAeI",

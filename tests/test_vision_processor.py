@@ -161,3 +161,38 @@ def test_block_hash_covers_the_layout():
     other = P.expand_prompt([5, 99], [Image.new("RGB", (640, 480), (1, 2, 4))], 99)[1][0]
     assert P.block_hash(other.patches, other.n_vit_h, other.n_vit_w, other.block.start_offset) != ha
     assert 0 <= ha < 2 ** 63
+
+
+@pytest.mark.sglang
+def test_openai_chat_keeps_images(tmp_path):
+    """The vision.chat hook on SGLang's real ChatCompletionRequest: a DSV4 chat with images reaches the
+    renderer as text with placeholders, and the result carries the images in order; other requests and
+    other encodings pass through untouched."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, MessageProcessingResult
+
+    from vision_backport.chat import chat_with_images
+
+    seen = []
+
+    def original(self, request, tools, is_multimodal):
+        seen.append([m.model_dump() for m in request.messages])
+        return MessageProcessingResult(prompt="", prompt_ids=[1], image_data=[], video_data=[], audio_data=[],
+                                       modalities=[], stop=[])
+
+    dsv4, other = types.SimpleNamespace(chat_encoding_spec="dsv4"), types.SimpleNamespace(chat_encoding_spec=None)
+    url_a, url_b = data_url(png(64, 64)), data_url(png(32, 64))
+    req = ChatCompletionRequest(model="x", messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Compare"},
+                                     {"type": "image_url", "image_url": {"url": url_a}},
+                                     {"type": "image_url", "image_url": {"url": url_b}}]}])
+    out = chat_with_images(original, dsv4, req, None, True)
+    assert out.image_data == [url_a, url_b] and out.modalities == ["image", "image"]
+    assert seen[-1][0]["content"] == f"Compare\n\n{P.PLACEHOLDER}\n\n{P.PLACEHOLDER}"
+    plain = ChatCompletionRequest(model="x", messages=[{"role": "user", "content": "Hi"}])
+    assert chat_with_images(original, dsv4, plain, None, True).image_data == [] and seen[-1][0]["content"] == "Hi"
+    assert chat_with_images(original, other, req, None, True).image_data == []  # not DSV4: untouched
+    bad = ChatCompletionRequest(model="x", messages=[{"role": "user", "content": [
+        {"type": "text", "text": P.PLACEHOLDER}, {"type": "image_url", "image_url": {"url": url_a}}]}])
+    with pytest.raises(P.ImageRefused, match="a text block contains the image placeholder"):
+        chat_with_images(original, dsv4, bad, None, True)

@@ -17,9 +17,9 @@ image window (the VL forward records each extend's image blocks, `extend_image_s
 widens those queries' SWA lists to the whole block, `dsv4_sm80.attention.visible_swa_lists`; checked against
 a brute-force window on SGLang's own causal lists). Not built yet: the scheduler hooks that keep an image
 block inside one prefill chunk and a cached prefix off a block's middle (until then a split block is
-refused with a message, not attended wrongly), the window on the native SM90 path (for A/B), the
-serving_chat hook (the OpenAI chat path still drops image content; `/generate` with `image_data` reaches the
-processor). Nothing of it has run on a GPU: the switch stays experimental. The gate meanwhile validates
+refused with a message, not attended wrongly), the window on the native SM90 path (for A/B). OpenAI chat
+image blocks are kept by the `vision.chat` seam (`chat.chat_with_images`). Nothing of it has run on a GPU:
+the switch stays experimental. The gate meanwhile validates
 a Vision-Exp checkpoint's vision tensors, so a converted one is refused.
 """
 

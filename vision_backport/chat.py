@@ -57,3 +57,24 @@ def extract_images(messages: list) -> tuple[list, list]:
             msg["content"] = "\n\n".join(parts)
         out.append(msg)
     return out, images
+
+
+def chat_with_images(original, self, request, tools, is_multimodal):
+    """Around OpenAIServingChat._apply_jinja_template (serving_chat.py:863). Its DSV4 branch flattens list
+    content to text and drops image blocks (:916-933). A chat with images is re-cast first: image blocks
+    become the placeholder (`extract_images`), the request is re-validated with text content, the original
+    renders it with SGLang's DSV4 encoding, and the images ride along as the result's image_data, in
+    placeholder order, for the processor. Anything else passes through untouched."""
+    if getattr(self, "chat_encoding_spec", None) != "dsv4":
+        return original(self, request, tools, is_multimodal)
+    messages = [m.model_dump() if hasattr(m, "model_dump") else dict(m) for m in request.messages]
+    if not any(isinstance(m.get("content"), list) and any(isinstance(b, dict) and b.get("type") in IMAGE_BLOCK_TYPES
+                                                          for b in m["content"]) for m in messages):
+        return original(self, request, tools, is_multimodal)
+    texts, images = extract_images(messages)
+    data = request.model_dump()
+    data["messages"] = texts
+    result = original(self, type(request).model_validate(data), tools, is_multimodal)
+    result.image_data = list(images)
+    result.modalities = ["image"] * len(images)
+    return result

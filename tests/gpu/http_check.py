@@ -147,6 +147,13 @@ def vision_checks(port):
         ("aspect ratio 10:1", "/generate", image_request([png(1000, 100, (9, 9, 9))]), KEY, None),
         ("17 images", "/generate", image_request([red] * 17), KEY, None),
         ("placeholder count != images", "/generate", image_request([red], placeholders=2), KEY, None),
+        ("chat completion with an image", "/v1/chat/completions",
+         {"model": "x", "max_tokens": 8, "messages": [{"role": "user", "content": [
+             {"type": "image_url", "image_url": {"url": image_request([red])["image_data"][0]}},
+             {"type": "text", "text": "What color?"}]}]}, KEY, 200),
+        ("chat image in an assistant message", "/v1/chat/completions",
+         {"model": "x", "max_tokens": 8, "messages": [{"role": "assistant", "content": [
+             {"type": "image_url", "image_url": {"url": image_request([red])["image_data"][0]}}]}]}, KEY, None),
         ("one image after the bad ones", "/generate", image_request([red]), KEY, 200),
     ]
 
