@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lab_server import ROOT, lab_server  # noqa: E402
+
 KEY = "lab-key-1"
 
 
@@ -46,10 +46,9 @@ def main(argv=None) -> int:
                     help="the tiny --vision checkpoint with DSV4_SM80_VISION=1: image requests instead")
     args = ap.parse_args(argv)
 
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "dsv4_sm80", "serve", "--host", "127.0.0.1", "--port", str(args.port),
-           "--api-key", KEY, "--context-length", str(args.context), "--moe-runner-backend", "marlin",
-           "--mem-fraction-static", "0.6", "--disable-cuda-graph"]
+    serve_args = ["--api-key", KEY, "--context-length", str(args.context), "--moe-runner-backend", "marlin",
+                  "--mem-fraction-static", "0.6", "--disable-cuda-graph"]
+    extra_env = {}
     if args.vision:
         ckpt = "/tmp/dsv4-tiny-vl"
         if not os.path.isfile(os.path.join(ckpt, "model.safetensors.index.json")):
@@ -57,26 +56,11 @@ def main(argv=None) -> int:
             from dsv4_sm80.tiny.generate import PRESETS, generate, tiny_config
 
             generate(ckpt, tiny_config(PRESETS["tiny"], vision=True), head_scale=12.0)
-        cmd += ["--model-path", ckpt]
-        env["DSV4_SM80_VISION"] = "1"
-    log = open(os.path.join(os.path.dirname(os.path.abspath(args.out)), "http_server.log"), "w")
-    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        serve_args += ["--model-path", ckpt]
+        extra_env["DSV4_SM80_VISION"] = "1"
     results, ok = [], True
-    try:
-        t0 = time.time()
-        while time.time() - t0 < args.startup_timeout:
-            if server.poll() is not None:
-                raise RuntimeError(f"server exited with {server.returncode} before it was healthy")
-            try:
-                if call(args.port, "/health", key=None)[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(2)
-        else:
-            raise RuntimeError("server not healthy in time")
-        startup = time.time() - t0
-
+    log_path = os.path.join(os.path.dirname(os.path.abspath(args.out)), "http_server.log")
+    with lab_server(args.port, serve_args, log_path, extra_env, args.startup_timeout) as (server, startup):
         long_ids = list(range(1000, 1000 + args.context + 100))
         if args.vision:
             checks = vision_checks(args.port)
@@ -100,12 +84,6 @@ def main(argv=None) -> int:
                             "ok": differ, "body": ""})
         healthy = call(args.port, "/health", key=None)[0] == 200
         ok &= healthy and server.poll() is None
-    finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
     print(f"http_check: server healthy after {startup:.0f} s; {sum(r['ok'] for r in results)}/{len(results)} as expected; "
           f"alive and healthy after all requests: {healthy}")
     for r in results:

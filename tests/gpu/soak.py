@@ -24,7 +24,9 @@ import time
 import urllib.error
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lab_server import lab_server  # noqa: E402
+
 KEY = "soak-key"
 
 
@@ -74,29 +76,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dspark", action="store_true")
     args = ap.parse_args(argv)
 
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "dsv4_sm80", "serve", "--host", "127.0.0.1", "--port", str(args.port), "--api-key", KEY,
-           "--context-length", str(args.context), "--chunked-prefill-size", "1024", "--max-running-requests", "64",
-           "--moe-runner-backend", "marlin", "--mem-fraction-static", "0.7"]
+    serve_args = ["--api-key", KEY, "--context-length", str(args.context), "--chunked-prefill-size", "1024",
+                  "--max-running-requests", "64", "--moe-runner-backend", "marlin", "--mem-fraction-static", "0.7"]
     if args.dspark:
-        cmd += ["--speculative-algorithm", "DSPARK"]
-    log = open(os.path.join(os.path.dirname(os.path.abspath(args.out)), "soak_server.log"), "w")
-    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        serve_args += ["--speculative-algorithm", "DSPARK"]
     stats = {"done": 0, "cancelled": 0, "errors": [], "nonfinite": 0, "tokens": 0}
     lock = threading.Lock()
     mem = []
-    try:
+    log_path = os.path.join(os.path.dirname(os.path.abspath(args.out)), "soak_server.log")
+    with lab_server(args.port, serve_args, log_path) as (server, _):
         t0 = time.time()
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"server exited with {server.returncode} during start-up")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health", timeout=5)
-                break
-            except Exception:
-                if time.time() - t0 > 500:
-                    raise RuntimeError("server not healthy in 500 s")
-                time.sleep(2)
         post(args.port, "/flush_cache", {}).read()
         idle = list(find(get_json(args.port, "/v1/loads"), "num_used_tokens"))
         prefixes = [[random.Random(p).randrange(1000, 120000) for _ in range(2048)] for p in range(4)]
@@ -160,12 +149,6 @@ def main(argv=None) -> int:
         time.sleep(2)
         after = list(find(get_json(args.port, "/v1/loads"), "num_used_tokens"))
         alive = server.poll() is None
-    finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
     first = [m for t, m in mem if m is not None][:6]
     last = [m for t, m in mem if m is not None][-6:]
     report = {"minutes": args.minutes, "dspark": args.dspark, "done": stats["done"], "cancelled": stats["cancelled"],

@@ -1,0 +1,43 @@
+"""The patched server for the GPU scripts: `python -m dsv4_sm80 serve` on loopback in lab mode (the lab
+overrides come from the caller's environment), started, waited for, stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@contextlib.contextmanager
+def lab_server(port: int, args: list, log_path: str, extra_env: dict | None = None, timeout: float = 500):
+    """Yields (process, seconds to healthy). Raises if it exits or is not healthy within `timeout`."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(extra_env or {}))
+    cmd = [sys.executable, "-m", "dsv4_sm80", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            t0 = time.time()
+            while True:
+                if server.poll() is not None:
+                    raise RuntimeError(f"server exited with {server.returncode} before it was healthy ({log_path})")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except Exception:
+                    pass
+                if time.time() - t0 > timeout:
+                    raise RuntimeError(f"server not healthy in {timeout:.0f} s ({log_path})")
+                time.sleep(2)
+            yield server, time.time() - t0
+        finally:
+            server.terminate()
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
