@@ -60,9 +60,7 @@ def test_block_embeddings_slot_by_slot(part):
     g = Geometry.from_config(config)
     imgs = [Image.new("RGB", (500, 300), (200, 10, 10)), Image.new("RGB", (150, 700), (10, 10, 200))]
     ids, blocks = expand_prompt([1, 7, 99, 5, 99], imgs, 99, g)
-    items = [type("Item", (), dict(feature=b.patches, n_vit_h=b.n_vit_h, n_vit_w=b.n_vit_w,
-                                   types=list(b.block.types), perm=list(b.block.perm))) for b in blocks]
-    feats = p.image_feature(items)
+    feats = p.image_feature(blocks)  # the expanded blocks are items
     assert feats.shape == (sum(len(b.block) for b in blocks), config["hidden_size"])
     assert feats.dtype == torch.bfloat16
     row = 0
@@ -81,9 +79,7 @@ def test_block_embeddings_slot_by_slot(part):
         assert j == len(b.block.perm)
     # a different image changes the image rows and only them
     other = expand_prompt([1, 7, 99, 5, 99], [Image.new("RGB", (500, 300), (0, 200, 0)), imgs[1]], 99, g)[1]
-    items2 = [type("Item", (), dict(feature=b.patches, n_vit_h=b.n_vit_h, n_vit_w=b.n_vit_w,
-                                    types=list(b.block.types), perm=list(b.block.perm))) for b in other]
-    feats2 = p.image_feature(items2)
+    feats2 = p.image_feature(other)
     types0 = torch.tensor(blocks[0].block.types)
     first = slice(0, len(blocks[0].block))
     assert not torch.equal(feats[first][types0 == IMAGE], feats2[first][types0 == IMAGE])

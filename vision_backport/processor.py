@@ -79,6 +79,19 @@ class ExpandedImage:
     def end(self) -> int:  # inclusive, as SGLang's offsets
         return self.start + len(self.block) - 1
 
+    # what VisionPart.image_feature reads of an item (SGLang's MultimodalDataItem carries the same names)
+    @property
+    def feature(self):
+        return self.patches
+
+    @property
+    def types(self):
+        return self.block.types
+
+    @property
+    def perm(self):
+        return self.block.perm
+
 
 def expand_prompt(ids: list[int], images: list, placeholder_id: int, g: Geometry = Geometry(),
                   max_images: int = MAX_IMAGES) -> tuple[list[int], list[ExpandedImage]]:

@@ -62,9 +62,7 @@ def main(argv=None) -> int:
     g = Geometry.from_config(config)
     imgs = [Image.new("RGB", (640, 480), (220, 20, 20)), Image.new("RGB", (120, 700), (20, 20, 220))]
     _, blocks = expand_prompt([0, 2, 99, 5, 99], imgs, 99, g)
-    items = [type("Item", (), dict(feature=b.patches, n_vit_h=b.n_vit_h, n_vit_w=b.n_vit_w,
-                                   types=list(b.block.types), perm=list(b.block.perm))) for b in blocks]
-    feats = model.get_image_feature(items)
+    feats = model.get_image_feature(blocks)  # the expanded blocks are items
     record["checks"]["image feature: one finite row per slot"] = bool(
         feats.shape == (sum(len(b.block) for b in blocks), config["hidden_size"]) and torch.isfinite(feats).all())
     record["feature_shape"] = list(feats.shape)
