@@ -23,12 +23,14 @@ reserves of `plan` (defaults from the design notes' measured steady state, refer
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
 from .checkpoint import format as fmt
 
 GIB = 2 ** 30
+VISION_PREFIXES = ("vision.", "aligner.", "image_")  # checkpoint names (vision_backport.model splits by them)
 DTYPE_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "I64": 8, "I32": 4}
 SPLIT = re.compile(r"^(embed|head)\.weight$|\.attn\.(wq_b|wo_a|wo_b)\.(weight|scale)$|\.attn\.attn_sink$"
                    r"|\.ffn\.(shared_experts|experts\.\d+)\.w[123]\.(weight|scale)$")
@@ -37,7 +39,7 @@ ALWAYS_BF16 = re.compile(r"\.attn\.wo_a\.weight$|\.main_proj\.weight$")
 
 def category(name: str) -> tuple[str, str]:
     """(part, category) of a checkpoint tensor: part is main / draft / vision."""
-    if name.startswith(("vision.", "aligner.", "image_")):  # ViT, aligner, image sentinel vectors
+    if name.startswith(VISION_PREFIXES):  # ViT, aligner, image sentinel vectors
         return "vision", "vision"
     part = "draft" if name.startswith("mtp.") else "main"
     rules = (("experts", r"\.ffn\.experts\."), ("shared experts", r"\.shared_experts\."),
@@ -52,9 +54,7 @@ def category(name: str) -> tuple[str, str]:
 
 def resident_bytes(spec, dense: str, tp: int) -> float:
     """Bytes one TP rank holds for one checkpoint tensor after this overlay's loading."""
-    n = 1
-    for d in spec.shape:
-        n *= d
+    n = math.prod(spec.shape)
     name = spec.name
     if spec.dtype == "F8_E4M3":  # an FP8 block linear's weight
         if dense == "native":
@@ -187,7 +187,7 @@ def report(config, tp: int = 4, **kw) -> str:
 
 # --- the start-up report: what one GPU really holds, after SGLang allocated everything --------------
 
-VISION_PREFIXES = ("vision.", "aligner.", "image_", "visual.")
+RUNTIME_VISION_PREFIXES = ("vision_part.",) + VISION_PREFIXES  # the VL class holds them under vision_part.
 
 
 def _unique_bytes(tensors, seen: set) -> int:
@@ -233,7 +233,7 @@ def model_bytes(model) -> dict:
     """Bytes of a model's parameters and buffers (unique storages), split into vision and the rest."""
     seen: set = set()
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-    vision = _unique_bytes((t for n, t in named if n.startswith(VISION_PREFIXES)), seen)
+    vision = _unique_bytes((t for n, t in named if n.startswith(RUNTIME_VISION_PREFIXES)), seen)
     rest = _unique_bytes((t for _, t in named), seen)
     return {"weights": rest, "vision": vision}
 

@@ -105,6 +105,9 @@ def test_startup_report_counts_weights_pool_and_graphs(capsys):
     model.vision = torch.nn.Linear(512, 512, bias=False)  # 1 MiB
     model.tied = model.embed  # the same storage twice
     assert fp.model_bytes(model) == {"weights": 2 ** 20, "vision": 2 ** 20}  # the text part, vision apart
+    model.vision_part = torch.nn.Linear(256, 256, bias=False)  # where the VL class holds its vision part
+    assert fp.model_bytes(model) == {"weights": 2 ** 20, "vision": 2 ** 20 + 2 ** 18}
+    del model.vision_part
     pool = ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False)
     table = pool.req_to_token.numel() * pool.req_to_token.element_size()
     assert table <= fp._unique_bytes(fp.tensors_of(pool), set()) < table + 4096  # + its small free-slot list
