@@ -25,7 +25,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAB = {"ENABLE_SGLANG_DSV4_A100_PATCH": "1", "DSV4_SM80_LAB_GPU_COUNT": "1", "DSV4_SM80_LAB_CC": "9.0"}
+LAB = {"ENABLE_SGLANG_DSV4_A100_PATCH": "1", "DSV4_SM80_LAB_GPU_COUNT": "1", "DSV4_SM80_LAB_CC": "9.0",
+       "DSV4_SM80_TRIPWIRE": "1"}  # the patched path runs with every SM90-only entry point raising
 
 
 def child(args) -> dict:
@@ -75,6 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mem-fraction", type=float, default=0.8)
     ap.add_argument("--modes", default="native,patched")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (4: the production topology)")
+    ap.add_argument("--child-timeout", type=float, default=None, help="seconds per path (a stuck start fails alone)")
     ap.add_argument("--child", choices=("native", "patched"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.batches = [int(x) for x in str(args.batches).split(",")]
@@ -91,13 +93,26 @@ def main(argv=None) -> int:
     for mode in args.modes.split(","):
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    SGLANG_JIT_DEEPGEMM_PRECOMPILE="0")
-        env.update(dict(LAB, DSV4_SM80_LAB_GPU_COUNT=str(args.tp)) if mode == "patched"
-                   else {"ENABLE_SGLANG_DSV4_A100_PATCH": "0"})
+        if mode == "patched":
+            env.update(LAB)
+            env.pop("DSV4_SM80_LAB_GPU_COUNT", None)
+            if args.tp != 4:  # 4 is the gate's production count: no override needed
+                env["DSV4_SM80_LAB_GPU_COUNT"] = str(args.tp)
+        else:
+            env["ENABLE_SGLANG_DSV4_A100_PATCH"] = "0"
         cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--ckpt", args.ckpt,
                "--batches", ",".join(map(str, args.batches)), "--prompt-len", str(args.prompt_len),
                "--decode", str(args.decode), "--reps", str(args.reps), "--mem-fraction", str(args.mem_fraction),
                "--tp", str(args.tp)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+        except subprocess.TimeoutExpired:
+            print(f"e2e {mode}: no result (over --child-timeout {args.child_timeout} s)")
+            results[mode] = {"error": "timeout"}
+            continue
+        for x in (proc.stdout + proc.stderr).splitlines():
+            if "dsv4-sm80 footprint" in x:  # the start-up footprint line of each rank
+                print(f"e2e {mode}: {x.strip()}")
         line = next((x for x in proc.stdout.splitlines() if x.startswith("E2E_RESULT ")), None)
         if line is None:
             print(f"e2e {mode}: no result (exit {proc.returncode})\n{proc.stderr[-3000:]}")

@@ -131,8 +131,10 @@ def main(argv=None) -> int:
         k = next((i for i, (x, y) in enumerate(zip(ia, ib)) if x != y), min(len(ia), len(ib)))
         dlp = max((abs(x - y) for x, y in zip(pa["batched"]["logprobs"][:k], pb["batched"]["logprobs"][:k])),
                   default=0.0)
+        spec = pb.get("spec") or {}
+        acc = (" ; " + ", ".join(f"{k} {v}" for k, v in sorted(spec.items()))) if spec else ""
         print(f"prompt {pa['length']:5d}: greedy tokens agree {same}/{len(ia)}; first {k} identical, "
-              f"max |dlogprob| over them {dlp:.2e}")
+              f"max |dlogprob| over them {dlp:.2e}{acc}")
     return 0
 
 

@@ -53,9 +53,10 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-runner-backend", default="marlin",
                     help="native SM90 needs marlin (auto misroutes MXFP4 experts)")
     ap.add_argument("--cuda-graph", action="store_true")
+    ap.add_argument("--cuda-graph-max-bs", type=int, help="capture graphs up to this batch (fewer graphs: faster start)")
     ap.add_argument("--speculative-algorithm", help="e.g. DSPARK (draft stages bundled in the checkpoint)")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
-    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (lab mode: DSV4_SM80_LAB_GPU_COUNT=N)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (lab mode: DSV4_SM80_LAB_GPU_COUNT=N unless N is the production 4)")
     ap.add_argument("--batch", type=int, default=0,
                     help="N concurrent prompts cycling over --lengths (distinct ids); 0 = one per length")
     args = ap.parse_args(argv)
@@ -87,6 +88,8 @@ def main(argv=None) -> int:
     }
     t0 = time.time()
     extra = {"speculative_algorithm": args.speculative_algorithm} if args.speculative_algorithm else {}
+    if args.cuda_graph_max_bs:
+        extra["cuda_graph_max_bs"] = args.cuda_graph_max_bs
     engine = sglang.Engine(
         model_path=args.ckpt, skip_tokenizer_init=True, tp_size=args.tp,
         moe_runner_backend=args.moe_runner_backend, disable_cuda_graph=not args.cuda_graph,

@@ -26,6 +26,10 @@
 #                                  bad images answered 4xx, a different image changes the logprobs
 #   tests/gpu/steps.sh vision      the Vision-Exp model class loads the tiny --vision checkpoint in SGLang's ModelRunner
 #   tests/gpu/steps.sh soak        64 streams against the patched server for SOAK_MIN (4) minutes; soak-dspark: with DSPARK
+#   tests/gpu/steps.sh tp4         TP4 on four GPUs (gate at its production count 4): native twice (oracle + floor),
+#                                  patched (tripwire), patched with DSPARK; CUDA graphs on; footprint per rank
+#   tests/gpu/steps.sh par G0 G1.. each group (quoted, space-separated steps) on its own GPU, all at once;
+#                                  e.g. par "check kernels" moe-bench attn-bench wide
 #   tests/gpu/steps.sh kernels     the kernel tests, compiled on this GPU against their CPU references
 #                                  (needs pytest: carry .dev/pyt, made by `pip install --target .dev/pyt pytest`)
 # Results go to $OUT (default ./out). The native oracle is .dev/oracle/native.json (tests/gpu/engine_bed.py).
@@ -45,7 +49,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
 }
 case ${1:?step} in
   check)
-    for mode in bf16 fp8_marlin; do
+    for mode in ${CHECK_MODES:-bf16 fp8_marlin}; do
       run "check-$mode" env $LAB SGLANG_DSV4_A100_DENSE=$mode timeout 280 \
         python -u tests/gpu/dense_check.py --out "$OUT/dense-$mode.json"
     done ;;
@@ -112,7 +116,33 @@ case ${1:?step} in
   wide)
     run wide timeout 500 python -m dsv4_sm80 make-tiny /tmp/dsv4-wide --preset wide ;;
   e2e-bench)
-    run e2e-bench timeout 560 python bench/e2e.py --ckpt /tmp/dsv4-wide --out "$OUT/e2e.json" ;;
+    run e2e-bench timeout 580 python bench/e2e.py --ckpt /tmp/dsv4-wide --out "$OUT/e2e.json" --tp ${E2E_TP:-1} \
+      ${E2E_ARGS:-} ;;
+  tp4)
+    T4="--tp 4 --cuda-graph --cuda-graph-max-bs 8 --lengths 20,300,3000"
+    LAB4="ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_TRIPWIRE=1"
+    run tp4-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 200 python tests/gpu/engine_bed.py \
+      --out "$OUT/tp4-native.json" $T4
+    run tp4-patched env $LAB4 timeout 200 python tests/gpu/engine_bed.py --out "$OUT/tp4-patched.json" $T4 \
+      --teacher-from "$OUT/tp4-native.json"
+    python tests/gpu/compare.py "$OUT/tp4-native.json" "$OUT/tp4-patched.json" | tee -a "$OUT/tp4-patched.log"
+    run tp4-dspark env $LAB4 timeout 200 python tests/gpu/engine_bed.py --out "$OUT/tp4-dspark.json" $T4 \
+      --teacher-from "$OUT/tp4-native.json" --speculative-algorithm DSPARK
+    python tests/gpu/compare.py "$OUT/tp4-patched.json" "$OUT/tp4-dspark.json" | tee -a "$OUT/tp4-dspark.log"
+    run tp4-native-b env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 200 python tests/gpu/engine_bed.py \
+      --out "$OUT/tp4-native-b.json" $T4 --teacher-from "$OUT/tp4-native.json"
+    python tests/gpu/compare.py "$OUT/tp4-native.json" "$OUT/tp4-patched.json" --floor "$OUT/tp4-native-b.json" \
+      | tee -a "$OUT/tp4-native-b.log" ;;
+  par)
+    shift; i=0
+    for group in "$@"; do
+      ( for s in $group; do CUDA_VISIBLE_DEVICES=$i NO_JIT_TAR=1 OUT=$OUT "$0" "$s" || echo "=== $s: failed"; done ) \
+        >"$OUT/par-$i.txt" 2>&1 &
+      i=$((i + 1))
+    done
+    wait
+    i=0
+    for group in "$@"; do echo "##### GPU $i: $group"; cat "$OUT/par-$i.txt"; i=$((i + 1)); done ;;
   http)
     run http env $LAB timeout 560 python -u tests/gpu/http_check.py --out "$OUT/http.json" ;;
   http-vision)
@@ -136,5 +166,6 @@ case ${1:?step} in
   *) echo "unknown step $1"; exit 2 ;;
 esac
 # keep the JIT caches this step built (restore with: tar -C ~ -xJf jit.tar.xz)
+[ -n "${NO_JIT_TAR:-}" ] && exit $rc
 tar -C ~ -cf - .cache/tvm-ffi .cache/deep_gemm .cache/flashinfer .triton .tilelang 2>/dev/null | xz -T0 -3 > "$OUT/jit.tar.xz"
 exit $rc
