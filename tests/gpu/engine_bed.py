@@ -57,6 +57,9 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative-algorithm", help="e.g. DSPARK (draft stages bundled in the checkpoint)")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (lab mode: DSV4_SM80_LAB_GPU_COUNT=N unless N is the production 4)")
+    ap.add_argument("--teacher-mode", choices=("batched", "alone", "reversed"), default="batched",
+                    help="how the teacher-forced sequences are submitted: a floor run should differ from the "
+                         "oracle's batch composition (alone or reversed), or it measures only determinism")
     ap.add_argument("--batch", type=int, default=0,
                     help="N concurrent prompts cycling over --lengths (distinct ids); 0 = one per length")
     args = ap.parse_args(argv)
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     extra = {"speculative_algorithm": args.speculative_algorithm} if args.speculative_algorithm else {}
     if args.cuda_graph_max_bs:
-        extra["cuda_graph_max_bs"] = args.cuda_graph_max_bs
+        extra["cuda_graph_max_bs_decode"] = args.cuda_graph_max_bs
     engine = sglang.Engine(
         model_path=args.ckpt, skip_tokenizer_init=True, tp_size=args.tp,
         moe_runner_backend=args.moe_runner_backend, disable_cuda_graph=not args.cuda_graph,
@@ -97,33 +100,46 @@ def main(argv=None) -> int:
     )
     record["timings"]["engine_start_s"] = round(time.time() - t0, 1)
     greedy = {"temperature": 0.0, "max_new_tokens": args.max_new}
+    # SGLang 0.5.16 answers return_logprob under DSPARK (its DFLASH worker) with an abort ("does not support
+    # return_logprob yet"): speculative runs record tokens and acceptance only, and no teacher-forced pass.
+    lp_kw = {} if args.speculative_algorithm else {"return_logprob": True, "top_logprobs_num": 5}
     try:
         t0 = time.time()
-        batched = engine.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True, top_logprobs_num=5)
+        batched = engine.generate(input_ids=prompts, sampling_params=greedy, **lp_kw)
         record["timings"]["first_batch_s"] = round(time.time() - t0, 1)
-        alone = [engine.generate(input_ids=p, sampling_params=greedy, return_logprob=True, top_logprobs_num=5)
-                 for p in prompts]
+        alone = [engine.generate(input_ids=p, sampling_params=greedy, **lp_kw) for p in prompts]
         if args.teacher_from:
             seqs = [r["sequence"] for r in json.load(open(args.teacher_from))["teacher"]]
         else:
             long_greedy = dict(greedy, max_new_tokens=args.teacher_new)
             cont = engine.generate(input_ids=prompts, sampling_params=long_greedy)
             seqs = [p + c["output_ids"] for p, c in zip(prompts, cont)]
-        t0 = time.time()
-        tf = engine.generate(input_ids=seqs, sampling_params={"temperature": 0.0, "max_new_tokens": 1},
-                             return_logprob=True, logprob_start_len=0, top_logprobs_num=args.top)
-        record["timings"]["teacher_forced_s"] = round(time.time() - t0, 1)
+        tf = []
+        if not args.speculative_algorithm:
+            t0 = time.time()
+            tf_params = {"temperature": 0.0, "max_new_tokens": 1}
+            tf_kw = dict(return_logprob=True, logprob_start_len=0, top_logprobs_num=args.top)
+            if args.teacher_mode == "batched":
+                tf = engine.generate(input_ids=seqs, sampling_params=tf_params, **tf_kw)
+            elif args.teacher_mode == "reversed":
+                tf = engine.generate(input_ids=seqs[::-1], sampling_params=tf_params, **tf_kw)[::-1]
+            else:
+                tf = [engine.generate(input_ids=q, sampling_params=tf_params, **tf_kw) for q in seqs]
+            record["timings"]["teacher_forced_s"] = round(time.time() - t0, 1)
     finally:
         engine.shutdown()
 
+    def logprobs(r):
+        return [e[0] for e in r["meta_info"].get("output_token_logprobs") or []]
+
     record["prompts"] = []
     for n, p, b, a in zip(lengths, prompts, batched, alone):
-        lp = [e[0] for e in b["meta_info"]["output_token_logprobs"]]
+        lp = logprobs(b)
         record["prompts"].append({
             "length": n, "prompt": p,
             "batched": {"output_ids": b["output_ids"], "logprobs": lp,
-                        "top5": [_pairs(x) for x in b["meta_info"]["output_top_logprobs"]]},
-            "alone": {"output_ids": a["output_ids"], "logprobs": [e[0] for e in a["meta_info"]["output_token_logprobs"]]},
+                        "top5": [_pairs(x) for x in b["meta_info"].get("output_top_logprobs") or []]},
+            "alone": {"output_ids": a["output_ids"], "logprobs": logprobs(a)},
             "finite": all(math.isfinite(x) for x in lp),
             "spec": {k: v for k, v in b["meta_info"].items() if k.startswith("spec_") and k != "spec_accept_histogram"},
         })
@@ -147,8 +163,9 @@ def main(argv=None) -> int:
         agree = sum(x == y for x, y in zip(pr["batched"]["output_ids"], pr["alone"]["output_ids"]))
         ok &= pr["finite"] and len(pr["batched"]["output_ids"]) == args.max_new
         spec = f"  spec {pr['spec']}" if pr["spec"] else ""
+        mean = f"mean logprob {sum(lp) / len(lp):.3f}" if lp else "no logprobs (speculative)"
         print(f"  prompt {pr['length']:5d} ids -> {pr['batched']['output_ids']}  finite={pr['finite']} "
-              f"mean logprob {sum(lp) / len(lp):.3f}  batched-vs-alone agree {agree}/{len(lp)}{spec}")
+              f"{mean}  batched-vs-alone agree {agree}/{len(pr['batched']['output_ids'])}{spec}")
     for t in record["teacher"]:
         top1 = [row[0][1] for row in t["top"] if row]
         finite = all(math.isfinite(x) for x in top1)

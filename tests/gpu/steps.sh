@@ -12,8 +12,9 @@
 #   tests/gpu/steps.sh e2e         engine_bed with the whole SM80 datapath (tripwire on) vs the native oracle
 #   tests/gpu/steps.sh attn-bench  bench/attention.py
 #   tests/gpu/steps.sh jit         SGLang's JIT modules on the SM80 path compiled for sm_80 (own cache dir)
-#   tests/gpu/steps.sh floor       native twice more on the oracle's sequences (another process; batch 16
-#                                  over 20/300/3000/20000 ids): the noise floor compare.py --floor calibrates on
+#   tests/gpu/steps.sh floor       native twice more on the oracle's sequences (another process, the second
+#                                  teacher-forcing them one at a time; batch 16 over 20/300/3000/20000 ids): the
+#                                  noise floor compare.py --floor calibrates on
 #   tests/gpu/steps.sh parity      patched (tripwire on) bf16+marlin, bf16+mxfp4_int8, fp8_marlin+marlin on the
 #                                  batch-16 sequences, each against native with the floor beside it
 #   tests/gpu/steps.sh graphs      patched with CUDA graphs vs patched eager (decode outputs)
@@ -26,7 +27,8 @@
 #                                  bad images answered 4xx, a different image changes the logprobs
 #   tests/gpu/steps.sh vision      the Vision-Exp model class loads the tiny --vision checkpoint in SGLang's ModelRunner
 #   tests/gpu/steps.sh soak        64 streams against the patched server for SOAK_MIN (4) minutes; soak-dspark: with DSPARK
-#   tests/gpu/steps.sh tp4         TP4 on four GPUs (gate at its production count 4): native twice (oracle + floor),
+#   tests/gpu/steps.sh tp4         TP4 on four GPUs (gate at its production count 4): native twice (oracle + floor,
+#                                  the floor teacher-forcing one sequence at a time),
 #                                  patched (tripwire), patched with DSPARK; CUDA graphs on; footprint per rank
 #   tests/gpu/steps.sh par G0 G1.. each group (quoted, space-separated steps) on its own GPU, all at once;
 #                                  e.g. par "check kernels" moe-bench attn-bench wide
@@ -90,7 +92,8 @@ case ${1:?step} in
     run native16 env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 280 \
       python tests/gpu/engine_bed.py --out "$OUT/native16.json" $B16
     run native16b env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 280 \
-      python tests/gpu/engine_bed.py --out "$OUT/native16b.json" $B16 --teacher-from "$OUT/native16.json"
+      python tests/gpu/engine_bed.py --out "$OUT/native16b.json" $B16 --teacher-from "$OUT/native16.json" \
+      --teacher-mode alone
     python tests/gpu/compare.py "$OUT/native16.json" "$OUT/native16b.json" | tee -a "$OUT/native16b.log" ;;
   parity)
     N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}
@@ -130,7 +133,7 @@ case ${1:?step} in
       --teacher-from "$OUT/tp4-native.json" --speculative-algorithm DSPARK
     python tests/gpu/compare.py "$OUT/tp4-patched.json" "$OUT/tp4-dspark.json" | tee -a "$OUT/tp4-dspark.log"
     run tp4-native-b env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 200 python tests/gpu/engine_bed.py \
-      --out "$OUT/tp4-native-b.json" $T4 --teacher-from "$OUT/tp4-native.json"
+      --out "$OUT/tp4-native-b.json" $T4 --teacher-from "$OUT/tp4-native.json" --teacher-mode alone
     python tests/gpu/compare.py "$OUT/tp4-native.json" "$OUT/tp4-patched.json" --floor "$OUT/tp4-native-b.json" \
       | tee -a "$OUT/tp4-native-b.log" ;;
   par)
