@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -40,8 +41,10 @@ def child(args) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, min(vocab, 128000)) for _ in range(args.prompt_len)] for _ in range(max(args.batches))]
     t0 = time.time()
+    # graphs captured up to the largest measured batch only (SGLang's default captures far more: minutes at start)
     engine = sglang.Engine(model_path=args.ckpt, skip_tokenizer_init=True, tp_size=args.tp, moe_runner_backend="marlin",
-                           mem_fraction_static=args.mem_fraction, random_seed=0, log_level="warning")
+                           mem_fraction_static=args.mem_fraction, random_seed=0, log_level=args.log_level,
+                           cuda_graph_max_bs_decode=max(args.batches))
     out = {"mode": args.child, "gpu": torch.cuda.get_device_name(0), "engine_start_s": time.time() - t0, "rows": []}
     try:
         def timed(batch, new):
@@ -76,6 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mem-fraction", type=float, default=0.8)
     ap.add_argument("--modes", default="native,patched")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (4: the production topology)")
+    ap.add_argument("--log-level", default="warning", help="the engine's (info: load and capture progress)")
     ap.add_argument("--child-timeout", type=float, default=None, help="seconds per path (a stuck start fails alone)")
     ap.add_argument("--child", choices=("native", "patched"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -103,20 +107,27 @@ def main(argv=None) -> int:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--ckpt", args.ckpt,
                "--batches", ",".join(map(str, args.batches)), "--prompt-len", str(args.prompt_len),
                "--decode", str(args.decode), "--reps", str(args.reps), "--mem-fraction", str(args.mem_fraction),
-               "--tp", str(args.tp)]
+               "--tp", str(args.tp), "--log-level", args.log_level]
+        # its own process group: on a timeout the engine's TP workers go with it, or they would keep the
+        # GPUs' memory and stall the next path
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+            stdout, stderr = proc.communicate(timeout=args.child_timeout)
         except subprocess.TimeoutExpired:
-            print(f"e2e {mode}: no result (over --child-timeout {args.child_timeout} s)")
-            results[mode] = {"error": "timeout"}
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            print(f"e2e {mode}: no result (over --child-timeout {args.child_timeout} s); its last output:\n"
+                  f"{stderr[-2500:]}")
+            results[mode] = {"error": "timeout", "stderr_tail": stderr[-3000:]}
             continue
-        for x in (proc.stdout + proc.stderr).splitlines():
+        for x in (stdout + stderr).splitlines():
             if "dsv4-sm80 footprint" in x:  # the start-up footprint line of each rank
                 print(f"e2e {mode}: {x.strip()}")
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("E2E_RESULT ")), None)
+        line = next((x for x in stdout.splitlines() if x.startswith("E2E_RESULT ")), None)
         if line is None:
-            print(f"e2e {mode}: no result (exit {proc.returncode})\n{proc.stderr[-3000:]}")
-            results[mode] = {"error": proc.stderr[-3000:]}
+            print(f"e2e {mode}: no result (exit {proc.returncode})\n{stderr[-3000:]}")
+            results[mode] = {"error": stderr[-3000:]}
             continue
         results[mode] = json.loads(line[len("E2E_RESULT "):])
     print(f"e2e bench ({args.ckpt}; TP{args.tp}; prompt {args.prompt_len} ids, decode {args.decode} tokens, "
