@@ -145,18 +145,22 @@ def _combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, o_ptr, stride_ot, stride_oh
              mask=h_ok[:, None])
 
 
-def default_splits(rows: int, heads: int, width: int, device, waves: int = 4, min_keys: int = 32) -> int:
+def default_splits(rows: int, heads: int, width: int, device, waves: int = 2, min_keys: int = 64,
+                   max_splits: int = 32) -> int:
     """Split-K count from static shapes only (capture-safe): enough programs for about `waves` waves on
     the GPU when few queries carry long lists (decode), one split when queries are plenty (prefill);
-    each split keeps at least `min_keys` list entries (one BLOCK_N step), at most 64 splits.
-    (Session 3's H200 bench: 2 waves and >= 128 keys per split left batch-1 decode on 5-32 programs
-    at 12-121x the launch+bandwidth floor.)"""
+    each split keeps at least `min_keys` list entries (two BLOCK_N steps), at most `max_splits`.
+    Chosen from session 4's H200 bench (`bench/attention.py --variants`, docs/attention.md), which timed
+    half and double the previous counts (4 waves / 32 keys / 64 splits): these counts (at batch 64 the
+    measured neighbour 4 rather than 5) were faster on 7 of the 9 distinct decode shapes (batch 64, 640
+    entries: 28 us vs 39 us; batch 1, 4224 entries: 23 us vs 27 us) and 1.2-1.4 us slower on 2 (a 160-entry
+    list at batch 1 and 8). Not yet re-run as the default; to re-tune on an A800 (108 SMs)."""
     if not (isinstance(device, torch.device) and device.type == "cuda") and not str(device).startswith("cuda"):
         return 1
     sms = _sm_count(torch.device(device).index or 0)
     programs = rows * triton.cdiv(heads, BLOCK_H)
     want = triton.cdiv(waves * sms, max(programs, 1))
-    return int(max(1, min(want, width // min_keys, 64)))
+    return int(max(1, min(want, width // min_keys, max_splits)))
 
 
 @functools.lru_cache(maxsize=None)
