@@ -45,10 +45,10 @@ def peaks(torch):
 
 
 # W4A8 alternatives timed with --variants (config keys of w4a8_moe): the default is the PTX table decoder
-# with int32-merged spans and default_config's tiles.
+# with per-group scaling and default_config's tiles.
 VARIANTS = {
     "alu-decode": {"decode": "alu"},
-    "per-group": {"merge": False},
+    "span-merge": {"merge": True},
     "session-3 kernel (alu, per-group)": {"decode": "alu", "merge": False},
     "block_n 64": {"block_n": 64},
     "block_n2 128": {"block_n2": 128},

@@ -258,12 +258,12 @@ def test_span_merge_exact_up_to_13_binades_and_bounded_beyond(k):
     re-quantization of the intermediate can turn into a rounding flip: bounded, measured here with
     exponents drawn over 30 binades (real checkpoints: a few binades per 128 columns)."""
     x, w13, s13, w2, s2, tw, ids = case(t=4, seed=41, exp_lo=100, exp_hi=131)  # spreads up to 30 binades
-    merged = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(PREFILL))
+    merged = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(PREFILL, merge=True))
     per_group = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(PREFILL, merge=False))
     err = rel(merged, per_group)
     print(f"span merge with exponent spreads up to 30 binades: max relative difference {err:.1e}")
     assert 0 < err < 1e-2
     x, w13, s13, w2, s2, tw, ids = case(t=4, seed=42, exp_lo=118, exp_hi=132)  # spreads up to 13
-    merged = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(PREFILL))
+    merged = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(PREFILL, merge=True))
     per_group = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(PREFILL, merge=False))
     assert rel(merged, per_group) < 1e-6

@@ -13,13 +13,15 @@ The math (reference: `w4a8_moe_ref.py`):
   per token (or per token and `input_group` columns), the intermediate per (token, expert) pair and
   BLOCK_N columns, computed in the gate-up kernel's epilogue (no extra pass). The intermediate's
   rounding dominates the error (silu(gate) * up is heavy-tailed); measured in tests/test_w4a8_moe.py.
-- Each 32-wide K group's INT8 dot is exact in int32. Groups are merged over a span of 64 or 128 K in
-  int32: each group's dot is shifted left by its exponent above the span's reference exponent (the
-  span's smallest, or its largest minus 13 if the span is wider than 13 binades; a group further below
-  is dropped, below 2^-13 of the largest), then one int32 -> fp32 conversion and one power-of-two scale
-  serve the span. Exact while a span's exponents stay within 13 binades (real weights: a few). The
-  weight side loses nothing; only the activation rounding to INT8 is lossy (measured in the tests and
-  the benchmark). A span of 32 (no merging) is used where the activation scale changes every 32 K.
+- Each 32-wide K group's INT8 dot is exact in int32; by default each group is converted to fp32 and scaled
+  by its power of two on its own (exact on the weight side, no condition). With config merge=True, groups
+  are merged over a span of 64 or 128 K in int32 instead: each group's dot is shifted left by its exponent
+  above the span's reference exponent (the span's smallest, or its largest minus 13 if the span is wider
+  than 13 binades; a group further below is dropped, below 2^-13 of the largest), then one int32 -> fp32
+  conversion and one power-of-two scale serve the span; exact while a span's exponents stay within 13
+  binades. Session 4's H200 bench measured the per-group form faster at every size (8-16 %), so merging
+  is an option, not the default. Only the activation rounding to INT8 is lossy (measured in the tests and
+  the benchmark).
 - The codes are widened to INT8 four per 32-bit register by inline PTX (two PRMT table lookups and a
   sign blend, `_DECODE_ASM`); Triton's CPU interpreter cannot run inline PTX, so there (and with
   config decode="alu") the same mapping is computed with integer arithmetic.
@@ -388,7 +390,7 @@ def w4a8_moe(
     sorted_ids, block_expert, num_padded = _align(topk_ids, e, block_m)
     if input_group % GROUP:
         raise ValueError(f"input_group={input_group} must be a multiple of {GROUP} (0: one scale per token)")
-    merge = cfg.get("merge", True)
+    merge = cfg.get("merge", False)  # per-group: faster on the H200 (docs/moe.md)
     span_up = _span(h, input_group, merge)
     span_down = _span(inter, block_n, merge)
     decode_asm = cfg.get("decode", "asm" if x.is_cuda and not _INTERPRETED else "alu") == "asm"
