@@ -26,7 +26,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from dsv4_sm80 import env, upstream
+from dsv4_sm80 import env, jitcache, upstream
 from dsv4_sm80.checkpoint import format as fmt
 from dsv4_sm80.checkpoint.safetensors_io import SafetensorsError, read_header
 
@@ -83,6 +83,7 @@ class Facts:
     patch: PatchFacts
     model: ModelFacts
     lab: dict = field(default_factory=dict)
+    jit: Optional[list] = None  # [jitcache.CacheDirFacts]; None: not collected
 
 
 def collect_sglang(environ=None) -> SGLangFacts:
@@ -216,6 +217,7 @@ def collect(model_path: Optional[str] = None, patch_environ: Optional[dict] = No
         patch=collect_patch_in(patch_environ) if patch_environ is not None else collect_patch_here(),
         model=collect_model(model_path),
         lab=env.lab_overrides(),
+        jit=jitcache.facts(),
     )
 
 
@@ -327,6 +329,27 @@ def check_gpus(f: GpuFacts, lab: dict) -> list[Finding]:
                          "use 80 GB cards"))
     else:
         out.append(_ok("gpu.memory", f"min {min(d['memory_gib'] for d in devs)} GiB"))
+    return out
+
+
+def check_jit_cache(dirs: Optional[list]) -> list[Finding]:
+    """Each JIT cache directory writable, with room on its disk: a cold start compiles into them, and a
+    disk that fills half-way fails deep inside a compiler."""
+    if dirs is None:
+        return [_skip("jit.cache", "not collected")]
+    out, need = [], jitcache.MIN_FREE_BYTES
+    for d in dirs:
+        var = d.label[d.label.find("(") + 1:d.label.find(")")] if "(" in d.label else "its cache variable"
+        if not d.writable:
+            out.append(_fail("jit.cache", f"{d.label} at {d.path}: not writable ({d.error or 'no write access'})",
+                             "a writable cache directory", f"fix its permissions, or set {var} to a writable directory"))
+        elif d.free_bytes is not None and d.free_bytes < need:
+            out.append(_fail("jit.cache", f"{d.label} at {d.path}: {jitcache.gib(d.free_bytes)} free on its disk",
+                             f">= {jitcache.gib(need)} free (a cold start compiles kernels into it)",
+                             f"free space there, or set {var} to a disk with room"))
+    if not out:
+        free = min((d.free_bytes for d in dirs if d.free_bytes is not None), default=None)
+        out.append(_ok("jit.cache", f"{len(dirs)} cache directories writable, least free {jitcache.gib(free)}"))
     return out
 
 
@@ -561,7 +584,7 @@ def _compare_inventory(specs, actual: dict, vision: bool) -> list[Finding]:
 
 def evaluate(facts: Facts) -> list[Finding]:
     """Every check, in the gate's order: compatibility first, then the model files."""
-    return (check_sglang(facts.sglang) + check_gpus(facts.gpus, facts.lab)
+    return (check_sglang(facts.sglang) + check_gpus(facts.gpus, facts.lab) + check_jit_cache(facts.jit)
             + check_model_config(facts.model) + [check_patch(facts.patch), check_sglang_knobs(facts.patch)]
             + check_model_files(facts.model))
 
@@ -586,6 +609,7 @@ def report(facts: Facts, findings, as_json=False) -> str:
                 "sglang": asdict(facts.sglang), "gpus": asdict(facts.gpus), "patch": asdict(facts.patch),
                 "model": {"path": facts.model.path, "shards_read": len(facts.model.headers),
                           "architectures": (facts.model.config or {}).get("architectures")},
+                "jit_caches": [asdict(d) for d in facts.jit] if facts.jit is not None else None,
             },
         }, indent=2)
     lines = [f.line() for f in findings]

@@ -99,6 +99,16 @@ SEAMS: tuple[Seam, ...] = (
         upstream="srt/entrypoints/engine.py:765-790",
     ),
     Seam(
+        name="jit.disk_full",
+        target="sglang.jit_kernel.utils.compile:load_jit",
+        kind="around",
+        replacement="dsv4_sm80.jitcache:load_jit_clear_disk_error",
+        reason=("A JIT build that fails on a full disk (cold starts compile SGLang's JIT modules into "
+                "TVM_FFI_CACHE_DIR) is reported as jit.disk_full naming the module, directory and free "
+                "space, instead of a compiler or ninja error."),
+        upstream="jit_kernel/utils/compile.py:170-295",
+    ),
+    Seam(
         name="moe.quant_method",
         target="sglang.srt.layers.quantization.fp8:Fp8Config.get_quant_method",
         kind="around",

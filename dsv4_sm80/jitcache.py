@@ -1,0 +1,136 @@
+"""The JIT caches this datapath writes, checked before start and watched while it builds.
+
+A cold start of the SM80 path compiles kernels into three caches: Triton's (our kernels and SGLang's
+Triton kernels), SGLang's tvm-ffi JIT modules (`load_jit`) and TileLang's. On the tiny checkpoint those
+caches held about 117 MB after a cold start (the H200 test bed); the real model compiles more shapes. A
+disk that fills half-way through shows up deep in a compiler as a linker or ninja failure; here:
+
+- `facts()` / `compat_check.check_jit_cache`: before start, each cache directory must be writable and
+  its filesystem must have at least MIN_FREE_BYTES free, or the gate refuses, naming the directory.
+- `load_jit_clear_disk_error` (seam `jit.disk_full`, around SGLang's `load_jit`): a build that fails
+  because the disk is full is re-raised as `JitCacheFull`, naming the module, the directory, what is
+  free and what to do, instead of the compiler's output.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+MIN_FREE_BYTES = 1 << 30  # 1 GiB: ~9x what a cold start of the tiny model wrote (117 MB)
+
+
+def cache_dirs(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """label -> directory, resolved as each tool resolves it (env override, else its default)."""
+    e = os.environ if environ is None else environ
+    home = os.path.expanduser("~")
+    triton = e.get("TRITON_CACHE_DIR") or os.path.join(e.get("TRITON_HOME") or home, ".triton", "cache")
+    return {
+        "Triton (TRITON_CACHE_DIR)": triton,
+        "SGLang JIT / tvm-ffi (TVM_FFI_CACHE_DIR)": os.path.expanduser(e.get("TVM_FFI_CACHE_DIR") or "~/.cache/tvm-ffi"),
+        "TileLang (TILELANG_CACHE_DIR)": os.path.expanduser(e.get("TILELANG_CACHE_DIR") or "~/.tilelang/cache"),
+    }
+
+
+@dataclass
+class CacheDirFacts:
+    label: str
+    path: str
+    exists: bool = False
+    anchor: str = ""  # the directory itself, or its nearest existing ancestor (where it would be created)
+    writable: bool = False
+    free_bytes: Optional[int] = None
+    error: Optional[str] = None
+
+
+def _nearest_existing(path: str) -> str:
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+def probe(label: str, path: str) -> CacheDirFacts:
+    f = CacheDirFacts(label=label, path=path, exists=os.path.isdir(path))
+    f.anchor = _nearest_existing(path)
+    try:
+        f.free_bytes = shutil.disk_usage(f.anchor).free
+    except OSError as e:
+        f.error = f"{type(e).__name__}: {e}"
+    if not os.path.isdir(f.anchor):
+        f.error = f.error or f"{f.anchor} is not a directory"
+        return f
+    if f.exists:  # a real write: access() says yes on read-only mounts and to root
+        name = os.path.join(path, f".dsv4-sm80-probe-{uuid.uuid4().hex}")
+        try:
+            with open(name, "wb") as fh:
+                fh.write(b"x")
+            os.remove(name)
+            f.writable = True
+        except OSError as e:
+            f.error = f"{type(e).__name__}: {e}"
+    else:  # it will be created under anchor
+        f.writable = os.access(f.anchor, os.W_OK | os.X_OK)
+        if not f.writable:
+            f.error = f"cannot create it under {f.anchor}"
+    return f
+
+
+def facts(environ: Optional[Mapping[str, str]] = None) -> list[CacheDirFacts]:
+    return [probe(label, path) for label, path in cache_dirs(environ).items()]
+
+
+def gib(n: Optional[int]) -> str:
+    return "unknown" if n is None else f"{n / (1 << 30):.2f} GiB"
+
+
+class JitCacheFull(RuntimeError):
+    """A JIT build failed because its cache's disk is full."""
+
+
+def _disk_full(exc: BaseException) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _module_dir(args, kwargs) -> str:
+    if kwargs.get("build_directory"):
+        return str(kwargs["build_directory"])
+    return os.path.expanduser(os.environ.get("TVM_FFI_CACHE_DIR") or "~/.cache/tvm-ffi")
+
+
+def load_jit_clear_disk_error(original, *args, **kwargs):
+    """Around sglang.jit_kernel.utils.compile.load_jit: the same call; a failure caused by a full disk
+    (ENOSPC/EDQUOT anywhere in the exception chain, or the compiler's "No space left on device") becomes
+    JitCacheFull with the module, the directory and the free space."""
+    try:
+        return original(*args, **kwargs)
+    except Exception as e:
+        if not _disk_full(e):
+            raise
+        where = _module_dir(args, kwargs)
+        anchor = _nearest_existing(where)
+        try:
+            free = shutil.disk_usage(anchor).free
+        except OSError:
+            free = None
+        module = "_".join(str(a) for a in args) or "?"
+        raise JitCacheFull(
+            f"dsv4-sm80 jit.disk_full: building SGLang JIT module {module!r} failed: no space left on the "
+            f"device of {where} ({gib(free)} free; a cold start needs about {gib(MIN_FREE_BYTES)}). Free "
+            f"space there, or set TVM_FFI_CACHE_DIR (and TRITON_CACHE_DIR) to a disk with room, then restart. "
+            f"Cause: {type(e).__name__}: {str(e)[-300:]}") from e

@@ -1,0 +1,115 @@
+"""JIT caches: the gate's jit.cache check (injected facts and real probes) and the jit.disk_full seam
+around SGLang 0.5.16's own load_jit (applied in a fresh interpreter, the build made to hit ENOSPC)."""
+
+import errno
+import os
+
+import pytest
+
+import compat_check as cc
+from conftest import last_json, run_python
+from dsv4_sm80 import jitcache
+from test_gate import facts, failed
+
+
+def cache(label="Triton (TRITON_CACHE_DIR)", path="/root/.triton/cache", **kw):
+    return jitcache.CacheDirFacts(**{"label": label, "path": path, "exists": True, "anchor": path,
+                                     "writable": True, "free_bytes": 50 << 30, **kw})
+
+
+def with_jit(dirs):
+    f = facts()
+    f.jit = dirs
+    return f
+
+
+def test_good_caches_pass_and_uncollected_is_a_skip():
+    found = {x.check: x for x in cc.evaluate(with_jit([cache(), cache("TileLang (TILELANG_CACHE_DIR)", "/t")]))}
+    assert found["jit.cache"].status == "pass" and "2 cache directories writable" in found["jit.cache"].found
+    assert {x.check: x.status for x in cc.evaluate(facts())}["jit.cache"] == "skip"
+
+
+def test_full_disk_refused_naming_the_directory_and_the_variable():
+    bad = failed(with_jit([cache(free_bytes=200 << 20)]))
+    assert list(bad) == ["jit.cache"]
+    line = bad["jit.cache"].line()
+    for phrase in ("/root/.triton/cache", "0.20 GiB free", ">= 1.00 GiB", "TRITON_CACHE_DIR"):
+        assert phrase in line, line
+
+
+def test_unwritable_cache_refused():
+    bad = failed(with_jit([cache("SGLang JIT / tvm-ffi (TVM_FFI_CACHE_DIR)", "/ro/tvm", writable=False,
+                                 error="OSError: [Errno 30] Read-only file system")]))
+    line = bad["jit.cache"].line()
+    assert "Read-only file system" in line and "TVM_FFI_CACHE_DIR" in line and "/ro/tvm" in line
+
+
+def test_probe_real_directories(tmp_path):
+    there = jitcache.probe("x", str(tmp_path))
+    assert there.exists and there.writable and there.free_bytes > 0 and there.error is None
+    later = jitcache.probe("x", str(tmp_path / "a" / "b"))  # created on first use, under tmp_path
+    assert not later.exists and later.writable and later.anchor == str(tmp_path)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    blocked = jitcache.probe("x", str(blocker / "cache"))  # a file where a directory must go
+    assert not blocked.writable and "not a directory" in blocked.error
+    assert list(os.listdir(tmp_path)) == ["file"]  # the probe leaves nothing behind
+
+
+def test_cache_dirs_follow_the_tools_variables(tmp_path):
+    dirs = jitcache.cache_dirs({"TRITON_CACHE_DIR": "/a", "TVM_FFI_CACHE_DIR": "/b", "TILELANG_CACHE_DIR": "/c"})
+    assert sorted(dirs.values()) == ["/a", "/b", "/c"]
+    dirs = jitcache.cache_dirs({"TRITON_HOME": "/h"})
+    assert "/h/.triton/cache" in dirs.values()
+    real = cc.collect().jit
+    assert len(real) == 3 and all(d.free_bytes for d in real)
+
+
+def _raise(exc):
+    def original(*args, **kwargs):
+        raise exc
+    return original
+
+
+@pytest.mark.parametrize("exc", [OSError(errno.ENOSPC, "No space left on device"),
+                                 RuntimeError("ninja: build stopped: subcommand failed.\n/usr/bin/ld: final "
+                                              "link failed: No space left on device")])
+def test_disk_full_build_becomes_a_clear_error(exc, tmp_path):
+    with pytest.raises(jitcache.JitCacheFull) as e:
+        jitcache.load_jit_clear_disk_error(_raise(exc), "dsv4", "rope", build_directory=str(tmp_path / "m"))
+    msg = str(e.value)
+    assert "jit.disk_full" in msg and "'dsv4_rope'" in msg and str(tmp_path / "m") in msg
+    assert "GiB free" in msg and "TVM_FFI_CACHE_DIR" in msg and e.value.__cause__ is exc
+
+
+def test_other_build_errors_pass_through_unchanged():
+    err = RuntimeError("nvcc: error: identifier foo is undefined")
+    with pytest.raises(RuntimeError) as e:
+        jitcache.load_jit_clear_disk_error(_raise(err), "m")
+    assert e.value is err
+    assert jitcache.load_jit_clear_disk_error(lambda *a, **k: ("ok", a, k), "m", x=1) == ("ok", ("m",), {"x": 1})
+
+
+SEAM_IN_SGLANG = r"""
+import errno, json, tvm_ffi.cpp
+def full(*a, **k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+tvm_ffi.cpp.load_inline = tvm_ffi.cpp.load = full
+from sglang.jit_kernel.utils import load_jit  # the re-exported copy SGLang's kernels import
+try:
+    load_jit("dsv4_probe", cuda_files=[], cuda_wrappers=[("f", "g")])
+    out = "built?"
+except BaseException as e:
+    out = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.sglang
+def test_seam_wraps_sglangs_load_jit(tmp_path):
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; the seam test needs the real one")
+    on = last_json(run_python(SEAM_IN_SGLANG, ENABLE_SGLANG_DSV4_A100_PATCH="1", TVM_FFI_CACHE_DIR=str(tmp_path)))
+    assert on.startswith("JitCacheFull: dsv4-sm80 jit.disk_full") and "sgl_kernel_jit_dsv4_probe" not in on
+    assert "'dsv4_probe'" in on and str(tmp_path) in on
+    off = last_json(run_python(SEAM_IN_SGLANG, ENABLE_SGLANG_DSV4_A100_PATCH="0", TVM_FFI_CACHE_DIR=str(tmp_path)))
+    assert off.startswith("OSError: [Errno 28]")
