@@ -84,6 +84,7 @@ class Facts:
     model: ModelFacts
     lab: dict = field(default_factory=dict)
     jit: Optional[list] = None  # [jitcache.CacheDirFacts]; None: not collected
+    knobs: Optional[dict] = None  # dsv4-sm80's own env knobs as the launch sees them; None: not collected
 
 
 def collect_sglang(environ=None) -> SGLangFacts:
@@ -218,6 +219,8 @@ def collect(model_path: Optional[str] = None, patch_environ: Optional[dict] = No
         model=collect_model(model_path),
         lab=env.lab_overrides(),
         jit=jitcache.facts(),
+        knobs={k.name: v for k in env.KNOBS
+               if (v := (patch_environ if patch_environ is not None else os.environ).get(k.name)) is not None},
     )
 
 
@@ -330,6 +333,20 @@ def check_gpus(f: GpuFacts, lab: dict) -> list[Finding]:
     else:
         out.append(_ok("gpu.memory", f"min {min(d['memory_gib'] for d in devs)} GiB"))
     return out
+
+
+def check_env_knobs(knobs: Optional[dict]) -> Finding:
+    """Every dsv4-sm80 knob the launch sees holds one of its documented values (README "Environment")."""
+    if knobs is None:
+        return _skip("env.knobs", "not collected")
+    for knob in env.KNOBS:
+        try:
+            env.get(knob, knobs)
+        except env.EnvError:
+            return _fail("env.knobs", f"{knob.name}={knobs.get(knob.name)!r}", f"one of {', '.join(knob.choices)}: "
+                         f"{knob.doc}", f"set {knob.name} to one of {', '.join(knob.choices)}, or unset it for "
+                         f"{knob.default!r}")
+    return _ok("env.knobs", f"{len(knobs)} set, all within their values")
 
 
 def check_jit_cache(dirs: Optional[list]) -> list[Finding]:
@@ -584,7 +601,8 @@ def _compare_inventory(specs, actual: dict, vision: bool) -> list[Finding]:
 
 def evaluate(facts: Facts) -> list[Finding]:
     """Every check, in the gate's order: compatibility first, then the model files."""
-    return (check_sglang(facts.sglang) + check_gpus(facts.gpus, facts.lab) + check_jit_cache(facts.jit)
+    return (check_sglang(facts.sglang) + check_gpus(facts.gpus, facts.lab) + [check_env_knobs(facts.knobs)]
+            + check_jit_cache(facts.jit)
             + check_model_config(facts.model) + [check_patch(facts.patch), check_sglang_knobs(facts.patch)]
             + check_model_files(facts.model))
 

@@ -34,8 +34,9 @@ PATCH = Knob(
     "(native SGLang, for A/B).",
 )
 INT8_INDEXER = Knob(
-    "SGLANG_DSV4_A100_INT8_INDEXER", "1", ("0", "1"),
-    "1: the C4 indexer cache is INT8 with an fp32 row scale (SM80 has no FP8).",
+    "SGLANG_DSV4_A100_INT8_INDEXER", "1", ("1",),
+    "1: the C4 indexer cache is INT8 with an fp32 row scale. It is the only indexer cache the SM80 path "
+    "has (SGLang's is FP8, which SM80 cannot run; no BF16 indexer is built), so 0 is refused.",
 )
 MOE_BACKEND = Knob(
     "SGLANG_DSV4_MXFP4_MOE_BACKEND", "mxfp4_int8", ("mxfp4_int8", "marlin"),
@@ -88,8 +89,15 @@ VISION = Knob(
     "prefill chunks is refused (no scheduler hooks yet). 0: not installed.",
 )
 
+LAB_POISON = Knob(
+    "DSV4_SM80_LAB_POISON", "0", ("0", "1"),
+    "Lab (page hygiene): 1 overwrites every byte of the KV pools (KV rows, INT8 indexer pages, compressor "
+    "state; target and draft) with 0xFF after each successful cache flush, so a request that reads bytes it "
+    "did not write sees NaN (dsv4_sm80/hygiene.py). Never for serving.",
+)
+
 KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC, LOAD_REPORT, TRIPWIRE,
-         ALLOW_OPEN_BIND, VISION)
+         ALLOW_OPEN_BIND, VISION, LAB_POISON)
 
 
 def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:

@@ -99,6 +99,16 @@ SEAMS: tuple[Seam, ...] = (
         upstream="srt/entrypoints/engine.py:765-790",
     ),
     Seam(
+        name="lab.poison_on_flush",
+        target="sglang.srt.managers.scheduler:Scheduler.flush_cache",
+        kind="after",
+        replacement="dsv4_sm80.hygiene:poison_after_flush",
+        reason=("Page hygiene (lab): after a flush, when every page is free, the pools are overwritten with "
+                "0xFF (NaN) so a later request that reads bytes it did not write shows it."),
+        upstream="srt/managers/scheduler.py:3846-3873",
+        when=("DSV4_SM80_LAB_POISON=1",),
+    ),
+    Seam(
         name="jit.disk_full",
         target="sglang.jit_kernel.utils.compile:load_jit",
         kind="around",

@@ -471,3 +471,20 @@ for kw in (dict(host="0.0.0.0"), dict(host="0.0.0.0", api_key="sk-launch-secret"
     assert res.stdout.count("REFUSED") == 2, res.stdout + res.stderr[-3000:]
     assert "REFUSED True True" in res.stdout and "REFUSED False False" in res.stdout
     assert "sk-launch-secret" not in res.stdout + res.stderr
+
+
+# --- dsv4-sm80's own env knobs -------------------------------------------------------------------
+
+def test_knob_outside_its_values_refused():
+    f = facts()
+    f.knobs = {"SGLANG_DSV4_A100_INT8_INDEXER": "0"}
+    assert_only(f, "env.knobs", "SGLANG_DSV4_A100_INT8_INDEXER='0'", "only indexer cache", "unset it")
+    f.knobs = {"SGLANG_DSV4_MXFP4_MOE_BACKEND": "mxfp4-int8"}
+    assert_only(f, "env.knobs", "'mxfp4-int8'", "one of mxfp4_int8, marlin")
+    f.knobs = {"SGLANG_DSV4_MXFP4_MOE_BACKEND": "marlin", "SGLANG_DSV4_A100_INT8_INDEXER": "1"}
+    assert {x.check: x.status for x in cc.evaluate(f)}["env.knobs"] == "pass"
+
+
+def test_knobs_collected_from_the_launch_environment():
+    assert cc.collect(patch_environ={"SGLANG_DSV4_A100_DENSE": "fp8_marlin", "PATH": "/bin"}).knobs == \
+        {"SGLANG_DSV4_A100_DENSE": "fp8_marlin"}

@@ -113,3 +113,4 @@ def test_seam_wraps_sglangs_load_jit(tmp_path):
     assert "'dsv4_probe'" in on and str(tmp_path) in on
     off = last_json(run_python(SEAM_IN_SGLANG, ENABLE_SGLANG_DSV4_A100_PATCH="0", TVM_FFI_CACHE_DIR=str(tmp_path)))
     assert off.startswith("OSError: [Errno 28]")
+

@@ -67,9 +67,9 @@ print(json.dumps({"status": apply.status(), "marks": marks}))
 
 def test_toggle_on_applies_every_seam_once(sglang_dir):
     # the tripwire seams apply only with DSV4_SM80_TRIPWIRE=1 (and the mxfp4_int8 one under that backend), the
-    # vision ones only with DSV4_SM80_VISION=1
+    # vision ones only with DSV4_SM80_VISION=1, the page-hygiene poison only with DSV4_SM80_LAB_POISON=1
     out = last_json(run_python(APPLY_ALL, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_TRIPWIRE="1",
-                               DSV4_SM80_VISION="1"))
+                               DSV4_SM80_VISION="1", DSV4_SM80_LAB_POISON="1"))
     assert [(s["name"], s["state"], s["applied_count"]) for s in out["status"]] == \
            [(s.name, "applied", 1) for s in SEAMS]
     assert out["marks"] == {s.name: s.name for s in SEAMS}

@@ -26,6 +26,8 @@
 #   tests/gpu/steps.sh http-vision the tiny --vision checkpoint served with DSV4_SM80_VISION=1: image requests,
 #                                  bad images answered 4xx, a different image changes the logprobs
 #   tests/gpu/steps.sh vision      the Vision-Exp model class loads the tiny --vision checkpoint in SGLang's ModelRunner
+#   tests/gpu/steps.sh hygiene     page hygiene: the same requests with the pools poisoned (0xFF) after every
+#                                  flush and without; outputs must be equal and finite (and with DSPARK)
 #   tests/gpu/steps.sh soak        64 streams against the patched server for SOAK_MIN (4) minutes; soak-dspark: with DSPARK
 #   tests/gpu/steps.sh tp4         TP4 on four GPUs (gate at its production count 4): native twice (oracle + floor,
 #                                  the floor teacher-forcing one sequence at a time),
@@ -46,7 +48,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
   ( eval "$@" ) >"$OUT/$name.log" 2>&1 || { echo "=== $name: exit $?"; rc=1; }
-  grep -E "^(soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|Error|passed|failed" \
+  grep -E "^(hygiene|soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|Error|passed|failed" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
 }
 case ${1:?step} in
@@ -153,6 +155,10 @@ case ${1:?step} in
       --out "$OUT/http-vision.json" ;;
   vision)
     run vision env $LAB timeout 400 python -u tests/gpu/vision_check.py --out "$OUT/vision.json" ;;
+  hygiene)
+    run hygiene env $LAB DSV4_SM80_TRIPWIRE=1 timeout 500 python -u tests/gpu/hygiene.py --out "$OUT/hygiene.json"
+    run hygiene-dspark env $LAB DSV4_SM80_TRIPWIRE=1 timeout 500 python -u tests/gpu/hygiene.py --dspark \
+      --out "$OUT/hygiene-dspark.json" ;;
   soak)
     run soak env $LAB timeout 560 python -u tests/gpu/soak.py --minutes ${SOAK_MIN:-4} --out "$OUT/soak.json" ;;
   soak-dspark)

@@ -1,0 +1,40 @@
+"""Page hygiene (lab): the pool poison of dsv4_sm80.hygiene; the GPU run is tests/gpu/hygiene.py."""
+
+
+def test_poison_fills_every_pool_buffer_of_target_and_draft(monkeypatch):
+    """dsv4_sm80.hygiene on pool-shaped objects (the attribute names of sglang 0.5.16's
+    DeepSeekV4TokenToKVPool; the seam itself applies in test_seams): every KV row, indexer page and
+    state ring is 0xFF afterwards (BF16 NaN), index tensors and other attributes untouched."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from dsv4_sm80 import hygiene
+
+    def pool(with_c4=True):
+        return NS(swa_kv_pool=NS(kv_buffer=[torch.zeros(4, 512, dtype=torch.bfloat16) for _ in range(2)]),
+                  c4_kv_pool=NS(kv_buffer=[torch.zeros(2, 512, dtype=torch.bfloat16)]) if with_c4 else None,
+                  c128_kv_pool=None, unified_kv_pool=None,
+                  c4_indexer_kv_pool=NS(index_k_with_scale_buffer=[torch.zeros(2, 132, dtype=torch.uint8)]) if with_c4 else None,
+                  compress_state_pools=[None, NS(kv_score_buffer=NS(kv_score=torch.zeros(3, 8)))],
+                  indexer_compress_state_pools=[],
+                  full_to_swa_index_mapping=torch.arange(8))
+    target, draft = pool(), pool(with_c4=False)
+    sched = NS(token_to_kv_pool_allocator=NS(get_kvcache=lambda: target),
+               draft_worker=NS(model_runner=NS(token_to_kv_pool=draft)), tp_rank=0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setenv("DSV4_SM80_LAB_POISON", "1")
+    assert hygiene.poison_after_flush(False, sched) is None  # not flushed: nothing touched
+    assert not target.swa_kv_pool.kv_buffer[0].isnan().any()
+    hygiene.poison_after_flush(True, sched)
+    for p in (target, draft):
+        for name, t in hygiene.kv_buffers(p):
+            assert bool((t.view(torch.uint8) == 0xFF).all()), name
+    assert len(hygiene.kv_buffers(target)) == 5 and len(hygiene.kv_buffers(draft)) == 3
+    assert target.swa_kv_pool.kv_buffer[1].isnan().all() and target.compress_state_pools[1].kv_score_buffer.kv_score.isnan().all()
+    assert torch.equal(target.full_to_swa_index_mapping, torch.arange(8))
+    monkeypatch.setenv("DSV4_SM80_LAB_POISON", "0")
+    fresh = pool()
+    sched.token_to_kv_pool_allocator = NS(get_kvcache=lambda: fresh)
+    hygiene.poison_after_flush(True, sched)
+    assert not fresh.swa_kv_pool.kv_buffer[0].isnan().any()
