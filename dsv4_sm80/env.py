@@ -85,8 +85,8 @@ ALLOW_OPEN_BIND = Knob(
 VISION = Knob(
     "DSV4_SM80_VISION", "0", ("0", "1"),
     "Experimental: 1 installs the Vision-Exp backport (VL model class, image processor, bias_vl routing, the "
-    "bidirectional image window in the SM80 attention). Not yet run on a GPU; an image block split across "
-    "prefill chunks is refused (no scheduler hooks yet). 0: not installed.",
+    "bidirectional image window in the SM80 attention, prefill chunks cut only at image-block edges). Not yet "
+    "run on a GPU. 0: not installed.",
 )
 
 LAB_POISON = Knob(

@@ -350,6 +350,17 @@ SEAMS: tuple[Seam, ...] = (
         upstream="srt/layers/moe/hash_topk.py:180",
         when=("DSV4_SM80_VISION=1",),
     ),
+    Seam(
+        name="vision.whole_image_blocks",
+        target="sglang.srt.managers.schedule_batch:Req.set_extend_range",
+        kind="around",
+        replacement="vision_backport.scheduling:set_extend_range_whole_blocks",
+        reason=("Every prefill chunk cut goes through Req.set_extend_range; a cut inside an image block moves "
+                "to the block's start (or past its end when the block is longer than the chunk), so a block's "
+                "bidirectional queries always run in one forward."),
+        upstream="srt/managers/schedule_batch.py:1153-1154",
+        when=("DSV4_SM80_VISION=1",),
+    ),
     # --- dense: FP8 block linears -> BF16 at load (linear.py) ------------------------------------------
     Seam(
         name="dense.quant_method",

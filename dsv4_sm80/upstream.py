@@ -43,6 +43,7 @@ FINGERPRINTS = {
     "srt/layers/quantization/mxfp4_flashinfer_trtllm_moe.py": "6gJrhQkXqAWYxYFD8So3hdR2MjdlPZAzjB2Qqq5y1l4",
     "srt/layers/quantization/mxfp4_marlin_moe.py": "w9uHsqUAuVALQFbXaO4q5ORUzktr5Y00k5swfRjXL8s",
     "srt/managers/multimodal_processor.py": "q2x9N76GFGH0tXdxudJK0eHmFs0fBXVEi2M8LI8S43o",
+    "srt/managers/schedule_batch.py": "J-IJCClMnXbQqK4RmeysQ3kjJTKHgBNASotPsIhCrEM",
     "srt/managers/scheduler.py": "FZg3aT7CRNLftILVeIuPT6k0x4BQVgnJCnKJOavomBU",
     "srt/mem_cache/deepseek_v4_memory_pool.py": "zaLjn_U49b7WVP3wOMIknduVwT5cR4S-nqTexD3UqjE",
     "srt/model_executor/model_runner.py": "ESJ0jc0HWJSwNm9tOwLTQABeTksm7gRs7BoWOE4N0wM",

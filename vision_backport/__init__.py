@@ -15,9 +15,9 @@ Installed into SGLang only with the experimental switch DSV4_SM80_VISION=1 (the 
 `input_embeds` + image mask in the text model, bias_vl at SGLang's TopK / HashTopK, and the bidirectional
 image window (the VL forward records each extend's image blocks, `extend_image_spans`; the SM80 attention
 widens those queries' SWA lists to the whole block, `dsv4_sm80.attention.visible_swa_lists`; checked against
-a brute-force window on SGLang's own causal lists). Not built yet: the scheduler hooks that keep an image
-block inside one prefill chunk and a cached prefix off a block's middle (until then a split block is
-refused with a message, not attended wrongly), the window on the native SM90 path (for A/B). OpenAI chat
+a brute-force window on SGLang's own causal lists), and prefill chunks cut only at image-block edges
+(`scheduling.py`, at `Req.set_extend_range`; a split block still reaching the forward is refused with a
+message, not attended wrongly). Not built yet: the window on the native SM90 path (for A/B). OpenAI chat
 image blocks are kept by the `vision.chat` seam (`chat.chat_with_images`). Nothing of it has run on a GPU:
 the switch stays experimental. The gate meanwhile validates
 a Vision-Exp checkpoint's vision tensors, so a converted one is refused.

@@ -1,6 +1,6 @@
 """The Vision-Exp path's replacements for the seam table (`dsv4_sm80/seams.py`, the `vision.*` seams), all
-behind DSV4_SM80_VISION=1: an explicit, experimental switch (never run on a GPU yet; image blocks split
-across prefill chunks are refused until the scheduler hooks exist). Off by default.
+behind DSV4_SM80_VISION=1: an explicit, experimental switch (never run on a GPU yet). Off by default. The
+chunk hook `vision.whole_image_blocks` lives in `scheduling.py`.
 
 - `register_model`      value of registry.ModelRegistry: "DeepseekV4ForCausalLM" -> the VL class (text-only
                         configs still get the plain text model from it).

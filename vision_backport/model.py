@@ -105,8 +105,8 @@ class PartialImageBlock(RuntimeError):
 def extend_image_spans(mm_inputs, prefix_lens, extend_lens) -> list:
     """Per request of an extend batch: the (IMAGE_START, IMAGE_END) absolute positions of the image blocks
     this extend computes. A block before the extend is cached already (its queries ran); a block split by the
-    extend's edges is refused: its queries need every key of the block in one forward (reference 03 §5.4),
-    and the scheduler hooks that keep blocks whole are not installed yet."""
+    extend's edges is refused: its queries need every key of the block in one forward (reference 03 §5.4).
+    The seam vision.whole_image_blocks (scheduling.py) keeps chunk cuts at block edges; this is the guard."""
     out = []
     for mm, prefix, n in zip(mm_inputs or [], prefix_lens, extend_lens):
         spans = []
@@ -120,8 +120,9 @@ def extend_image_spans(mm_inputs, prefix_lens, extend_lens) -> list:
                 continue
             if s < prefix or e >= prefix + n:
                 raise PartialImageBlock(
-                    f"an image block [{s}, {e}] is split by this prefill chunk [{prefix}, {prefix + n}): not supported "
-                    "yet; raise --chunked-prefill-size above the prompt length (or 1024) for image requests")
+                    f"an image block [{s}, {e}] is split by this prefill chunk [{prefix}, {prefix + n}); the chunk "
+                    "hook keeps cuts at block edges, so the prompt ends inside its last image block or a cached "
+                    "prefix ends inside one: end the prompt after the image")
             spans.append((s, e))
         out.append(spans)
     return out
@@ -136,8 +137,9 @@ def vl_model_class():
     0.5.16's renamer gives `layers.N.ffn.gate.bias_vl`, so the text loader loads it), splits the vision
     weights off before the text loader and refuses a checkpoint whose vision weights are incomplete.
 
-    Not registered with SGLang yet: its image routing (bias_vl at the top-k call sites) and the bidirectional
-    image window are not wired, and serving images without them would be silently wrong."""
+    Registered by the seam vision.model_class only with DSV4_SM80_VISION=1, together with the seams its
+    serving depends on (bias_vl routing at the top-k call sites, input_embeds, the bidirectional window,
+    whole image blocks per prefill chunk): without them it would serve images silently wrong."""
     from sglang.srt.managers.schedule_batch import Modality
     from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM as Text
 

@@ -12,7 +12,7 @@ each image's token block, for SGLang 0.5.16's multimodal pipeline.
   one `MultimodalDataItem` per image: patches BF16 [n_vit_h * n_vit_w, 3, 14, 14], offsets of the whole block,
   and (types, perm, n_vit_h, n_vit_w) for the model.
 - `DeepseekV4VLImageProcessor`: the `BaseMultimodalProcessor` SGLang calls (`process_mm_data_async`), for text
-  or id prompts. Not registered yet: the VL model wrapper that consumes its items is still to come.
+  or id prompts; registered for the VL model class by the seam vision.processor (DSV4_SM80_VISION=1).
 """
 
 from __future__ import annotations
