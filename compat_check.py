@@ -218,7 +218,7 @@ def collect(model_path: Optional[str] = None, patch_environ: Optional[dict] = No
         patch=collect_patch_in(patch_environ) if patch_environ is not None else collect_patch_here(),
         model=collect_model(model_path),
         lab=env.lab_overrides(),
-        jit=jitcache.facts(),
+        jit=jitcache.facts(patch_environ),
         knobs={k.name: v for k in env.KNOBS
                if (v := (patch_environ if patch_environ is not None else os.environ).get(k.name)) is not None},
     )

@@ -114,3 +114,9 @@ def test_seam_wraps_sglangs_load_jit(tmp_path):
     off = last_json(run_python(SEAM_IN_SGLANG, ENABLE_SGLANG_DSV4_A100_PATCH="0", TVM_FFI_CACHE_DIR=str(tmp_path)))
     assert off.startswith("OSError: [Errno 28]")
 
+
+
+def test_caches_resolved_in_the_launch_environment(tmp_path):
+    """serve runs the gate with the environment it will launch in: its cache variables count, not ours."""
+    f = cc.collect(patch_environ={"TRITON_CACHE_DIR": str(tmp_path / "t"), "TVM_FFI_CACHE_DIR": str(tmp_path)})
+    assert {d.path for d in f.jit} >= {str(tmp_path / "t"), str(tmp_path)}

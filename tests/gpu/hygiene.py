@@ -6,7 +6,8 @@ with DSV4_SM80_LAB_POISON=1, so after every cache flush each byte of the target'
 indexer's fp32 scales (dsv4_sm80/hygiene.py). The sequence: fill the pool with long prompts (every page
 written), flush, then the measured prompts (batched; they recycle those pages across the SWA, C4 and C128
 views), flush, the same prompts again one at a time. Any byte a request reads that it did not write turns
-its logprobs NaN or moves them; the poisoned run must equal the clean one exactly and be finite.
+its logprobs NaN or moves them; the poisoned run must be finite and equal the clean one (tokens exactly,
+logprobs within --tolerance, 1e-4: run-to-run rounding only).
 
     ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_TRIPWIRE=1 \
         python tests/gpu/hygiene.py --out hygiene.json [--dspark]
@@ -90,6 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cuda-graph", action="store_true")
     ap.add_argument("--dspark", action="store_true")
     ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--tolerance", type=float, default=1e-4, help="max |delta logprob| between the two runs")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -129,7 +131,9 @@ def main(argv=None) -> int:
                         worst = max(worst, abs(x - y))
             print(f"  round {r} prompt {n:5d}: tokens {'equal' if a['ids'] == b['ids'] else 'DIFFER'}; "
                   f"{len(a['in_lp']) + len(a['out_lp'])} logprobs")
-    ok &= nonfinite == 0 and token_diff == 0 and worst == 0.0
+    # a stale byte shows as NaN (poisoned run) against finite garbage (clean run): far beyond this bound; the
+    # bound only allows run-to-run rounding should a kernel not be bit-deterministic across processes
+    ok &= nonfinite == 0 and token_diff == 0 and worst <= args.tolerance
     print(f"hygiene: {compared} logprobs compared, {nonfinite} non-finite, max |delta| {worst:.3e}, "
           f"{token_diff} token differences -> {'OK' if ok else 'FAILED'}")
     with open(args.out, "w") as f:

@@ -28,8 +28,11 @@
 #   tests/gpu/steps.sh vision      the Vision-Exp model class loads the tiny --vision checkpoint in SGLang's ModelRunner
 #   tests/gpu/steps.sh hygiene     page hygiene: the same requests with the pools poisoned (0xFF) after every
 #                                  flush and without; outputs must be equal and finite (and with DSPARK)
+#   tests/gpu/steps.sh fault       a scheduler (TP worker) SIGKILLed mid-request: the server must exit non-zero, the
+#                                  client's request end (TP2 on x2: python tests/gpu/fault_kill.py --tp 2 --rank 1)
 #   tests/gpu/steps.sh soak        64 streams against the patched server for SOAK_MIN (4) minutes; soak-dspark: with DSPARK
 #   tests/gpu/steps.sh tp4         TP4 on four GPUs (gate at its production count 4): native twice (oracle + floor,
+#                                  (TP=2 steps.sh tp: the same at TP2 on the two-GPU kind, gate count overridden to 2)
 #                                  the floor teacher-forcing one sequence at a time),
 #                                  patched (tripwire), patched with DSPARK; CUDA graphs on; footprint per rank
 #   tests/gpu/steps.sh par G0 G1.. each group (quoted, space-separated steps) on its own GPU, all at once;
@@ -48,7 +51,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
   ( eval "$@" ) >"$OUT/$name.log" 2>&1 || { echo "=== $name: exit $?"; rc=1; }
-  grep -E "^(hygiene|soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|Error|passed|failed" \
+  grep -E "^(fault_kill|hygiene|soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|Error|passed|failed" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
 }
 case ${1:?step} in
@@ -123,21 +126,23 @@ case ${1:?step} in
   e2e-bench)
     run e2e-bench timeout 580 python bench/e2e.py --ckpt /tmp/dsv4-wide --out "$OUT/e2e.json" --tp ${E2E_TP:-1} \
       ${E2E_ARGS:-} ;;
-  tp4)
-    T4="--tp 4 --cuda-graph --cuda-graph-max-bs 8 --lengths 20,300,3000"
+  tp4|tp)
+    TP=${TP:-4}
+    T4="--tp $TP --cuda-graph --cuda-graph-max-bs 8 --lengths 20,300,3000"
     LAB4="ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_TRIPWIRE=1"
-    run tp4-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 200 python tests/gpu/engine_bed.py \
-      --out "$OUT/tp4-native.json" $T4
-    run tp4-patched env $LAB4 timeout 200 python tests/gpu/engine_bed.py --out "$OUT/tp4-patched.json" $T4 \
-      --teacher-from "$OUT/tp4-native.json"
-    python tests/gpu/compare.py "$OUT/tp4-native.json" "$OUT/tp4-patched.json" | tee -a "$OUT/tp4-patched.log"
-    run tp4-dspark env $LAB4 timeout 200 python tests/gpu/engine_bed.py --out "$OUT/tp4-dspark.json" $T4 \
-      --teacher-from "$OUT/tp4-native.json" --speculative-algorithm DSPARK
-    python tests/gpu/compare.py "$OUT/tp4-patched.json" "$OUT/tp4-dspark.json" | tee -a "$OUT/tp4-dspark.log"
-    run tp4-native-b env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 200 python tests/gpu/engine_bed.py \
-      --out "$OUT/tp4-native-b.json" $T4 --teacher-from "$OUT/tp4-native.json" --teacher-mode alone
-    python tests/gpu/compare.py "$OUT/tp4-native.json" "$OUT/tp4-patched.json" --floor "$OUT/tp4-native-b.json" \
-      | tee -a "$OUT/tp4-native-b.log" ;;
+    [ "$TP" = 4 ] || LAB4="$LAB4 DSV4_SM80_LAB_GPU_COUNT=$TP"  # 4 is the gate's production count
+    run tp$TP-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 200 python tests/gpu/engine_bed.py \
+      --out "$OUT/tp$TP-native.json" $T4
+    run tp$TP-patched env $LAB4 timeout 200 python tests/gpu/engine_bed.py --out "$OUT/tp$TP-patched.json" $T4 \
+      --teacher-from "$OUT/tp$TP-native.json"
+    python tests/gpu/compare.py "$OUT/tp$TP-native.json" "$OUT/tp$TP-patched.json" | tee -a "$OUT/tp$TP-patched.log"
+    run tp$TP-dspark env $LAB4 timeout 200 python tests/gpu/engine_bed.py --out "$OUT/tp$TP-dspark.json" $T4 \
+      --teacher-from "$OUT/tp$TP-native.json" --speculative-algorithm DSPARK
+    python tests/gpu/compare.py "$OUT/tp$TP-patched.json" "$OUT/tp$TP-dspark.json" | tee -a "$OUT/tp$TP-dspark.log"
+    run tp$TP-native-b env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 200 python tests/gpu/engine_bed.py \
+      --out "$OUT/tp$TP-native-b.json" $T4 --teacher-from "$OUT/tp$TP-native.json" --teacher-mode alone
+    python tests/gpu/compare.py "$OUT/tp$TP-native.json" "$OUT/tp$TP-patched.json" --floor "$OUT/tp$TP-native-b.json" \
+      | tee -a "$OUT/tp$TP-native-b.log" ;;
   par)
     shift; i=0
     for group in "$@"; do
@@ -159,6 +164,8 @@ case ${1:?step} in
     run hygiene env $LAB DSV4_SM80_TRIPWIRE=1 timeout 500 python -u tests/gpu/hygiene.py --out "$OUT/hygiene.json"
     run hygiene-dspark env $LAB DSV4_SM80_TRIPWIRE=1 timeout 500 python -u tests/gpu/hygiene.py --dspark \
       --out "$OUT/hygiene-dspark.json" ;;
+  fault)
+    run fault env $LAB timeout 400 python -u tests/gpu/fault_kill.py --out "$OUT/fault.json" ;;
   soak)
     run soak env $LAB timeout 560 python -u tests/gpu/soak.py --minutes ${SOAK_MIN:-4} --out "$OUT/soak.json" ;;
   soak-dspark)
