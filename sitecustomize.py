@@ -1,7 +1,8 @@
 """dsv4-sm80 injection: runs at the start of every Python process that has this directory on its
 path (container: PYTHONPATH=/sgl-workspace/platform:/sgl-workspace/sm80-patch:/sgl-workspace/sglang/python).
 
-ENABLE_SGLANG_DSV4_A100_PATCH unset or 0: nothing at all (native SGLang, the A/B switch).
+ENABLE_SGLANG_DSV4_A100_PATCH unset or 0: nothing at all (native SGLang, the A/B switch), unless
+DSV4_SM80_VISION=1 asks for the separate Vision-Exp overlay alone (native SGLang plus the VL model).
 ENABLE_SGLANG_DSV4_A100_PATCH=1: `dsv4_sm80.bootstrap.install()` arranges for the seams to be
 applied as SGLang imports its modules; it imports neither torch nor sglang here.
 Either way, the next `sitecustomize` on sys.path (Python imports only the first one) still runs.
@@ -13,13 +14,14 @@ import sys as _sys
 
 
 def _boot():
-    if _os.environ.get("ENABLE_SGLANG_DSV4_A100_PATCH", "").strip() in ("", "0"):
+    if (_os.environ.get("ENABLE_SGLANG_DSV4_A100_PATCH", "").strip() in ("", "0")
+            and _os.environ.get("DSV4_SM80_VISION", "").strip() != "1"):
         return None
     try:
         from dsv4_sm80 import bootstrap
     except Exception as e:  # dsv4_sm80 not on the path: say so, loudly, in every process
         _sys.stderr.write(
-            "dsv4-sm80: ENABLE_SGLANG_DSV4_A100_PATCH is set but the patch body cannot be imported "
+            "dsv4-sm80: ENABLE_SGLANG_DSV4_A100_PATCH or DSV4_SM80_VISION is set but the overlay cannot be imported "
             f"({type(e).__name__}: {e}); put the dsv4_sm80 directory on PYTHONPATH "
             "(container: /sgl-workspace/sm80-patch). SGLang will run unpatched.\n"
         )

@@ -61,7 +61,7 @@ _finder: Optional["SeamFinder"] = None
 
 
 def _toggle_text(seam: Seam) -> str:
-    return " and ".join((f"{env.PATCH.name}=1",) + seam.when)
+    return " and ".join(((f"{env.PATCH.name}=1",) if seam.overlay == "sm80" else ()) + seam.when)
 
 
 def _init_status(seams: Iterable[Seam], environ) -> None:
@@ -95,10 +95,12 @@ def _refuse(seam_name: str, message: str) -> SeamRefusal:
         st = _status.get(seam_name)
         if st is not None:
             st.state, st.detail = "refused", message
+    seam = next((s for s in SEAMS if s.name == seam_name), None)
+    off = (f"unset {env.VISION.name} to run without the Vision-Exp overlay" if seam is not None and seam.overlay == "vision"
+           else f"set {env.PATCH.name}=0 to run SGLang natively (no SM80 datapath)")
     return SeamRefusal(
         f"dsv4-sm80 seam {seam_name}: {message}. The SM80 overlay only runs on SGLang "
-        f"{env.SGLANG_VERSION} @ {env.SGLANG_COMMIT[:8]}; use that tree, or set "
-        f"{env.PATCH.name}=0 to run SGLang natively (no SM80 datapath)."
+        f"{env.SGLANG_VERSION} @ {env.SGLANG_COMMIT[:8]}; use that tree, or {off}."
     )
 
 
@@ -269,15 +271,15 @@ class SeamFinder(importlib.abc.MetaPathFinder):
 
 def install(environ=None) -> bool:
     """Arrange for every enabled seam to be applied when its module is imported. Idempotent.
-    With the patch off this does nothing and returns False."""
+    With nothing enabled (the patch off and no overlay switched on) this does nothing and returns False."""
     global _finder
     with _lock:
         _init_status(SEAMS, environ)
-        if not env.patch_enabled(environ):
+        enabled = [s for s in SEAMS if s.enabled(environ)]
+        if not enabled:
             return False
         if installed():
             return True
-        enabled = [s for s in SEAMS if s.enabled(environ)]
         table = by_module(enabled)
         _finder = SeamFinder(table)
         sys.meta_path.insert(0, _finder)

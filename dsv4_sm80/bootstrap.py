@@ -18,13 +18,21 @@ def install(environ=None) -> dict:
     state = {"enabled": False, "installed": False, "defaults_set": {}, "vision": None, "error": None}
     try:
         state["enabled"] = env.patch_enabled(environ)
+        vision = env.get(env.VISION, environ) == "1"
     except env.EnvError as e:
         state["error"] = str(e)
         sys.stderr.write(f"dsv4-sm80: refusing to patch: {e}\n")
         return state
-    if not state["enabled"]:
+    if not state["enabled"] and not vision:
         return state
-    state["defaults_set"] = env.apply_import_time_defaults(environ)
+    if state["enabled"]:
+        state["defaults_set"] = env.apply_import_time_defaults(environ)
+    else:  # the vision overlay alone on native SGLang: its image window rides FlashMLA's SWA lists, which
+        # the native sparse-prefill branch (on by default) rebuilds without it (vision_backport/window.py)
+        if env.NATIVE_VISION_PREFILL.name not in environ:
+            environ[env.NATIVE_VISION_PREFILL.name] = "0"
+            state["defaults_set"] = {env.NATIVE_VISION_PREFILL.name: "0"}
+    # with the patch off and DSV4_SM80_VISION=1, only the vision overlay's seams are enabled (native A/B)
     state["installed"] = apply.install(environ)
     # The vision overlay comes second (container contract: A100 patch, then vision).
     import vision_backport

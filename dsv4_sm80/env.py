@@ -85,8 +85,9 @@ ALLOW_OPEN_BIND = Knob(
 VISION = Knob(
     "DSV4_SM80_VISION", "0", ("0", "1"),
     "Experimental: 1 installs the Vision-Exp backport (VL model class, image processor, bias_vl routing, the "
-    "bidirectional image window in the SM80 attention, prefill chunks cut only at image-block edges). Not yet "
-    "run on a GPU. 0: not installed.",
+    "bidirectional image window in the SM80 attention, prefill chunks cut only at image-block edges); with "
+    "ENABLE_SGLANG_DSV4_A100_PATCH=0 the overlay alone on native SGLang (for A/B). Not yet run on a GPU. "
+    "0: not installed.",
 )
 
 LAB_POISON = Knob(
@@ -170,6 +171,15 @@ IMPORT_TIME_DEFAULTS = (
         "SGLANG_OPT_USE_ONLINE_COMPRESS", "0",
         "srt/environ.py:1015; pinned off: the SM80 compressor stores follow the offline path",
     ),
+)
+
+
+# SGLang's own knob the vision overlay sets (when unset) on native SGLang, patch off: the native image window
+# needs the FlashMLA prefill that reads the metadata's SWA lists (vision_backport/window.py).
+NATIVE_VISION_PREFILL = ImportTimeDefault(
+    "SGLANG_OPT_FLASHMLA_SPARSE_PREFILL", "0",
+    "srt/layers/attention/deepseek_v4_backend.py:1695-1710: on (its default) every extend takes the sparse "
+    "prefill branch, which builds its SWA indices without the image block",
 )
 
 

@@ -39,6 +39,10 @@ class Seam:
     reason: str
     upstream: str  # "srt/...py:LINE[-LINE]", relative to the sglang package
     when: tuple[str, ...] = field(default=())
+    # "sm80": part of the SM80 patch, only with ENABLE_SGLANG_DSV4_A100_PATCH=1. "vision": the separate
+    # Vision-Exp overlay, toggled by its own knob (in `when`) with the patch on or off, so the VL model can
+    # also run on native SGLang for A/B.
+    overlay: str = "sm80"
 
     @property
     def module(self) -> str:
@@ -53,7 +57,7 @@ class Seam:
         return self.upstream.split(":", 1)[0]
 
     def enabled(self, environ: Optional[Mapping[str, str]] = None) -> bool:
-        if not env.patch_enabled(environ):
+        if self.overlay == "sm80" and not env.patch_enabled(environ):
             return False
         knobs = {k.name: k for k in env.KNOBS}
         for cond in self.when:
@@ -292,6 +296,7 @@ SEAMS: tuple[Seam, ...] = (
                 "image content; the VL class loads the vision weights and embeds images."),
         upstream="srt/models/registry.py:130",
         when=("DSV4_SM80_VISION=1",),
+        overlay="vision",
     ),
     Seam(
         name="vision.processor",
@@ -301,6 +306,7 @@ SEAMS: tuple[Seam, ...] = (
         reason="Images of a request become each image's token block and patches (reference 03 §6).",
         upstream="srt/managers/multimodal_processor.py:13",
         when=("DSV4_SM80_VISION=1",),
+        overlay="vision",
     ),
     Seam(
         name="vision.model_config",
@@ -310,6 +316,7 @@ SEAMS: tuple[Seam, ...] = (
         reason="0.5.16 does not know DeepseekV4ForCausalLM can be multimodal (model_config.py:414).",
         upstream="srt/configs/model_config.py:232",
         when=("DSV4_SM80_VISION=1",),
+        overlay="vision",
     ),
     Seam(
         name="vision.text_embeds",
@@ -320,6 +327,7 @@ SEAMS: tuple[Seam, ...] = (
                 "passes the image embeddings that way, and the routing needs the image mask."),
         upstream="srt/models/deepseek_v4.py:2250",
         when=("DSV4_SM80_VISION=1",),
+        overlay="vision",
     ),
     Seam(
         name="vision.chat",
@@ -330,6 +338,7 @@ SEAMS: tuple[Seam, ...] = (
                 "images become placeholders and image_data instead."),
         upstream="srt/entrypoints/openai/serving_chat.py:863",
         when=("DSV4_SM80_VISION=1",),
+        overlay="vision",
     ),
     Seam(
         name="vision.topk",
@@ -339,6 +348,7 @@ SEAMS: tuple[Seam, ...] = (
         reason="Image-block tokens choose experts with bias_vl, text tokens with the correction bias (§4.1).",
         upstream="srt/layers/moe/topk.py:484",
         when=("DSV4_SM80_VISION=1",),
+        overlay="vision",
     ),
     Seam(
         name="vision.hash_topk",
@@ -349,6 +359,7 @@ SEAMS: tuple[Seam, ...] = (
                 "value would index out of range."),
         upstream="srt/layers/moe/hash_topk.py:180",
         when=("DSV4_SM80_VISION=1",),
+        overlay="vision",
     ),
     Seam(
         name="vision.whole_image_blocks",
@@ -360,6 +371,18 @@ SEAMS: tuple[Seam, ...] = (
                 "bidirectional queries always run in one forward."),
         upstream="srt/managers/schedule_batch.py:1153-1154",
         when=("DSV4_SM80_VISION=1",),
+        overlay="vision",
+    ),
+    Seam(
+        name="vision.native_window",
+        target="sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend.forward",
+        kind="around",
+        replacement="vision_backport.window:native_forward_with_window",
+        reason=("Native A/B (patch off): image-block queries of a prefill get the bidirectional window in "
+                "FlashMLA's SWA index lists (the SM80 forward builds the same lists for its Triton kernel)."),
+        upstream="srt/layers/attention/deepseek_v4_backend.py:1600-1755",
+        when=("DSV4_SM80_VISION=1", "ENABLE_SGLANG_DSV4_A100_PATCH=0"),
+        overlay="vision",
     ),
     # --- dense: FP8 block linears -> BF16 at load (linear.py) ------------------------------------------
     Seam(
@@ -474,6 +497,8 @@ def validate_table(seams=SEAMS, fingerprints=None) -> list[str]:
             problems.append(f"{s.name}: replacement {s.replacement} is shared (it carries the seam's mark)")
         if not s.reason.strip():
             problems.append(f"{s.name}: no reason")
+        if s.overlay not in ("sm80", "vision"):
+            problems.append(f"{s.name}: overlay {s.overlay!r} is not sm80 or vision")
         for cond in s.when:
             name, _, value = cond.partition("=")
             if name not in knob_names or not value:

@@ -68,11 +68,24 @@ print(json.dumps({"status": apply.status(), "marks": marks}))
 def test_toggle_on_applies_every_seam_once(sglang_dir):
     # the tripwire seams apply only with DSV4_SM80_TRIPWIRE=1 (and the mxfp4_int8 one under that backend), the
     # vision ones only with DSV4_SM80_VISION=1, the page-hygiene poison only with DSV4_SM80_LAB_POISON=1
+    # (vision.native_window only with the patch off: native A/B)
     out = last_json(run_python(APPLY_ALL, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_TRIPWIRE="1",
                                DSV4_SM80_VISION="1", DSV4_SM80_LAB_POISON="1"))
+    native_only = {"vision.native_window"}
     assert [(s["name"], s["state"], s["applied_count"]) for s in out["status"]] == \
-           [(s.name, "applied", 1) for s in SEAMS]
-    assert out["marks"] == {s.name: s.name for s in SEAMS}
+           [(s.name, "off", 0) if s.name in native_only else (s.name, "applied", 1) for s in SEAMS]
+    assert out["marks"] == {s.name: None if s.name in native_only else s.name for s in SEAMS}
+
+
+def test_vision_overlay_alone_on_native_sglang(sglang_dir):
+    """Patch off, DSV4_SM80_VISION=1: the vision overlay's seams (with the native image window) and nothing
+    of the SM80 datapath, so the VL model can be compared on SGLang's own path."""
+    out = last_json(run_python(APPLY_ALL, ENABLE_SGLANG_DSV4_A100_PATCH="0", DSV4_SM80_VISION="1"))
+    vision = [s.name for s in SEAMS if s.overlay == "vision"]
+    assert "vision.native_window" in vision and "vision.whole_image_blocks" in vision
+    assert {s["name"]: s["state"] for s in out["status"]} == {
+        s.name: ("applied" if s.overlay == "vision" else "off") for s in SEAMS}
+    assert {k for k, v in out["marks"].items() if v} == set(vision)
 
 
 def test_toggle_off_applies_none(sglang_dir):

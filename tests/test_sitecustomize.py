@@ -67,7 +67,7 @@ def test_broken_patch_body_is_loud(tmp_path):
                    pythonpath=(str(tmp_path),), ENABLE_SGLANG_DSV4_A100_PATCH="1")
     s = last_json(p)
     assert s["state"]["installed"] is False and "patch body damaged" in s["state"]["error"]
-    assert "the patch body cannot be imported" in p.stderr and "SGLang will run unpatched" in p.stderr
+    assert "the overlay cannot be imported" in p.stderr and "SGLang will run unpatched" in p.stderr
 
 
 def test_spawned_children_get_the_patch():

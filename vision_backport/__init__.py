@@ -17,7 +17,8 @@ image window (the VL forward records each extend's image blocks, `extend_image_s
 widens those queries' SWA lists to the whole block, `dsv4_sm80.attention.visible_swa_lists`; checked against
 a brute-force window on SGLang's own causal lists), and prefill chunks cut only at image-block edges
 (`scheduling.py`, at `Req.set_extend_range`; a split block still reaching the forward is refused with a
-message, not attended wrongly). Not built yet: the window on the native SM90 path (for A/B). OpenAI chat
+message, not attended wrongly). With ENABLE_SGLANG_DSV4_A100_PATCH=0 the overlay runs alone on native
+SGLang for A/B, the window given to FlashMLA by `window.py` (seam vision.native_window). OpenAI chat
 image blocks are kept by the `vision.chat` seam (`chat.chat_with_images`). Nothing of it has run on a GPU:
 the switch stays experimental. The gate meanwhile validates
 a Vision-Exp checkpoint's vision tensors, so a converted one is refused.

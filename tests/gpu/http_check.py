@@ -44,6 +44,9 @@ def main(argv=None) -> int:
     ap.add_argument("--startup-timeout", type=int, default=400)
     ap.add_argument("--vision", action="store_true",
                     help="the tiny --vision checkpoint with DSV4_SM80_VISION=1: image requests instead")
+    ap.add_argument("--native", action="store_true",
+                    help="SGLang's own launch_server, patch off (with --vision: the vision overlay alone), for A/B")
+    ap.add_argument("--compare", help="an earlier record (the other path): greedy tokens and logprobs side by side")
     args = ap.parse_args(argv)
 
     serve_args = ["--api-key", KEY, "--context-length", str(args.context), "--moe-runner-backend", "marlin",
@@ -60,7 +63,10 @@ def main(argv=None) -> int:
         extra_env["DSV4_SM80_VISION"] = "1"
     results, ok = [], True
     log_path = os.path.join(os.path.dirname(os.path.abspath(args.out)), "http_server.log")
-    with lab_server(args.port, serve_args, log_path, extra_env, args.startup_timeout) as (server, startup):
+    if args.native and not args.vision:
+        ap.error("--native is for the vision A/B (with --vision): text A/B is engine_bed's")
+    with lab_server(args.port, serve_args, log_path, extra_env, args.startup_timeout,
+                    native=args.native) as (server, startup):
         long_ids = list(range(1000, 1000 + args.context + 100))
         if args.vision:
             checks = vision_checks(args.port)
@@ -73,6 +79,10 @@ def main(argv=None) -> int:
             ok &= good
             first = text.strip().splitlines()[0][:200] if text.strip() else ""
             results.append({"check": name, "status": status, "expected": want or "4xx", "ok": good, "body": first})
+            if status == 200 and path == "/generate":  # greedy output, for A/B against the other path
+                out = json.loads(text)
+                results[-1]["output"] = {"ids": out.get("output_ids"),
+                                         "logprobs": [x[0] for x in out["meta_info"].get("output_token_logprobs") or []]}
         if args.vision:  # the image reaches the model: a different image, different logprobs
             lps = []
             for color in ((220, 20, 20), (20, 20, 220)):
@@ -90,6 +100,14 @@ def main(argv=None) -> int:
         print(f"  {'OK  ' if r['ok'] else 'FAIL'} {r['check']:34s} {r['status']} (want {r['expected']}): {r['body']}")
     with open(args.out, "w") as f:
         json.dump({"startup_s": startup, "results": results, "healthy_after": healthy}, f, indent=1)
+    if args.compare:
+        other = {r["check"]: r.get("output") for r in json.load(open(args.compare))["results"]}
+        for r in results:
+            a, b = r.get("output"), other.get(r["check"])
+            if a and b:
+                same = sum(x == y for x, y in zip(a["ids"] or [], b["ids"] or []))
+                dlp = max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=float("nan"))
+                print(f"  A/B {r['check']:34s} greedy tokens agree {same}/{len(a['ids'] or [])}, max |dlogprob| {dlp:.3f}")
     print("http_check:", "OK" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -14,10 +14,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @contextlib.contextmanager
-def lab_server(port: int, args: list, log_path: str, extra_env: dict | None = None, timeout: float = 500):
-    """Yields (process, seconds to healthy). Raises if it exits or is not healthy within `timeout`."""
+def lab_server(port: int, args: list, log_path: str, extra_env: dict | None = None, timeout: float = 500,
+               native: bool = False):
+    """Yields (process, seconds to healthy). Raises if it exits or is not healthy within `timeout`.
+    native=True: SGLang's own launch_server with the patch off (for A/B; the overlay on the path still
+    applies what extra_env switches on, e.g. DSV4_SM80_VISION=1)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(extra_env or {}))
-    cmd = [sys.executable, "-m", "dsv4_sm80", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    entry = ["sglang.launch_server"] if native else ["dsv4_sm80", "serve"]
+    if native:
+        env["ENABLE_SGLANG_DSV4_A100_PATCH"] = "0"
+    cmd = [sys.executable, "-m", *entry, "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         try:

@@ -25,6 +25,8 @@
 #                                  endpoints, the key enforced, bad requests answered 4xx, the server alive after
 #   tests/gpu/steps.sh http-vision the tiny --vision checkpoint served with DSV4_SM80_VISION=1: image requests,
 #                                  bad images answered 4xx, a different image changes the logprobs
+#   tests/gpu/steps.sh vision-ab   the same image requests on the patched server and on native SGLang with the
+#                                  vision overlay alone (patch off): greedy tokens and logprobs side by side
 #   tests/gpu/steps.sh vision      the Vision-Exp model class loads the tiny --vision checkpoint in SGLang's ModelRunner
 #   tests/gpu/steps.sh hygiene     page hygiene: the same requests with the pools poisoned (0xFF) after every
 #                                  flush and without; outputs must be equal and finite (and with DSPARK)
@@ -51,7 +53,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
   ( eval "$@" ) >"$OUT/$name.log" 2>&1 || { echo "=== $name: exit $?"; rc=1; }
-  grep -E "^(fault_kill|hygiene|soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|Error|passed|failed" \
+  grep -E "^(  A/B|fault_kill|hygiene|soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|Error|passed|failed" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
 }
 case ${1:?step} in
@@ -158,6 +160,11 @@ case ${1:?step} in
   http-vision)
     run http-vision env $LAB DSV4_SM80_TRIPWIRE=1 timeout 560 python -u tests/gpu/http_check.py --vision \
       --out "$OUT/http-vision.json" ;;
+  vision-ab)
+    run http-vision env $LAB DSV4_SM80_TRIPWIRE=1 timeout 280 python -u tests/gpu/http_check.py --vision \
+      --out "$OUT/http-vision.json"
+    run http-vision-native timeout 280 python -u tests/gpu/http_check.py --vision --native \
+      --out "$OUT/http-vision-native.json" --compare "$OUT/http-vision.json" ;;
   vision)
     run vision env $LAB timeout 400 python -u tests/gpu/vision_check.py --out "$OUT/vision.json" ;;
   hygiene)
