@@ -62,7 +62,7 @@ def doctor(args) -> int:
     compat_check.banner_once()
     facts = compat_check.collect(args.model_path)
     findings = compat_check.evaluate(facts)
-    if args.apply and env.patch_enabled():
+    if args.apply:  # imports the modules of whatever is enabled (nothing with the patch off and no overlay)
         apply.import_targets()
     states = apply.status()
     pkg = facts.sglang.location
@@ -84,7 +84,8 @@ def doctor(args) -> int:
             print(f"{st['state'].upper():8s} {st['name']}: {st['target']} [{st['kind']}, upstream {st['upstream']}, "
                   f"toggle {st['toggle']}] target {st['target_check']}{detail}")
         applied = sum(s["state"] == "applied" for s in states)
-        print(f"seams: {applied} applied in this process" + ("" if env.patch_enabled() else " (patch off: none is applied)"))
+        print(f"seams: {applied} applied in this process"
+              + ("" if applied or env.patch_enabled() else " (patch off and no overlay switched on: none is applied)"))
     return 1 if gate_bad or seam_bad else 0
 
 

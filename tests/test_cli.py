@@ -63,7 +63,7 @@ def test_doctor_json(no_gpu):
 def test_doctor_patch_off_applies_no_seam(no_gpu):
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; --apply imports it")
     p = cli("doctor", "--apply", ENABLE_SGLANG_DSV4_A100_PATCH="0")
-    assert "seams: 0 applied in this process (patch off: none is applied)" in p.stdout
+    assert "seams: 0 applied in this process (patch off and no overlay switched on: none is applied)" in p.stdout
     assert "OFF      launch.gate" in p.stdout and "FAIL patch.active" in p.stdout
     p = cli("doctor", "--apply", ENABLE_SGLANG_DSV4_A100_PATCH="1")
     from dsv4_sm80.seams import SEAMS
