@@ -53,6 +53,9 @@ VARIANTS = {
     "block_n 64": {"block_n": 64},
     "block_n2 128": {"block_n2": 128},
     "block_m 64, warps 8": {"block_m": 64, "num_warps": 8},
+    # prefill: a taller M tile decodes each weight tile for more rows (decode is per weight, per M tile)
+    "block_m 128, warps 8": {"block_m": 128, "num_warps": 8},
+    "span-merge, block_m 128, warps 8": {"merge": True, "block_m": 128, "num_warps": 8},
 }
 
 
