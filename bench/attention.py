@@ -1,6 +1,7 @@
 """DSV4 sparse attention at DSV4-Flash TP4 per-rank shapes (16 query heads per rank, padded to 64; head dim
 512; SWA window 128; C4 top-512; all C128 entries), the SM80 Triton kernel over BF16 caches, and, where
-it runs, SGLang's native FlashMLA sparse decode over the FP8 cache, in one run:
+it runs, SGLang's native FlashMLA sparse decode over the FP8 cache (584-byte rows, same index lists), in
+one run:
 
   decode   batch 1, 8, 64 at 4K, 64K and 512K context, for a C4 layer (128 SWA + 512 top-k keys) and a
            C128 layer (128 SWA + context/128 keys): microseconds, GB/s of key bytes gathered against the
@@ -21,6 +22,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
 HEADS, HPAD, D, WINDOW, TOPK = 16, 64, 512, 128, 512
+FP8_ROW = 584  # SGLang's DSV4 FP8 KV row: 448 FP8 nope + 64 BF16 rope + 7 scales + 1 pad (memory_pool.py:98-123)
+PAGE = 256  # the pool's page (tokens); FlashMLA sees SWA blocks of WINDOW rows, C4/C128 blocks of PAGE // ratio
+
+
+def _fp8_blocks(slots: int, block: int, dev):
+    """A zeroed FP8 cache as the native backend hands it to FlashMLA (deepseek_v4_backend.py:1636-1655):
+    [pages, padded page bytes] uint8, viewed [pages, block, 1, 584]."""
+    import torch
+
+    pages = -(-slots // block) + 1
+    padded = -(-block * FP8_ROW // 576) * 576
+    buf = torch.zeros(pages, padded, dtype=torch.uint8, device=dev)
+    return buf[:, : block * FP8_ROW].view(pages, block, 1, FP8_ROW)
+
+
+def native_decode(native, q, swa_ids, lens_s, ext_ids, lens_e, sink, ratio, dev):
+    """SGLang 0.5.16's native decode call (FlashMLA sparse, FP8 cache) on the same lists: a callable."""
+    import torch.nn.functional as F
+
+    flash, get_meta = native
+    swa_kc = _fp8_blocks(int(swa_ids.max()) + 1, WINDOW, dev)
+    ext_kc = _fp8_blocks(int(ext_ids.max()) + 1, PAGE // ratio, dev)
+    pad = (-ext_ids.shape[1]) % 64  # FlashMLA takes index widths in multiples of 64 (the backend pads with -1)
+    eidx = F.pad(ext_ids, (0, pad), value=-1).unsqueeze(1).contiguous()
+    idx, q4 = swa_ids.unsqueeze(1).contiguous(), q.unsqueeze(1)
+    meta = get_meta()[0]
+    return lambda: flash(q=q4, k_cache=swa_kc, head_dim_v=D, block_table=None, cache_seqlens=None,
+                         tile_scheduler_metadata=meta, softmax_scale=D ** -0.5, is_fp8_kvcache=True, indices=idx,
+                         topk_length=lens_s, attn_sink=sink, extra_k_cache=ext_kc, extra_indices_in_kvcache=eidx,
+                         extra_topk_length=lens_e)
 
 
 def main(argv=None) -> int:
@@ -57,7 +88,7 @@ def main(argv=None) -> int:
             record["native_error"] = f"{type(e).__name__}: {e}"[:300]
 
     print(f"{'layer':6s} {'ctx':>7s} {'batch':>5s} {'keys/q':>7s} {'splits':>6s} {'us':>8s} {'GB/s (%pk)':>14s} "
-          f"{'floor us':>8s} {'x floor':>7s}")
+          f"{'floor us':>8s} {'x floor':>7s} {'native us':>9s} {'native GB/s':>11s} {'sm80/native':>11s}")
     for ctx in [int(x) for x in args.contexts.split(",")]:
         for layer in ("c4", "c128"):
             extra_n = TOPK if layer == "c4" else ctx // 128
@@ -79,9 +110,20 @@ def main(argv=None) -> int:
                 row = {"layer": layer, "context": ctx, "batch": b, "keys_per_query": WINDOW + extra_n,
                        "splits": splits, "us": sec * 1e6, "gbps": nbytes / sec / 1e9, "floor_us": floor * 1e6}
                 record["decode"].append(row)
+                nat = ""
+                if native is not None:
+                    try:  # the native path's own bytes: 584 per key
+                        nsec = timed(native_decode(native, q, swa_ids, lens_s, ext_ids, lens_e, sink,
+                                                   4 if layer == "c4" else 128, dev))
+                        row.update(native_us=nsec * 1e6, native_gbps=b * (WINDOW + extra_n) * FP8_ROW / nsec / 1e9)
+                        nat = f" {nsec * 1e6:9.1f} {row['native_gbps']:11.0f} {sec / nsec:11.2f}"
+                    except Exception as err:  # report once, then time the SM80 kernel alone
+                        record["native_error"] = f"{type(err).__name__}: {err}"[:300]
+                        print(f"native FlashMLA failed, not measured further: {record['native_error']}")
+                        native = None
                 print(f"{layer:6s} {ctx:7d} {b:5d} {WINDOW + extra_n:7d} {splits:6d} {sec * 1e6:8.1f} "
                       f"{row['gbps']:8.0f} ({100 * row['gbps'] / copy_gbps:3.0f}%) {floor * 1e6:8.1f} "
-                      f"{sec / floor:7.2f}")
+                      f"{sec / floor:7.2f}{nat}")
                 if args.variants:
                     alts = {f"splits {max(1, splits // 2)}": dict(splits=max(1, splits // 2)),
                             f"splits {min(64, splits * 2)}": dict(splits=min(64, splits * 2)),
@@ -118,10 +160,11 @@ def main(argv=None) -> int:
         row = {"tokens": t, "us": sec * 1e6, "tflops": flops / sec / 1e12}
         record["prefill"].append(row)
         print(f"prefill C4 {t:6d} tokens: {sec * 1e3:8.2f} ms, {row['tflops']:6.1f} TFLOP/s")
-    if native is None:
-        print("native FlashMLA: not measured" + (f" ({record['native_error']})" if "native_error" in record else ""))
-    else:
-        print("native FlashMLA: import ok; its FP8-cache comparison is not wired in this script yet")
+    if "native_error" in record:
+        print(f"native FlashMLA: not (fully) measured ({record['native_error']})")
+    elif native is not None:
+        print("native FlashMLA: decode timed on a zeroed FP8 cache of the native layout, same index lists "
+              "(its prefill branch is not timed here)")
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     return 0
