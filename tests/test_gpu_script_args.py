@@ -1,0 +1,130 @@
+"""The GPU scripts' arguments to SGLang, checked on the CPU against the real sglang 0.5.16, so a misspelt
+keyword or flag fails here and not after minutes of device time (session 4 lost a TP4 call to
+`cuda_graph_max_bs`, which 0.5.16 names `cuda_graph_max_bs_decode`).
+
+- keywords of every `sglang.Engine(...)` / `ServerArgs(...)` call in tests/gpu and bench, plus the string keys
+  of dicts splatted into them (`**extra`), must be ServerArgs fields;
+- every `--flag` in the server argument lists (`serve_args` and what is added to it) must be an option of
+  SGLang's own launch_server parser or of `python -m dsv4_sm80 serve`."""
+
+import argparse
+import ast
+import dataclasses
+import glob
+import os
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.sglang
+
+SCRIPTS = sorted(glob.glob(os.path.join(REPO, "tests", "gpu", "*.py")) + glob.glob(os.path.join(REPO, "bench", "*.py")))
+
+
+def _str_keys(func: ast.AST, name: str) -> set:
+    """String keys given to dict `name` inside `func`: dict literals assigned to it, name["key"] = ..."""
+    keys = set()
+    for node in ast.walk(func):
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Name) and t.id == name:
+                    for sub in ast.walk(node.value):
+                        if isinstance(sub, ast.Dict):
+                            keys |= {k.value for k in sub.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+                if (isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == name
+                        and isinstance(t.slice, ast.Constant)):
+                    keys.add(t.slice.value)
+    return keys
+
+
+def engine_keywords(path: str) -> set:
+    tree = ast.parse(open(path).read())
+    out = set()
+    for func in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.Module))]:
+        for node in ast.walk(func):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                if name in ("Engine", "ServerArgs"):
+                    for kw in node.keywords:
+                        if kw.arg is not None:
+                            out.add(kw.arg)
+                        elif isinstance(kw.value, ast.Name):
+                            out |= _str_keys(func, kw.value.id)
+    return out
+
+
+def server_flags(path: str) -> set:
+    """--flags in list literals assigned or added to serve_args."""
+    tree = ast.parse(open(path).read())
+    flags = set()
+    for node in ast.walk(tree):
+        target = None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            target, value = node.targets[0].id, node.value
+        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            target, value = node.target.id, node.value
+        if target == "serve_args":
+            for sub in ast.walk(value):
+                if isinstance(sub, ast.Constant) and isinstance(sub.value, str) and sub.value.startswith("--"):
+                    flags.add(sub.value)
+    return flags
+
+
+def test_engine_keywords_are_server_args_fields():
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16")
+    from sglang.srt.server_args import ServerArgs
+
+    fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    seen = {}
+    for path in SCRIPTS:
+        for kw in engine_keywords(path):
+            seen.setdefault(kw, []).append(os.path.relpath(path, REPO))
+    assert "cuda_graph_max_bs_decode" in seen and "model_path" in seen  # the scan finds them
+    bad = {k: v for k, v in seen.items() if k not in fields}
+    assert not bad, f"not ServerArgs fields in sglang 0.5.16: {bad}"
+
+
+def test_server_flags_are_known_options():
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16")
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    known = {s for a in parser._actions for s in a.option_strings}
+    seen = {}
+    for path in SCRIPTS:
+        for flag in server_flags(path):
+            seen.setdefault(flag, []).append(os.path.relpath(path, REPO))
+    assert "--api-key" in seen and "--model-path" in seen
+    bad = {k: v for k, v in seen.items() if k not in known}
+    assert not bad, f"not launch_server options in sglang 0.5.16: {bad}"
+
+
+def _argparse_flags(path: str) -> set:
+    flags = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            flags |= {a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+    return flags
+
+
+def test_steps_sh_flags_exist_in_the_scripts():
+    """Every --flag steps.sh passes to one of our scripts is one that script's argparse declares."""
+    import re
+
+    text = open(os.path.join(REPO, "tests", "gpu", "steps.sh")).read().replace("\\\n", " ")
+    for name, value in re.findall(r'^\s*(\w+)="([^"]*)"', text, flags=re.M):  # T4="--tp ...", B16=...
+        text = re.sub(r"\$\{?" + name + r"\b\}?", lambda _m, v=value: v, text)
+    checked = 0
+    for line in text.splitlines():
+        m = re.search(r"python (?:-u )?((?:tests/gpu|bench)/\w+\.py)(.*)", line)
+        if not m:
+            continue
+        script, rest = m.group(1), m.group(2).split("|")[0]
+        declared = _argparse_flags(os.path.join(REPO, script))
+        for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", rest):
+            assert flag in declared, f"steps.sh passes {flag} to {script}, which declares {sorted(declared)}"
+            checked += 1
+    assert checked > 20
