@@ -188,7 +188,11 @@ case ${1:?step} in
     run moe-bench timeout 540 python bench/moe.py --variants --out "$OUT/moe.json" ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac
-# keep the JIT caches this step built (restore with: tar -C ~ -xJf jit.tar.xz)
+# keep the JIT caches this step built (restore with: cat jit.tar.xz* | tar -C ~ -xJf -)
 [ -n "${NO_JIT_TAR:-}" ] && exit $rc
 tar -C ~ -cf - .cache/tvm-ffi .cache/deep_gemm .cache/flashinfer .triton .tilelang 2>/dev/null | xz -T0 -3 > "$OUT/jit.tar.xz"
+# the device tool returns files of at most 16 MiB: a larger tarball comes back in parts (join: cat jit.tar.xz.* > jit.tar.xz)
+if [ "$(stat -c %s "$OUT/jit.tar.xz")" -gt 15728640 ]; then
+  split -b 15M -d "$OUT/jit.tar.xz" "$OUT/jit.tar.xz." && rm "$OUT/jit.tar.xz"
+fi
 exit $rc
