@@ -88,11 +88,10 @@ def main(argv=None) -> int:
         print("E2E_RESULT " + json.dumps(child(args)), flush=True)
         return 0
 
-    if not os.path.isfile(os.path.join(args.ckpt, "model.safetensors.index.json")):
-        sys.path.insert(0, ROOT)
-        from dsv4_sm80.tiny.generate import PRESETS, generate, tiny_config
+    sys.path.insert(0, ROOT)
+    from dsv4_sm80.tiny.generate import ensure
 
-        generate(args.ckpt, tiny_config(PRESETS["wide"]), fast_experts=True)
+    ensure(args.ckpt, "wide", fast_experts=True)
     results = {}
     for mode in args.modes.split(","):
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),

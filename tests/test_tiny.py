@@ -312,3 +312,15 @@ def test_stand_in_tokenizer(unit_ckpt, tmp_path):
     write_tokenizer(str(tmp_path), 129280)  # the real vocabulary: the vision sentinels at 129257..129261
     big = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     assert len(big) == 129280 and big.convert_ids_to_tokens(129257) == "<|place_holder_mm_span_0431|>"
+
+
+def test_ensure_generates_once(tmp_path):
+    """The GPU scripts' first use: a checkpoint is generated only where none is."""
+    from dsv4_sm80.tiny.generate import ensure
+
+    out = str(tmp_path / "u")
+    assert ensure(out, "unit", log=lambda *_: None) == out
+    index = os.path.join(out, "model.safetensors.index.json")
+    stamp = os.path.getmtime(index)
+    ensure(out, "unit", log=lambda *_: None)
+    assert os.path.getmtime(index) == stamp

@@ -134,6 +134,14 @@ def _random_mxfp4(spec: fmt.TensorSpec, seed: int) -> tuple[torch.Tensor, torch.
     return packed, torch.randint(119, 122, (n, k // 32), generator=g, dtype=torch.int32).to(torch.uint8)
 
 
+def ensure(out_dir: str, preset: str = "tiny", vision: bool = False, **kw) -> str:
+    """out_dir, generated from the preset first when it holds no checkpoint (the GPU scripts' first use);
+    keyword arguments go to `generate`."""
+    if not os.path.isfile(os.path.join(out_dir, "model.safetensors.index.json")):
+        generate(out_dir, tiny_config(PRESETS[preset], vision=vision), **kw)
+    return out_dir
+
+
 def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=print,
              fast_experts: bool = False, tokenizer: bool = True) -> dict:
     """Write config.json, the shards and model.safetensors.index.json into out_dir, and (tokenizer=True) the

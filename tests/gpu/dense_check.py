@@ -102,10 +102,9 @@ def main(argv=None) -> int:
     from dsv4_sm80 import env, linear
     from reference import dequant_fp8_bf16, load_raw
 
-    if not os.path.isfile(os.path.join(args.ckpt, "model.safetensors.index.json")):
-        from dsv4_sm80.tiny.generate import PRESETS, generate, tiny_config
+    from dsv4_sm80.tiny.generate import ensure
 
-        generate(args.ckpt, tiny_config(PRESETS[args.preset]), head_scale=args.head_scale)
+    ensure(args.ckpt, args.preset, head_scale=args.head_scale)
 
     patch, dense = env.patch_enabled(), env.get(env.DENSE)
     if not patch:

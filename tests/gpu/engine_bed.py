@@ -67,10 +67,9 @@ def main(argv=None) -> int:
     from dsv4_sm80 import env
 
     patch = env.patch_enabled()
-    if not os.path.isfile(os.path.join(args.ckpt, "model.safetensors.index.json")):
-        from dsv4_sm80.tiny.generate import PRESETS, generate, tiny_config
+    from dsv4_sm80.tiny.generate import ensure
 
-        generate(args.ckpt, tiny_config(PRESETS[args.preset]), head_scale=args.head_scale)
+    ensure(args.ckpt, args.preset, head_scale=args.head_scale)
     config = json.load(open(os.path.join(args.ckpt, "config.json")))
     vocab = int(config["vocab_size"])
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -63,11 +63,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=0, help="the TP rank whose scheduler is killed")
     ap.add_argument("--exit-within", type=float, default=120.0, help="seconds the server may take to exit")
     args = ap.parse_args(argv)
-    if not os.path.isfile(os.path.join(args.ckpt, "model.safetensors.index.json")):
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-        from dsv4_sm80.tiny.generate import PRESETS, generate, tiny_config
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from dsv4_sm80.tiny.generate import ensure
 
-        generate(args.ckpt, tiny_config(PRESETS["tiny"]), head_scale=12.0)
+    ensure(args.ckpt, head_scale=12.0)
     log_path = os.path.splitext(args.out)[0] + ".server.log"
     report = {"tp": args.tp, "rank": args.rank}
     serve_args = ["--model-path", args.ckpt, "--tp-size", str(args.tp), "--mem-fraction-static", "0.5",

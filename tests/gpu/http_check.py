@@ -54,11 +54,10 @@ def main(argv=None) -> int:
     extra_env = {}
     if args.vision:
         ckpt = "/tmp/dsv4-tiny-vl"
-        if not os.path.isfile(os.path.join(ckpt, "model.safetensors.index.json")):
-            sys.path.insert(0, ROOT)
-            from dsv4_sm80.tiny.generate import PRESETS, generate, tiny_config
+        sys.path.insert(0, ROOT)
+        from dsv4_sm80.tiny.generate import ensure
 
-            generate(ckpt, tiny_config(PRESETS["tiny"], vision=True), head_scale=12.0)
+        ensure(ckpt, vision=True, head_scale=12.0)
         serve_args += ["--model-path", ckpt]
         extra_env["DSV4_SM80_VISION"] = "1"
     results, ok = [], True

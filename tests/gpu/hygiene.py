@@ -97,10 +97,9 @@ def main(argv=None) -> int:
     if args.child:
         print("HYGIENE " + json.dumps(child(args)), flush=True)
         return 0
-    if not os.path.isfile(os.path.join(args.ckpt, "model.safetensors.index.json")):
-        from dsv4_sm80.tiny.generate import PRESETS, generate, tiny_config
+    from dsv4_sm80.tiny.generate import ensure
 
-        generate(args.ckpt, tiny_config(PRESETS["tiny"]), head_scale=12.0)
+    ensure(args.ckpt, head_scale=12.0)
     runs = {}
     for poison in ("0", "1"):
         env = dict(os.environ, DSV4_SM80_LAB_POISON=poison,

@@ -49,10 +49,9 @@ def main(argv=None) -> int:
     from dsv4_sm80.kernels import w4a8_moe_ref as ref
     from reference import load_raw
 
-    if not os.path.isfile(os.path.join(args.ckpt, "model.safetensors.index.json")):
-        from dsv4_sm80.tiny.generate import PRESETS, generate, tiny_config
+    from dsv4_sm80.tiny.generate import ensure
 
-        generate(args.ckpt, tiny_config(PRESETS[args.preset]), head_scale=args.head_scale)
+    ensure(args.ckpt, args.preset, head_scale=args.head_scale)
     cfg = json.load(open(os.path.join(args.ckpt, "config.json")))
     top_k, scaling = int(cfg["num_experts_per_tok"]), float(cfg["routed_scaling_factor"])
     limit = float(cfg.get("swiglu_limit") or 0.0)

@@ -29,10 +29,9 @@ def main(argv=None) -> int:
     from PIL import Image
     from safetensors.torch import load_file
 
-    if not os.path.isfile(os.path.join(args.ckpt, "model.safetensors.index.json")):
-        from dsv4_sm80.tiny.generate import PRESETS, generate, tiny_config
+    from dsv4_sm80.tiny.generate import ensure
 
-        generate(args.ckpt, tiny_config(PRESETS["tiny"], vision=True), head_scale=12.0)
+    ensure(args.ckpt, vision=True, head_scale=12.0)
     from sglang.srt.models.registry import ModelRegistry
 
     from dense_check import build_runner
