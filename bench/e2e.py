@@ -26,7 +26,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAB = {"ENABLE_SGLANG_DSV4_A100_PATCH": "1", "DSV4_SM80_LAB_GPU_COUNT": "1", "DSV4_SM80_LAB_CC": "9.0",
+LAB = {"ENABLE_SGLANG_DSV4_A100_PATCH": "1", "DSV4_SM80_LAB_CC": "9.0",
        "DSV4_SM80_TRIPWIRE": "1"}  # the patched path runs with every SM90-only entry point raising
 
 
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
                    SGLANG_JIT_DEEPGEMM_PRECOMPILE="0")
         if mode == "patched":
             env.update(LAB)
-            env.pop("DSV4_SM80_LAB_GPU_COUNT", None)
+            env.pop("DSV4_SM80_LAB_GPU_COUNT", None)  # an inherited override must not outvote --tp
             if args.tp != 4:  # 4 is the gate's production count: no override needed
                 env["DSV4_SM80_LAB_GPU_COUNT"] = str(args.tp)
         else:

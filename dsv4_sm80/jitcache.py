@@ -107,7 +107,7 @@ def _disk_full(exc: BaseException) -> bool:
     return False
 
 
-def _module_dir(args, kwargs) -> str:
+def _module_dir(kwargs) -> str:
     if kwargs.get("build_directory"):
         return str(kwargs["build_directory"])
     return os.path.expanduser(os.environ.get("TVM_FFI_CACHE_DIR") or "~/.cache/tvm-ffi")
@@ -122,7 +122,7 @@ def load_jit_clear_disk_error(original, *args, **kwargs):
     except Exception as e:
         if not _disk_full(e):
             raise
-        where = _module_dir(args, kwargs)
+        where = _module_dir(kwargs)
         anchor = _nearest_existing(where)
         try:
             free = shutil.disk_usage(anchor).free
