@@ -97,8 +97,15 @@ LAB_POISON = Knob(
     "did not write sees NaN (dsv4_sm80/hygiene.py). Never for serving.",
 )
 
+LAB_ROUTE_TRACE = Knob(
+    "DSV4_SM80_LAB_ROUTE_TRACE", "", (),
+    "Lab (vision): append one JSON line per MoE top-k call that routes image rows to this file: rows, image "
+    "rows, image rows whose experts are top-k of scores + bias_vl, image rows where that differs from the text "
+    "rule, text rows changed (vision_backport/routing.py). Costs a device sync per layer; never for serving.",
+)
+
 KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC, LOAD_REPORT, TRIPWIRE,
-         ALLOW_OPEN_BIND, VISION, LAB_POISON)
+         ALLOW_OPEN_BIND, VISION, LAB_POISON, LAB_ROUTE_TRACE)
 
 
 def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:

@@ -83,6 +83,8 @@ ids_tok = torch.randint(0, V, (T,), generator=g)
 ids_tok[mask] = 1_000_000 + torch.arange(int(mask.sum()))  # SGLang's pad values: past the vocabulary
 hidden = torch.zeros(T, 8)
 out = {{}}
+trace = os.path.join({tmp!r}, "route.jsonl")
+os.environ["DSV4_SM80_LAB_ROUTE_TRACE"] = trace
 
 def rows(w, i):
     o = i.long().argsort(1)
@@ -102,6 +104,7 @@ for scaled in (False,):  # SGLang's torch-native TopK (the CPU path) does not sc
     gw, gi = rows(got.topk_weights, got.topk_ids)
     ww, wi = rows(want_w * (1.5 if scaled else 1.0), want_i)
     pw, pi = rows(plain.topk_weights, plain.topk_ids)
+    out["topk_differ"] = int(((wi != pi).any(-1) & mask).sum())
     out[f"topk{{int(scaled)}}"] = dict(ids=torch.equal(gi, wi), w=float((gw - ww).abs().max()),
                                        text_same=torch.equal(gi[~mask], pi[~mask]) and torch.equal(gw[~mask], pw[~mask]),
                                        no_mask_same=torch.equal(untouched.topk_ids, plain.topk_ids))
@@ -122,12 +125,13 @@ try:
     out["hash_unpatched"] = "ran"
 except Exception as e:
     out["hash_unpatched"] = type(e).__name__
+out["trace"] = [json.loads(x) for x in open(trace)]
 print(json.dumps(out))
 """
 
 
 @pytest.mark.sglang
-def test_hooks_route_image_rows_by_bias_vl_in_sglangs_topk(unit_ckpt):
+def test_hooks_route_image_rows_by_bias_vl_in_sglangs_topk(unit_ckpt, tmp_path):
     """SGLang's own TopK (DSV4 settings: ungrouped sqrtsoftplus with the correction bias) and HashTopK, run
     through the hooks on a mixed text/image batch: image rows equal the bias_vl reference (vl_route), text
     rows stay SGLang's own, the routed scaling applied exactly where the layer applies it; hash layers
@@ -138,12 +142,19 @@ def test_hooks_route_image_rows_by_bias_vl_in_sglangs_topk(unit_ckpt):
     from conftest import last_json, run_python
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = last_json(run_python(HOOKS.format(root=root, ckpt=unit_ckpt), TORCHDYNAMO_DISABLE="1"))
+    out = last_json(run_python(HOOKS.format(root=root, ckpt=unit_ckpt, tmp=str(tmp_path)), TORCHDYNAMO_DISABLE="1"))
     for key in ("topk0",):
         r = out[key]
         assert r["ids"] and r["text_same"] and r["no_mask_same"] and r["w"] < 1e-6, (key, r)
     assert out["hash"]["ids"] and out["hash"]["w"] < 1e-6, out["hash"]
     assert out["hash_unpatched"] in ("IndexError", "RuntimeError"), out
+    # DSV4_SM80_LAB_ROUTE_TRACE: one line per hooked call that had image rows (the no-mask call writes none)
+    topk, hashed = out["trace"]
+    assert topk == {"kind": "topk", "rows": 11, "image_rows": 6, "image_rows_bias_vl": 6,
+                    "image_rows_differ_from_text_rule": out["topk_differ"], "text_rows_changed": 0}, out
+    assert out["topk_differ"] > 0
+    assert hashed["kind"] == "hash" and hashed["image_rows"] == hashed["image_rows_bias_vl"] == 6, hashed
+    assert hashed["text_rows_changed"] == 0 and hashed["image_rows_differ_from_text_rule"] > 0, hashed
 
 
 def test_with_image_rows_scales_only_where_the_layer_does():

@@ -249,7 +249,7 @@ def _inventory(c) -> list[TensorSpec]:
         else:
             t(f"{p}.ffn.gate.bias", "F32", (E,), shard, "zeros")
         if vision:
-            t(f"{p}.ffn.gate.bias_vl", "F32", (E,), shard, "zeros", VISION)
+            t(f"{p}.ffn.gate.bias_vl", "F32", (E,), shard, "bias_vl", VISION)
         fp8(f"{p}.ffn.shared_experts.w1", M * ns, H, shard)
         fp8(f"{p}.ffn.shared_experts.w2", H, M * ns, shard)
         fp8(f"{p}.ffn.shared_experts.w3", M * ns, H, shard)

@@ -22,6 +22,9 @@ from .quant import fp8_block_quantize, mxfp4_quantize
 
 WEIGHT_STD = 0.02  # reference 04 §5.4: N(0, 0.02) linears, biases 0, norms 1
 HC_STD = 0.01
+# bias_vl is not zero, unlike the other biases: image rows must then choose other experts than text rows would,
+# so a routing trace can tell the two rules apart (0.1: the order of the tiny router's score spread)
+BIAS_VL_STD = 0.1
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ def _fill(spec: fmt.TensorSpec, seed: int, head_scale: float, vocab: int, expert
         k = spec.shape[1]
         t = torch.arange(vocab, dtype=torch.int64).unsqueeze(1)
         return (t * 7 + torch.arange(k)) % experts
-    std = {"normal": WEIGHT_STD, "head": WEIGHT_STD * head_scale, "hc_fn": HC_STD}[spec.init]
+    std = {"normal": WEIGHT_STD, "head": WEIGHT_STD * head_scale, "hc_fn": HC_STD, "bias_vl": BIAS_VL_STD}[spec.init]
     w = torch.randn(spec.shape, generator=_rng(seed, spec.name), dtype=torch.float32) * std
     return w.to(torch_dtype)
 

@@ -47,11 +47,16 @@ def main(argv=None) -> int:
     ap.add_argument("--native", action="store_true",
                     help="SGLang's own launch_server, patch off (with --vision: the vision overlay alone), for A/B")
     ap.add_argument("--compare", help="an earlier record (the other path): greedy tokens and logprobs side by side")
+    ap.add_argument("--chunked-prefill-size", type=int, default=0,
+                    help="serve with this --chunked-prefill-size (with --vision: image blocks cut across chunks)")
     args = ap.parse_args(argv)
 
     serve_args = ["--api-key", KEY, "--context-length", str(args.context), "--moe-runner-backend", "marlin",
                   "--mem-fraction-static", "0.6", "--disable-cuda-graph"]
     extra_env = {}
+    if args.chunked_prefill_size:
+        serve_args += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
+    trace = os.path.splitext(os.path.abspath(args.out))[0] + "-route.jsonl"
     if args.vision:
         ckpt = "/tmp/dsv4-tiny-vl"
         sys.path.insert(0, ROOT)
@@ -60,6 +65,9 @@ def main(argv=None) -> int:
         ensure(ckpt, vision=True, head_scale=12.0)
         serve_args += ["--model-path", ckpt]
         extra_env["DSV4_SM80_VISION"] = "1"
+        extra_env["DSV4_SM80_LAB_ROUTE_TRACE"] = trace  # every MoE top-k call with image rows, one JSON line
+        if os.path.exists(trace):
+            os.remove(trace)
     results, ok = [], True
     log_path = os.path.join(os.path.dirname(os.path.abspath(args.out)), "http_server.log")
     if args.native and not args.vision:
@@ -91,6 +99,13 @@ def main(argv=None) -> int:
             ok &= differ
             results.append({"check": "a different image changes the logprobs", "status": 200, "expected": 200,
                             "ok": differ, "body": ""})
+            routed = route_summary(trace)
+            good = (routed["calls"] > 0 and routed["text_rows_changed"] == 0
+                    and routed["image_rows_bias_vl"] >= 0.995 * routed["image_rows"]
+                    and routed["image_rows_differ_from_text_rule"] > 0)
+            ok &= good
+            results.append({"check": "image rows routed by bias_vl", "status": 200, "expected": 200, "ok": good,
+                            "body": json.dumps(routed)})
         healthy = call(args.port, "/health", key=None)[0] == 200
         ok &= healthy and server.poll() is None
     print(f"http_check: server healthy after {startup:.0f} s; {sum(r['ok'] for r in results)}/{len(results)} as expected; "
@@ -109,6 +124,23 @@ def main(argv=None) -> int:
                 print(f"  A/B {r['check']:34s} greedy tokens agree {same}/{len(a['ids'] or [])}, max |dlogprob| {dlp:.3f}")
     print("http_check:", "OK" if ok else "FAILED")
     return 0 if ok else 1
+
+
+def route_summary(path):
+    """Totals of the server's DSV4_SM80_LAB_ROUTE_TRACE lines (vision_backport/routing.py): top-k calls with
+    image rows, their image rows, those whose experts are top-k of scores + bias_vl (recomputed in float64),
+    those where that differs from the text rule, and text rows the hook changed (must be 0)."""
+    keys = ("image_rows", "image_rows_bias_vl", "image_rows_differ_from_text_rule", "text_rows_changed")
+    total = dict.fromkeys(keys, 0)
+    total["calls"] = total["hash_calls"] = 0
+    if os.path.exists(path):
+        for line in open(path):
+            row = json.loads(line)
+            total["calls"] += 1
+            total["hash_calls"] += row["kind"] == "hash"
+            for k in keys:
+                total[k] += row[k]
+    return total
 
 
 PROMPT = "<｜begin▁of▁sentence｜><｜User｜>{images}What is in the picture?<｜Assistant｜></think>"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The recorded GPU runs (docs/gpu-runs.md), in steps that each fit one device call.
 # On the GPU host, from the repository root, after `source .dev/c5/setup.sh`:
-#   tests/gpu/steps.sh check       dense_check in both dense modes (in-process ModelRunner, module state)
+#   tests/gpu/steps.sh check       dense_check in both dense modes (in-process ModelRunner, module state;
+#                                  CHECK_MODES picks modes, CHECK_T the limit, 280 s: a cold Marlin build needs 540)
 #   tests/gpu/steps.sh engine      engine_bed patched (bf16, fp8_marlin) vs the native oracle
 #   tests/gpu/steps.sh dspark      engine_bed patched with DSPARK: the draft's linears in the load report
 #   tests/gpu/steps.sh bench       bench/dense_linear.py (patch off: native FP8 is SGLang's own)
@@ -26,7 +27,9 @@
 #   tests/gpu/steps.sh http-vision the tiny --vision checkpoint served with DSV4_SM80_VISION=1: image requests,
 #                                  bad images answered 4xx, a different image changes the logprobs
 #   tests/gpu/steps.sh vision-ab   the same image requests on the patched server and on native SGLang with the
-#                                  vision overlay alone (patch off): greedy tokens and logprobs side by side
+#                                  vision overlay alone (patch off), then patched with 128-token prefill chunks
+#                                  (image blocks across chunks): greedy tokens and logprobs side by side; each run
+#                                  also checks the bias_vl routing trace (DSV4_SM80_LAB_ROUTE_TRACE)
 #   tests/gpu/steps.sh vision      the Vision-Exp model class loads the tiny --vision checkpoint in SGLang's ModelRunner
 #   tests/gpu/steps.sh hygiene     page hygiene: the same requests with the pools poisoned (0xFF) after every
 #                                  flush and without; outputs must be equal and finite (and with DSPARK)
@@ -59,7 +62,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
 case ${1:?step} in
   check)
     for mode in ${CHECK_MODES:-bf16 fp8_marlin}; do
-      run "check-$mode" env $LAB SGLANG_DSV4_A100_DENSE=$mode timeout 280 \
+      run "check-$mode" env $LAB SGLANG_DSV4_A100_DENSE=$mode timeout ${CHECK_T:-280} \
         python -u tests/gpu/dense_check.py --out "$OUT/dense-$mode.json"
     done ;;
   engine)
@@ -164,7 +167,9 @@ case ${1:?step} in
     run http-vision env $LAB DSV4_SM80_TRIPWIRE=1 timeout 280 python -u tests/gpu/http_check.py --vision \
       --out "$OUT/http-vision.json"
     run http-vision-native timeout 280 python -u tests/gpu/http_check.py --vision --native \
-      --out "$OUT/http-vision-native.json" --compare "$OUT/http-vision.json" ;;
+      --out "$OUT/http-vision-native.json" --compare "$OUT/http-vision.json"
+    run http-vision-chunked env $LAB DSV4_SM80_TRIPWIRE=1 timeout 280 python -u tests/gpu/http_check.py --vision \
+      --chunked-prefill-size 128 --out "$OUT/http-vision-chunked.json" --compare "$OUT/http-vision.json" ;;
   vision)
     run vision env $LAB timeout 400 python -u tests/gpu/vision_check.py --out "$OUT/vision.json" ;;
   hygiene)
