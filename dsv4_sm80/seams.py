@@ -123,6 +123,16 @@ SEAMS: tuple[Seam, ...] = (
         upstream="jit_kernel/utils/compile.py:170-295",
     ),
     Seam(
+        name="requests.input_ids_range",
+        target="sglang.srt.managers.tokenizer_manager:TokenizerManager._validate_one_request",
+        kind="around",
+        replacement="dsv4_sm80.requests:validate_one_request",
+        reason=("Caller-supplied input_ids outside [0, vocab) reach DSV4's embedding and hash-layer table "
+                "unchecked in 0.5.16 and a device-side assert kills the server; they are answered 400 naming "
+                "input_ids.range instead."),
+        upstream="srt/managers/tokenizer_manager.py:983-1064",
+    ),
+    Seam(
         name="moe.quant_method",
         target="sglang.srt.layers.quantization.fp8:Fp8Config.get_quant_method",
         kind="around",

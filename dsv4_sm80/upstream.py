@@ -45,6 +45,7 @@ FINGERPRINTS = {
     "srt/managers/multimodal_processor.py": "q2x9N76GFGH0tXdxudJK0eHmFs0fBXVEi2M8LI8S43o",
     "srt/managers/schedule_batch.py": "J-IJCClMnXbQqK4RmeysQ3kjJTKHgBNASotPsIhCrEM",
     "srt/managers/scheduler.py": "FZg3aT7CRNLftILVeIuPT6k0x4BQVgnJCnKJOavomBU",
+    "srt/managers/tokenizer_manager.py": "RkaQTw2gDUgQ2z4IuQ0N7kHY7PMXxo6ZrYynJ_qW3rg",
     "srt/mem_cache/deepseek_v4_memory_pool.py": "zaLjn_U49b7WVP3wOMIknduVwT5cR4S-nqTexD3UqjE",
     "srt/model_executor/model_runner.py": "ESJ0jc0HWJSwNm9tOwLTQABeTksm7gRs7BoWOE4N0wM",
     "srt/model_executor/pool_configurator.py": "7vPcua8_hhEYMR2K0qKR3y9oewJjmQMcpCOowk837SQ",

@@ -104,7 +104,8 @@ def main(argv=None) -> int:
     for poison in ("0", "1"):
         env = dict(os.environ, DSV4_SM80_LAB_POISON=poison,
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--ckpt", args.ckpt, "--lengths", args.lengths,
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--out", args.out, "--ckpt", args.ckpt,
+               "--lengths", args.lengths,
                "--max-new", str(args.max_new), "--mem-fraction", str(args.mem_fraction)]
         cmd += ["--cuda-graph"] * args.cuda_graph + ["--dspark"] * args.dspark
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)

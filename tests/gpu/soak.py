@@ -57,9 +57,14 @@ def find(obj, key):
 
 
 def gpu_used_mib():
+    """MiB used on the GPUs this server sees (CUDA_VISIBLE_DEVICES; nvidia-smi itself ignores it, so on a
+    shared host another job's GPU would otherwise count: the first recorded soak summed both GPUs)."""
+    cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible:
+        cmd.insert(1, "--id=" + visible)
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout.split()
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.split()
         return sum(int(x) for x in out)
     except Exception:
         return None
