@@ -177,7 +177,7 @@ def test_openai_chat_keeps_images(tmp_path):
 
     def original(self, request, tools, is_multimodal):
         seen.append([m.model_dump() for m in request.messages])
-        return MessageProcessingResult(prompt="", prompt_ids=[1], image_data=[], video_data=[], audio_data=[],
+        return MessageProcessingResult(prompt="rendered", prompt_ids=[1], image_data=[], video_data=[], audio_data=[],
                                        modalities=[], stop=[])
 
     dsv4, other = types.SimpleNamespace(chat_encoding_spec="dsv4"), types.SimpleNamespace(chat_encoding_spec=None)
@@ -196,3 +196,36 @@ def test_openai_chat_keeps_images(tmp_path):
         {"type": "text", "text": P.PLACEHOLDER}, {"type": "image_url", "image_url": {"url": url_a}}]}])
     with pytest.raises(P.ImageRefused, match="a text block contains the image placeholder"):
         chat_with_images(original, dsv4, bad, None, True)
+
+
+@pytest.mark.sglang
+def test_openai_chat_with_an_image_through_sglangs_dsv4_renderer(tmp_path):
+    """SGLang's own _apply_jinja_template (the DSV4 branch: encoding_dsv4, the stand-in tokenizer) under the
+    hook, with the request SGLang's server warmup sends a VLM: the prompt text a multimodal chat is sent
+    with (serving_chat passes `text=prompt` for multimodal models) holds exactly one placeholder, and the
+    processor's expansion of it succeeds. Without the decode the prompt was "" and the warmup was refused
+    with "0 image placeholder(s) for 1 image(s)" on the H200."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    from PIL import Image
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+    from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+    from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+
+    from dsv4_sm80.tiny.tokenizer import write_tokenizer
+    from vision_backport.chat import chat_with_images
+
+    write_tokenizer(str(tmp_path), 129280)
+    tok = get_tokenizer(str(tmp_path))
+    chat = object.__new__(OpenAIServingChat)  # the real class; only what its DSV4 branch reads is set
+    chat.chat_encoding_spec = "dsv4"
+    chat.tokenizer_manager = types.SimpleNamespace(tokenizer=tok)
+    chat.template_manager = types.SimpleNamespace(jinja_template_content_format="string")
+    url = data_url(png(64, 64))
+    warmup = ChatCompletionRequest(model="x", max_tokens=8, temperature=0.0, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe the image."}]}])
+    out = chat_with_images(OpenAIServingChat._apply_jinja_template, chat, warmup, None, True)
+    assert out.image_data == [url] and out.prompt.count(P.PLACEHOLDER) == 1, out.prompt
+    ids = tok.encode(out.prompt, add_special_tokens=False)  # what the processor does with the text
+    assert ids == out.prompt_ids
+    expanded, blocks = P.expand_prompt(ids, [Image.new("RGB", (640, 480), (200, 10, 10))], P.PLACEHOLDER_ID)
+    assert len(blocks) == 1 and expanded.count(P.PLACEHOLDER_ID) == len(blocks[0].block)

@@ -77,4 +77,10 @@ def chat_with_images(original, self, request, tools, is_multimodal):
     result = original(self, type(request).model_validate(data), tools, is_multimodal)
     result.image_data = list(images)
     result.modalities = ["image"] * len(images)
+    if not result.prompt and result.prompt_ids:
+        # A multimodal chat reaches the tokenizer manager as `text=result.prompt` (serving_chat.py:705-718), but
+        # the DSV4 branch renders only prompt_ids and leaves prompt "" (its jinja branch decodes, :1087): the
+        # processor would see no prompt and no placeholder (SGLang's own VLM warmup request was refused so on
+        # the H200). Decode the ids as that branch does; the processor re-encodes them.
+        result.prompt = self.tokenizer_manager.tokenizer.decode(result.prompt_ids)
     return result

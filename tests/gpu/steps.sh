@@ -27,7 +27,7 @@
 #   tests/gpu/steps.sh http-vision the tiny --vision checkpoint served with DSV4_SM80_VISION=1: image requests,
 #                                  bad images answered 4xx, a different image changes the logprobs
 #   tests/gpu/steps.sh vision-ab   the same image requests on the patched server and on native SGLang with the
-#                                  vision overlay alone (patch off), then patched with 128-token prefill chunks
+#                                  vision overlay alone (patch off), then patched with 256-token prefill chunks (DSV4 pages are 256 tokens; SGLang asserts the chunk is a multiple)
 #                                  (image blocks across chunks): greedy tokens and logprobs side by side; each run
 #                                  also checks the bias_vl routing trace (DSV4_SM80_LAB_ROUTE_TRACE)
 #   tests/gpu/steps.sh vision      the Vision-Exp model class loads the tiny --vision checkpoint in SGLang's ModelRunner
@@ -169,7 +169,7 @@ case ${1:?step} in
     run http-vision-native timeout 280 python -u tests/gpu/http_check.py --vision --native \
       --out "$OUT/http-vision-native.json" --compare "$OUT/http-vision.json"
     run http-vision-chunked env $LAB DSV4_SM80_TRIPWIRE=1 timeout 280 python -u tests/gpu/http_check.py --vision \
-      --chunked-prefill-size 128 --out "$OUT/http-vision-chunked.json" --compare "$OUT/http-vision.json" ;;
+      --chunked-prefill-size 256 --out "$OUT/http-vision-chunked.json" --compare "$OUT/http-vision.json" ;;
   vision)
     run vision env $LAB timeout 400 python -u tests/gpu/vision_check.py --out "$OUT/vision.json" ;;
   hygiene)
