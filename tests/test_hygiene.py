@@ -38,3 +38,41 @@ def test_poison_fills_every_pool_buffer_of_target_and_draft(monkeypatch):
     sched.token_to_kv_pool_allocator = NS(get_kvcache=lambda: fresh)
     hygiene.poison_after_flush(True, sched)
     assert not fresh.swa_kv_pool.kv_buffer[0].isnan().any()
+
+
+def _run(rounds):
+    """A hygiene child record: rounds of [(ids, in_lp, out_lp)] for prompt lengths 20 and 3000."""
+    return {"lengths": [20, 3000], "rounds": [[{"ids": i, "in_lp": a, "out_lp": b} for i, a, b in r] for r in rounds]}
+
+
+def test_gpu_hygiene_verdict_holds_the_poisoned_run_to_the_clean_floor():
+    """tests/gpu/hygiene.py's comparison: exact where two clean processes are exact, at most twice their own
+    difference where they are not, and any NaN fails."""
+    import importlib.util
+    import math
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "gpu", "hygiene.py")
+    spec = importlib.util.spec_from_file_location("gpu_hygiene", path)
+    H = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(H)
+    clean = _run([[([5, 6], [-1.0, -2.0], [-0.5, -0.6]), ([7, 8], [-1.0, -3.0], [-0.1, -0.2])]])
+    clean2 = _run([[([5, 6], [-1.0, -2.0], [-0.5, -0.6]), ([7, 9], [-1.0, -3.1], [-0.1, -0.2])]])
+    floor = H.compare(clean, clean2)
+    assert floor["cells"][(0, 20)] == {"tokens": 0, "lp": 0.0}
+    assert floor["cells"][(0, 3000)]["tokens"] == 1 and abs(floor["cells"][(0, 3000)]["lp"] - 0.1) < 1e-9
+    # within twice the floor at 3000 (tokens too: the clean runs differ there), exact at 20: passes
+    near = _run([[([5, 6], [-1.0, -2.0], [-0.5, -0.6]), ([7, 4], [-1.0, -3.15], [-0.1, -0.2])]])
+    assert H.verdict(floor, H.compare(clean, near), 1e-4)[0]
+    # a moved logprob where the clean runs agree exactly fails, as does more than twice the floor
+    moved = _run([[([5, 6], [-1.0, -2.001], [-0.5, -0.6]), ([7, 8], [-1.0, -3.0], [-0.1, -0.2])]])
+    far = _run([[([5, 6], [-1.0, -2.0], [-0.5, -0.6]), ([7, 8], [-1.0, -3.3], [-0.1, -0.2])]])
+    ok, rows = H.verdict(floor, H.compare(clean, moved), 1e-4)
+    assert not ok and [r[4] for r in rows] == [False, True]
+    assert not H.verdict(floor, H.compare(clean, far), 1e-4)[0]
+    # a token change where the clean runs agree exactly fails; a NaN is counted
+    retoken = _run([[([5, 1], [-1.0, -2.0], [-0.5, -0.6]), ([7, 8], [-1.0, -3.0], [-0.1, -0.2])]])
+    assert not H.verdict(floor, H.compare(clean, retoken), 1e-4)[0]
+    nan = _run([[([5, 6], [-1.0, math.nan], [-0.5, -0.6]), ([7, 8], [-1.0, -3.0], [-0.1, -0.2])]])
+    assert H.compare(clean, nan)["nonfinite"] == 1
+    assert H._jsonable(floor)["cells"][1]["prompt"] == 3000

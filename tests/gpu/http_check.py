@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         if os.path.exists(trace):
             os.remove(trace)
     results, ok = [], True
-    log_path = os.path.join(os.path.dirname(os.path.abspath(args.out)), "http_server.log")
+    log_path = os.path.splitext(os.path.abspath(args.out))[0] + ".server.log"  # one per run: vision-ab runs three
     if args.native and not args.vision:
         ap.error("--native is for the vision A/B (with --vision): text A/B is engine_bed's")
     with lab_server(args.port, serve_args, log_path, extra_env, args.startup_timeout,

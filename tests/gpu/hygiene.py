@@ -1,13 +1,15 @@
 """Page hygiene on the GPU: stale KV bytes never reach a request (issue 9).
 
-Two processes run the same request sequence on the patched path (lab mode, tripwire on); the second
-with DSV4_SM80_LAB_POISON=1, so after every cache flush each byte of the target's and the draft's pools
+Three processes run the same request sequence on the patched path (lab mode, tripwire on): two clean (the
+floor: what another process changes by itself), the third with DSV4_SM80_LAB_POISON=1, so after every cache flush each byte of the target's and the draft's pools
 (SWA/C4/C128 KV rows, INT8 indexer pages, compressor state rings) is 0xFF, a NaN in BF16 and in the
 indexer's fp32 scales (dsv4_sm80/hygiene.py). The sequence: fill the pool with long prompts (every page
 written), flush, then the measured prompts (batched; they recycle those pages across the SWA, C4 and C128
 views), flush, the same prompts again one at a time. Any byte a request reads that it did not write turns
-its logprobs NaN or moves them; the poisoned run must be finite and equal the clean one (tokens exactly,
-logprobs within --tolerance, 1e-4: run-to-run rounding only).
+its logprobs NaN or moves them. The poisoned run must be finite; where the two clean runs agree exactly
+it must equal them (logprobs within --tolerance, 1e-4), elsewhere it may differ by at most twice their
+own difference (the first H200 run, without the floor, saw 0.15-0.31 at 3000 and 5000 ids only: the
+sparse-selection lengths).
 
     ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_TRIPWIRE=1 \
         python tests/gpu/hygiene.py --out hygiene.json [--dspark]
@@ -101,45 +103,78 @@ def main(argv=None) -> int:
 
     ensure(args.ckpt, head_scale=12.0)
     runs = {}
-    for poison in ("0", "1"):
+    # clean twice (the floor: what a second process changes by itself), then poisoned
+    for name, poison in (("clean", "0"), ("clean2", "0"), ("poisoned", "1")):
         env = dict(os.environ, DSV4_SM80_LAB_POISON=poison,
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--out", args.out, "--ckpt", args.ckpt,
-               "--lengths", args.lengths,
-               "--max-new", str(args.max_new), "--mem-fraction", str(args.mem_fraction)]
+               "--lengths", args.lengths, "--max-new", str(args.max_new), "--mem-fraction", str(args.mem_fraction)]
         cmd += ["--cuda-graph"] * args.cuda_graph + ["--dspark"] * args.dspark
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-        poisoned = [x for x in proc.stderr.splitlines() if "dsv4-sm80 lab poison" in x]
+        fills = [x for x in proc.stderr.splitlines() if "dsv4-sm80 lab poison" in x]
         line = next((x for x in proc.stdout.splitlines() if x.startswith("HYGIENE ")), None)
         if line is None:
-            print(f"hygiene: the poison={poison} run gave no result (exit {proc.returncode})\n{proc.stderr[-3000:]}")
+            print(f"hygiene: the {name} run gave no result (exit {proc.returncode})\n{proc.stderr[-3000:]}")
             return 1
-        runs[poison] = dict(json.loads(line[len("HYGIENE "):]), poison_lines=poisoned)
-        print(f"hygiene: poison={poison}: {len(poisoned)} poison fills" + (f" ({poisoned[-1].strip()})" if poisoned else ""))
-    clean, dirty = runs["0"], runs["1"]
-    ok = len(dirty["poison_lines"]) >= 2 and not clean["poison_lines"]
-    worst, nonfinite, token_diff, compared = 0.0, 0, 0, 0
-    for r, (rc, rd) in enumerate(zip(clean["rounds"], dirty["rounds"])):
-        for n, a, b in zip(clean["lengths"], rc, rd):
-            token_diff += sum(x != y for x, y in zip(a["ids"], b["ids"])) + abs(len(a["ids"]) - len(b["ids"]))
-            for key in ("out_lp", "in_lp"):
-                for x, y in zip(a[key], b[key]):
+        runs[name] = dict(json.loads(line[len("HYGIENE "):]), poison_lines=fills)
+        print(f"hygiene: {name}: {len(fills)} poison fills" + (f" ({fills[-1].strip()})" if fills else ""))
+    floor, test = compare(runs["clean"], runs["clean2"]), compare(runs["clean"], runs["poisoned"])
+    ok = len(runs["poisoned"]["poison_lines"]) >= 2 and not runs["clean"]["poison_lines"] and test["nonfinite"] == 0
+    good, rows = verdict(floor, test, args.tolerance)
+    ok &= good
+    print("  round prompt | clean vs clean: tokens, max |dlogprob| | clean vs poisoned: tokens, max |dlogprob|")
+    for r, n, f, t, cell_ok in rows:
+        print(f"  {r:5d} {n:6d} | {f['tokens']:3d} differ, {f['lp']:.3e} | {t['tokens']:3d} differ, "
+              f"{t['lp']:.3e}  {'ok' if cell_ok else 'FAILED'}")
+    print(f"hygiene: {test['compared']} logprobs compared, {test['nonfinite']} non-finite in the poisoned run; "
+          f"max |delta| clean vs clean {floor['worst']:.3e}, clean vs poisoned {test['worst']:.3e}; token "
+          f"differences {floor['tokens']} vs {test['tokens']} -> {'OK' if ok else 'FAILED'}")
+    with open(args.out, "w") as f:
+        json.dump({"ok": ok, "floor": _jsonable(floor), "poisoned": _jsonable(test), "runs": runs}, f)
+    return 0 if ok else 1
+
+
+def verdict(floor: dict, test: dict, tolerance: float):
+    """Where two clean processes agree exactly, the poisoned one must too (to `tolerance`); where they do not
+    (a kernel that is not bit-deterministic across processes), it may move as much as twice the floor of that
+    prompt length over all rounds, and change tokens only where the clean runs changed some.
+    Returns (ok, rows of (round, prompt, floor cell, poisoned cell, ok))."""
+    rows, ok = [], True
+    for r, n in sorted(test["cells"]):
+        f_lp = max(c["lp"] for k, c in floor["cells"].items() if k[1] == n)
+        f_tok = sum(c["tokens"] for k, c in floor["cells"].items() if k[1] == n)
+        t = test["cells"][(r, n)]
+        good = t["lp"] <= max(tolerance, 2 * f_lp) and (t["tokens"] == 0 or f_tok > 0)
+        rows.append((r, n, floor["cells"][(r, n)], t, good))
+        ok &= good
+    return ok, rows
+
+
+def _jsonable(c: dict) -> dict:
+    return dict(c, cells=[{"round": k[0], "prompt": k[1], **v} for k, v in sorted(c["cells"].items())])
+
+
+def compare(a_run, b_run) -> dict:
+    """Per (round, prompt length): generated tokens that differ, and the largest |logprob delta| over the
+    prompt (teacher-forced: same inputs) and over the outputs up to the first differing token. A stale
+    byte shows as a NaN in the poisoned run (0xFF is NaN in BF16 and in the fp32 scales)."""
+    cells, worst, nonfinite, compared, tokens = {}, 0.0, 0, 0, 0
+    for r, (ra, rb) in enumerate(zip(a_run["rounds"], b_run["rounds"])):
+        for n, a, b in zip(a_run["lengths"], ra, rb):
+            diff = [i for i, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y]
+            ntok = len(diff) + abs(len(a["ids"]) - len(b["ids"]))
+            upto = diff[0] if diff else len(a["out_lp"])
+            lp = 0.0
+            for xs, ys in ((a["in_lp"], b["in_lp"]), (a["out_lp"][:upto], b["out_lp"][:upto])):
+                for x, y in zip(xs, ys):
                     compared += 1
                     if not (math.isfinite(x) and math.isfinite(y)):
                         nonfinite += 1
                     else:
-                        worst = max(worst, abs(x - y))
-            print(f"  round {r} prompt {n:5d}: tokens {'equal' if a['ids'] == b['ids'] else 'DIFFER'}; "
-                  f"{len(a['in_lp']) + len(a['out_lp'])} logprobs")
-    # a stale byte shows as NaN (poisoned run) against finite garbage (clean run): far beyond this bound; the
-    # bound only allows run-to-run rounding should a kernel not be bit-deterministic across processes
-    ok &= nonfinite == 0 and token_diff == 0 and worst <= args.tolerance
-    print(f"hygiene: {compared} logprobs compared, {nonfinite} non-finite, max |delta| {worst:.3e}, "
-          f"{token_diff} token differences -> {'OK' if ok else 'FAILED'}")
-    with open(args.out, "w") as f:
-        json.dump({"ok": ok, "max_abs_delta": worst, "nonfinite": nonfinite, "token_diff": token_diff,
-                   "runs": runs}, f)
-    return 0 if ok else 1
+                        lp = max(lp, abs(x - y))
+            cells[(r, n)] = {"tokens": ntok, "lp": lp}
+            worst, tokens = max(worst, lp), tokens + ntok
+    return {"cells": cells, "worst": worst, "nonfinite": nonfinite, "compared": compared, "tokens": tokens}
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     stats = {"done": 0, "cancelled": 0, "errors": [], "nonfinite": 0, "tokens": 0}
     lock = threading.Lock()
     mem = []
-    log_path = os.path.join(os.path.dirname(os.path.abspath(args.out)), "soak_server.log")
+    log_path = os.path.splitext(os.path.abspath(args.out))[0] + ".server.log"  # soak and soak-dspark each keep theirs
     with lab_server(args.port, serve_args, log_path) as (server, _):
         t0 = time.time()
         post(args.port, "/flush_cache", {}).read()

@@ -173,8 +173,8 @@ case ${1:?step} in
   vision)
     run vision env $LAB timeout 400 python -u tests/gpu/vision_check.py --out "$OUT/vision.json" ;;
   hygiene)
-    run hygiene env $LAB DSV4_SM80_TRIPWIRE=1 timeout 500 python -u tests/gpu/hygiene.py --out "$OUT/hygiene.json"
-    run hygiene-dspark env $LAB DSV4_SM80_TRIPWIRE=1 timeout 500 python -u tests/gpu/hygiene.py --dspark \
+    run hygiene env $LAB DSV4_SM80_TRIPWIRE=1 timeout 560 python -u tests/gpu/hygiene.py --out "$OUT/hygiene.json"
+    run hygiene-dspark env $LAB DSV4_SM80_TRIPWIRE=1 timeout 560 python -u tests/gpu/hygiene.py --dspark \
       --out "$OUT/hygiene-dspark.json" ;;
   fault)
     run fault env $LAB timeout 400 python -u tests/gpu/fault_kill.py --out "$OUT/fault.json" ;;
