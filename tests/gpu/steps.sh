@@ -19,7 +19,8 @@
 #   tests/gpu/steps.sh parity      patched (tripwire on) bf16+marlin, bf16+mxfp4_int8, fp8_marlin+marlin on the
 #                                  batch-16 sequences, each against native with the floor beside it
 #   tests/gpu/steps.sh graphs      patched with CUDA graphs vs patched eager (decode outputs)
-#   tests/gpu/steps.sh spec        patched DSPARK vs patched without speculation (greedy tokens, acceptance)
+#   tests/gpu/steps.sh spec        patched DSPARK vs patched without speculation (greedy tokens, acceptance), and
+#                                  native DSPARK vs native without speculation beside it (the floor)
 #   tests/gpu/steps.sh wide        generate the full-width checkpoint (/tmp/dsv4-wide, ~24 GB, fast experts)
 #   tests/gpu/steps.sh e2e-bench   bench/e2e.py on it: decode tok/s and TTFT, patched vs native, batch 1 and 16
 #   tests/gpu/steps.sh http        serve in lab mode (tiny model + stand-in tokenizer, --api-key): OpenAI and native
@@ -125,7 +126,15 @@ case ${1:?step} in
       --out "$OUT/spec-off.json" --teacher-from "$ORACLE" --lengths 20,300 --max-new 64
     run spec-dspark env $LAB DSV4_SM80_TRIPWIRE=1 timeout 300 python tests/gpu/engine_bed.py \
       --out "$OUT/spec-dspark.json" --teacher-from "$ORACLE" --lengths 20,300 --max-new 64 --speculative-algorithm DSPARK
-    python tests/gpu/compare.py "$OUT/spec-off.json" "$OUT/spec-dspark.json" | tee -a "$OUT/spec-dspark.log" ;;
+    python tests/gpu/compare.py "$OUT/spec-off.json" "$OUT/spec-dspark.json" | tee -a "$OUT/spec-dspark.log"
+    # the floor: native SGLang's own DSPARK against its own non-speculative decode, same prompts
+    run spec-native-off env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 250 python tests/gpu/engine_bed.py \
+      --out "$OUT/spec-native-off.json" --teacher-from "$ORACLE" --lengths 20,300 --max-new 64
+    run spec-native-dspark env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 300 python tests/gpu/engine_bed.py \
+      --out "$OUT/spec-native-dspark.json" --teacher-from "$ORACLE" --lengths 20,300 --max-new 64 \
+      --speculative-algorithm DSPARK
+    python tests/gpu/compare.py "$OUT/spec-native-off.json" "$OUT/spec-native-dspark.json" \
+      | tee -a "$OUT/spec-native-dspark.log" ;;
   wide)
     run wide timeout 500 python -m dsv4_sm80 make-tiny /tmp/dsv4-wide --preset wide ;;
   e2e-bench)
