@@ -25,6 +25,7 @@ import sys
 
 import torch
 
+from . import lab_rounding
 from .launch_gate import refusal
 
 HEAD_DIM = 512
@@ -78,7 +79,11 @@ def bf16_set_key_buffer_fused(self, layer_id: int, loc: torch.Tensor, cache_k: t
 
     if cache_k.dtype != torch.bfloat16:
         raise TypeError(f"dsv4-sm80 attention: the BF16 KV pool takes bfloat16 rows, got {cache_k.dtype}")
-    scatter_rows(cache_k.reshape(-1, _row_dim(self)), loc, self.kv_buffer[layer_id])
+    rows = cache_k.reshape(-1, _row_dim(self))
+    if lab_rounding.kv_enabled() and rows.shape[-1] == HEAD_DIM:
+        rows = rows.clone()
+        rows[:, :lab_rounding.NOPE] = lab_rounding.fp8_pow2_tiles(rows[:, :lab_rounding.NOPE])
+    scatter_rows(rows, loc, self.kv_buffer[layer_id])
 
 
 def bf16_set_key_buffer(self, layer_id: int, loc: torch.Tensor, cache_k) -> None:
@@ -95,6 +100,8 @@ def bf16_swa_norm_rope_store(self, layer_id, swa_loc, kv, kv_weight, eps, freqs_
 
     buf = self.swa_kv_pool.kv_buffer[self._swa_local_layer_id(layer_id)]
     k_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, swa_loc, buf)
+    if lab_rounding.kv_enabled():
+        lab_rounding.kv_rows_(buf.view(-1, HEAD_DIM), swa_loc)
 
 
 def bf16_bytes_per_full_token(original, self) -> float:
@@ -117,8 +124,11 @@ def compress_store(original, kv, plan, *, norm_weight, norm_eps, freq_cis, out_l
     epilogue+store."""
     if kv.shape[-1] == HEAD_DIM:
         flat = kvcache.reshape(-1, HEAD_DIM * 2)  # bytes of [slots, 512] BF16: one "page" per slot
-        return original(kv, plan, norm_weight=norm_weight, norm_eps=norm_eps, freq_cis=freq_cis, out_loc=out_loc,
-                        kvcache=flat, page_size=1, use_fp4=False, bf16_store=True)
+        out = original(kv, plan, norm_weight=norm_weight, norm_eps=norm_eps, freq_cis=freq_cis, out_loc=out_loc,
+                       kvcache=flat, page_size=1, use_fp4=False, bf16_store=True)
+        if lab_rounding.kv_enabled():  # idempotent: rows out_loc names but this call left alone are unchanged
+            lab_rounding.kv_rows_(kvcache.view(torch.bfloat16).reshape(-1, HEAD_DIM), out_loc)
+        return out
     if use_fp4:
         raise ValueError("dsv4-sm80 attention: the FP4 indexer (--enable-deepseek-v4-fp4-indexer, SM100) is not "
                          "part of the SM80 datapath; drop that flag")

@@ -104,8 +104,15 @@ LAB_ROUTE_TRACE = Knob(
     "rule, text rows changed (vision_backport/routing.py). Costs a device sync per layer; never for serving.",
 )
 
+LAB_NATIVE_ROUNDING = Knob(
+    "DSV4_SM80_LAB_NATIVE_ROUNDING", "0", ("0", "kv"),
+    "Lab (parity): kv = every key row the SM80 path stores is rounded as native SGLang stores it (nope part FP8 "
+    "e4m3, power-of-two scale per 64 values; dsv4_sm80/lab_rounding.py), to separate that precision choice from "
+    "errors in an end-to-end comparison with native. Never for serving.",
+)
+
 KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC, LOAD_REPORT, TRIPWIRE,
-         ALLOW_OPEN_BIND, VISION, LAB_POISON, LAB_ROUTE_TRACE)
+         ALLOW_OPEN_BIND, VISION, LAB_POISON, LAB_ROUTE_TRACE, LAB_NATIVE_ROUNDING)
 
 
 def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:

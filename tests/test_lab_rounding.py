@@ -1,0 +1,120 @@
+"""DSV4_SM80_LAB_NATIVE_ROUNDING=kv (dsv4_sm80/lab_rounding.py) against a float64 reference written from
+native's key quantization: per 64 values, scale = 2^ceil(log2(max(amax, 1e-8) / 448)), value / scale
+clamped to +-448 and rounded to the nearest FP8 e4m3 value (ties to an even mantissa), times the scale."""
+
+import math
+
+import pytest
+import torch
+
+from dsv4_sm80 import env, lab_rounding
+
+
+def e4m3_grid():
+    """Every finite non-negative e4m3fn value, from its bit fields (bias 7, 3 mantissa bits, max 448)."""
+    vals = []
+    for e in range(16):
+        for m in range(8):
+            if e == 15 and m == 7:
+                continue  # NaN
+            vals.append(m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    return sorted(set(vals))
+
+
+GRID = e4m3_grid()
+
+
+def nearest_e4m3(v: float) -> float:
+    a = abs(v)
+    best = min(GRID, key=lambda g: (abs(g - a), GRID.index(g) % 2))  # tie: the even code (mantissa LSB 0)
+    return math.copysign(best, v)
+
+
+def reference(row):
+    out = []
+    for t in range(0, len(row), 64):
+        tile = [float(x) for x in row[t:t + 64]]
+        amax = max(max(abs(x) for x in tile), 1e-8)
+        s = 2.0 ** math.ceil(math.log2(amax / 448.0))
+        out += [nearest_e4m3(max(-448.0, min(448.0, x / s))) * s for x in tile]
+    return out
+
+
+def test_grid_is_e4m3fn():
+    assert len(GRID) == 127 and GRID[-1] == 448.0 and GRID[1] == 2.0 ** -9
+
+
+def test_tiles_match_the_float64_reference():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 448, generator=g) * torch.tensor([1e-3, 0.05, 1.0, 7.0, 300.0, 1e4])[:, None]
+    x[0, :64] = 0.0  # an all-zero tile
+    x[1, 64] = 1e-7  # a tiny value beside larger ones (underflows to 0 or a subnormal)
+    x = x.to(torch.bfloat16)
+    got = lab_rounding.fp8_pow2_tiles(x)
+    assert got.dtype == torch.bfloat16
+    for r in range(x.shape[0]):
+        want = torch.tensor(reference(x[r].double().tolist()), dtype=torch.float64)
+        assert torch.equal(got[r].double(), want), r  # exact: e4m3 times a power of two is a BF16 value
+
+
+def test_rounding_is_idempotent_and_leaves_other_rows_and_the_rope_part():
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randn(10, 512, generator=g).to(torch.bfloat16)
+    before = cache.clone()
+    lab_rounding.kv_rows_(cache, torch.tensor([3, -1, 7]))
+    changed = [r for r in range(10) if not torch.equal(cache[r], before[r])]
+    assert changed == [3, 7]
+    assert torch.equal(cache[:, 448:], before[:, 448:])
+    once = cache.clone()
+    lab_rounding.kv_rows_(cache, torch.tensor([3, 7]))
+    assert torch.equal(cache, once)
+
+
+def test_knob_values(monkeypatch):
+    monkeypatch.delenv("DSV4_SM80_LAB_NATIVE_ROUNDING", raising=False)
+    assert not lab_rounding.kv_enabled()
+    monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "kv")
+    assert lab_rounding.kv_enabled()
+    monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "act")
+    with pytest.raises(env.EnvError, match="not one of 0, kv"):
+        lab_rounding.kv_enabled()
+
+
+def test_hooks_round_what_the_sm80_pool_stores(monkeypatch):
+    """The SWA store (norm + rope + BF16 store kernel, here in Triton's interpreter on the CPU) and the plain
+    row store: with the knob, the stored rows are the knob-off rows rounded; without it, untouched."""
+    from types import SimpleNamespace as NS
+
+    from conftest import dev
+    from dsv4_sm80 import attention
+
+    g = torch.Generator().manual_seed(2)
+    n = 5
+    kv = torch.randn(n, 512, generator=g).to(torch.bfloat16)
+    w = (torch.rand(512, generator=g) + 0.5).to(torch.bfloat16)
+    theta = torch.rand(64, 32, generator=g) * 6.28
+    f = torch.polar(torch.ones_like(theta), theta)
+    pos = torch.randint(0, 64, (n,), generator=g)
+    loc = torch.tensor([4, -1, 0, 9, 2], dtype=torch.int64)
+
+    def swa_store(knob):
+        monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", knob)
+        pool = NS(swa_kv_pool=NS(kv_buffer=[dev(torch.zeros(2, 8 * 512, dtype=torch.bfloat16))]),
+                  _swa_local_layer_id=lambda layer: layer)
+        attention.bf16_swa_norm_rope_store(pool, 0, *dev(loc, kv, w), 1e-6, *dev(f, pos))
+        return pool.swa_kv_pool.kv_buffer[0].view(-1, 512).cpu()
+
+    def row_store(knob):
+        monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", knob)
+        pool = NS(kv_buffer=[dev(torch.zeros(16, 512, dtype=torch.bfloat16))], qk_nope_head_dim=448, qk_rope_head_dim=64)
+        attention.bf16_set_key_buffer_fused(pool, 0, *dev(loc, kv))
+        return pool.kv_buffer[0].cpu()
+
+    for store in (swa_store, row_store):
+        off, on = store("0"), store("kv")
+        written = loc[loc >= 0]
+        assert torch.equal(on[written], torch.cat([lab_rounding.fp8_pow2_tiles(off[written][:, :448]),
+                                                   off[written][:, 448:]], dim=1)), store.__name__
+        assert not torch.equal(on[written], off[written])
+        others = [s for s in range(on.shape[0]) if s not in written.tolist()]
+        assert torch.equal(on[others], off[others])
