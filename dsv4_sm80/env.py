@@ -105,10 +105,11 @@ LAB_ROUTE_TRACE = Knob(
 )
 
 LAB_NATIVE_ROUNDING = Knob(
-    "DSV4_SM80_LAB_NATIVE_ROUNDING", "0", ("0", "kv"),
-    "Lab (parity): kv = every key row the SM80 path stores is rounded as native SGLang stores it (nope part FP8 "
-    "e4m3, power-of-two scale per 64 values; dsv4_sm80/lab_rounding.py), to separate that precision choice from "
-    "errors in an end-to-end comparison with native. Never for serving.",
+    "DSV4_SM80_LAB_NATIVE_ROUNDING", "0", ("0", "kv", "act", "kv,act"),
+    "Lab (parity): replay native SGLang's FP8 roundings on the SM80 path (dsv4_sm80/lab_rounding.py), to "
+    "separate those precision choices from errors in an end-to-end comparison with native: kv = every stored "
+    "key row's nope part as FP8 e4m3 with a power-of-two scale per 64 values; act = the input of every BF16 "
+    "block linear as FP8 per token and 128 columns with an fp32 scale. Eager runs only; never for serving.",
 )
 
 KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC, LOAD_REPORT, TRIPWIRE,

@@ -2,15 +2,28 @@
 
 The H200 parity run of session 5 put the patched path 2-4x the native noise floor from native, with the dense
 mode and the expert backend making no difference. What every SM80 combination shares against native is
-precision, not arithmetic: native keeps the nope part of each cached key as FP8 e4m3 with a power-of-two
-scale per 64 values (`kernels/ops/attention/dsv4/quant_k_cache.py:48-66`: scale = 2^ceil(log2(max(amax,
-1e-8) / 448)), values clamped to +-448 and cast round-to-nearest) where the SM80 path keeps BF16. This module
-replays that rounding on the BF16 rows the SM80 path stores, exactly (an e4m3 value times a power of two is
-a BF16 value), so a patched run with it can be compared with native on equal terms: if the divergence then
-falls to the floor, the rest of the datapath is shown equal and the gap is the precision choice alone.
+precision, not arithmetic. On SM90 with default arguments native rounds in three places a BF16 path does not
+(read from the 0.5.16 sources; file:line into the wheel):
 
-Lab only: never a default, never for serving. Not replayed (yet): native's FP8 activations in its block
-linears and its FP8 indexer keys and queries.
+- kv: each cached key row (SWA and compressed; the same row serves as value) keeps its nope part, 448 values,
+  as FP8 e4m3 with a power-of-two scale per 64: s = 2^ceil(log2(max(amax, 1e-4) / 448)), x / s clamped to
+  +-448 and cast round-to-nearest-even (jit_kernel csrc main_norm_rope.cuh:261-354 for SWA, which quantizes
+  the fp32 normed value; fused_norm_rope_v2.cuh:372-499 for C4/C128, which rounds to BF16 first). The rope
+  part stays BF16. Replayed here on the BF16 rows the SM80 path stored, exactly (e4m3 times a power of two is
+  a BF16 value); the SWA rows were rounded to BF16 before, native's were not (a double rounding, rare).
+- act: the input of every FP8 block linear that DeepGEMM runs (wqkv_a, wq_b, wo_b, indexer wq_b, shared
+  experts; not wo_a, a BF16 einsum on SM90 unless SGLANG_OPT_FP8_WO_A_GEMM=1) is quantized per token and 128
+  columns with a plain fp32 scale amax / 448 (floor 1e-10; UE8M0 only on SM100: deep_gemm_wrapper/
+  configurer.py:35-38, fp8_utils.py:820-826), and the product accumulates in fp32 with the exact weight.
+  Replayed in `fp8_act_linear` (fp32 GEMM of the dequantized activation; slow, for the lab).
+- the indexer's keys and queries (FP8 with fp32 scales per 128 against the SM80 path's INT8): not replayed;
+  it only changes which compressed entries the top-512 selection keeps, i.e. prompts past 2048 tokens.
+
+So a patched run with kv,act compared with native on prompts up to 2048 tokens has no precision choice left
+between them but the indexer's (unused there) and rounding order: if the divergence then falls to the native
+floor, the rest of the datapath is shown equal and the gap is the precision choice alone.
+
+Lab only: never a default, never for serving; eager runs only.
 """
 
 from __future__ import annotations
@@ -24,7 +37,9 @@ from . import env
 NOPE = 448  # of the 512-wide key row; the last 64 (rope) stay BF16 in native too
 TILE = 64
 FP8_MAX = 448.0
-EPS = 1e-8
+EPS = 1e-4  # main_norm_rope.cuh / fused_norm_rope_v2.cuh (the Triton quant_k_cache.py, unused here, has 1e-8)
+ACT_GROUP = 128
+ACT_EPS = 1e-10
 _told = False
 
 
@@ -50,11 +65,42 @@ def kv_rows_(cache_rows: torch.Tensor, loc: torch.Tensor) -> None:
     cache_rows.index_copy_(0, loc, rows)
 
 
-def kv_enabled() -> bool:
+def fp8_act(x: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
+    """x [..., K] (K a multiple of group) through native's activation quantization and back, in fp32: per
+    token and group, scale amax / 448 (fp32, floor 1e-10), x * (448 / amax) clamped and cast to e4m3."""
+    xf = x.float().unflatten(-1, (-1, group))
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(ACT_EPS)
+    inv = torch.full_like(amax, FP8_MAX) / amax  # IEEE fp32 division (a scalar / tensor is reciprocal * scalar:
+    # two roundings); native's kernel divides with fast math, so a value landing on a tie may round apart
+    q = (xf * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return (q * (amax * (1.0 / FP8_MAX))).flatten(-2)
+
+
+def fp8_act_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """F.linear with native's FP8 activation rounding: fp32 product of the dequantized activation and the exact
+    (BF16) weight, cast to x's dtype once."""
+    if x.shape[-1] % ACT_GROUP:
+        raise ValueError(f"DSV4_SM80_LAB_NATIVE_ROUNDING=act: K={x.shape[-1]} is not a multiple of {ACT_GROUP}")
+    out = torch.matmul(fp8_act(x), weight.float().t())
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def _items() -> frozenset:
     global _told
-    on = env.get(env.LAB_NATIVE_ROUNDING) == "kv"
-    if on and not _told:
+    raw = env.get(env.LAB_NATIVE_ROUNDING)
+    chosen = frozenset() if raw == "0" else frozenset(raw.split(","))
+    if chosen and not _told:
         _told = True
-        print("dsv4-sm80 LAB: DSV4_SM80_LAB_NATIVE_ROUNDING=kv, key rows rounded to native's FP8 grid "
+        print(f"dsv4-sm80 LAB: DSV4_SM80_LAB_NATIVE_ROUNDING={raw}: native's FP8 roundings replayed "
               "(parity experiment; not a serving configuration)", file=sys.stderr, flush=True)
-    return on
+    return chosen
+
+
+def kv_enabled() -> bool:
+    return "kv" in _items()
+
+
+def act_enabled() -> bool:
+    return "act" in _items()

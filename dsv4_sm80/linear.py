@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import env
+from . import env, lab_rounding
 
 BLOCK = 128
 ALWAYS_BF16_SUFFIXES = ("wo_a", "main_proj")
@@ -129,6 +129,7 @@ def _method_class():
             super().__init__(quant_config)
             self.use_marlin = False
             self.prefix = prefix
+            self.native_act = lab_rounding.act_enabled()  # lab parity experiment only (never a default)
 
         def process_weights_after_loading(self, layer) -> None:
             t0 = time.perf_counter()
@@ -150,6 +151,8 @@ def _method_class():
             _progress(self.prefix, before, bf16.numel() * 2)
 
         def apply(self, layer, x, bias=None):
+            if self.native_act:
+                return lab_rounding.fp8_act_linear(x, layer.weight, bias)
             return F.linear(x, layer.weight, bias)
 
     return Sm80Bf16LinearMethod

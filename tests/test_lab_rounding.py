@@ -1,6 +1,8 @@
 """DSV4_SM80_LAB_NATIVE_ROUNDING=kv (dsv4_sm80/lab_rounding.py) against a float64 reference written from
-native's key quantization: per 64 values, scale = 2^ceil(log2(max(amax, 1e-8) / 448)), value / scale
-clamped to +-448 and rounded to the nearest FP8 e4m3 value (ties to an even mantissa), times the scale."""
+native's key quantization: per 64 values, scale = 2^ceil(log2(max(amax, 1e-4) / 448)), value / scale
+clamped to +-448 and rounded to the nearest FP8 e4m3 value (ties to an even mantissa), times the scale; and
+its activation quantization: per token and 128 columns, x * (448 / amax) in fp32, clamped, rounded to e4m3,
+times amax / 448."""
 
 import math
 
@@ -34,7 +36,7 @@ def reference(row):
     out = []
     for t in range(0, len(row), 64):
         tile = [float(x) for x in row[t:t + 64]]
-        amax = max(max(abs(x) for x in tile), 1e-8)
+        amax = max(max(abs(x) for x in tile), 1e-4)
         s = 2.0 ** math.ceil(math.log2(amax / 448.0))
         out += [nearest_e4m3(max(-448.0, min(448.0, x / s))) * s for x in tile]
     return out
@@ -75,8 +77,11 @@ def test_knob_values(monkeypatch):
     assert not lab_rounding.kv_enabled()
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "kv")
     assert lab_rounding.kv_enabled()
-    monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "act")
-    with pytest.raises(env.EnvError, match="not one of 0, kv"):
+    assert not lab_rounding.act_enabled()
+    monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "kv,act")
+    assert lab_rounding.kv_enabled() and lab_rounding.act_enabled()
+    monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "indexer")
+    with pytest.raises(env.EnvError, match="not one of 0, kv, act, kv,act"):
         lab_rounding.kv_enabled()
 
 
@@ -118,3 +123,52 @@ def test_hooks_round_what_the_sm80_pool_stores(monkeypatch):
         assert not torch.equal(on[written], off[written])
         others = [s for s in range(on.shape[0]) if s not in written.tolist()]
         assert torch.equal(on[others], off[others])
+
+
+def act_reference(row):
+    """Native's per_token_group_quant (fp32 arithmetic, as its kernel does it) and dequantization, per 128."""
+    import numpy as np
+
+    out = []
+    for t in range(0, len(row), 128):
+        g = np.asarray(row[t:t + 128], dtype=np.float32)
+        amax = np.float32(max(float(np.abs(g).max()), 1e-10))
+        scaled = g * (np.float32(448.0) / amax)
+        q = [nearest_e4m3(max(-448.0, min(448.0, float(v)))) for v in scaled]
+        out += [float(np.float32(v) * (amax * (np.float32(1.0) / np.float32(448.0)))) for v in q]
+    return out
+
+
+def test_activation_rounding_matches_the_reference():
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(4, 384, generator=g) * torch.tensor([1e-3, 0.3, 5.0, 80.0])[:, None]).to(torch.bfloat16)
+    x[0, :128] = 0.0
+    got = lab_rounding.fp8_act(x)
+    assert got.dtype == torch.float32
+    for r in range(x.shape[0]):
+        assert got[r].tolist() == act_reference(x[r].float().tolist()), r
+
+
+def test_activation_rounding_linear_and_the_bf16_method(monkeypatch):
+    """fp8_act_linear is the fp32 product of the rounded activation and the weight; the SM80 BF16 linear
+    method takes it when its knob was on at construction, and plain F.linear otherwise."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; the method class subclasses SGLang's")
+    from types import SimpleNamespace as NS
+
+    from dsv4_sm80.linear import _method_class
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
+    w = (torch.randn(64, 256, generator=g) * 0.05).to(torch.bfloat16)
+    b = torch.randn(64, generator=g).to(torch.bfloat16)
+    want = (lab_rounding.fp8_act(x).double() @ w.double().t() + b.double()).to(torch.bfloat16)
+    got = lab_rounding.fp8_act_linear(x, w, b)
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - want.double()).abs().max() <= 2 ** -7 * want.double().abs().max()
+    plain = torch.nn.functional.linear(x, w, b)
+    assert not torch.equal(got, plain)
+    cls = _method_class()
+    assert torch.equal(cls.apply(NS(native_act=True), NS(weight=w), x, b), got)
+    assert torch.equal(cls.apply(NS(native_act=False), NS(weight=w), x, b), plain)
+    with pytest.raises(ValueError, match="not a multiple of 128"):
+        lab_rounding.fp8_act_linear(x[:, :200], w[:, :200])

@@ -18,8 +18,8 @@
 #                                  noise floor compare.py --floor calibrates on
 #   tests/gpu/steps.sh parity      patched (tripwire on) bf16+marlin, bf16+mxfp4_int8, fp8_marlin+marlin on the
 #                                  batch-16 sequences, each against native with the floor beside it
-#   tests/gpu/steps.sh parity-kv   parity's bf16+marlin with native's FP8 key rounding replayed
-#                                  (DSV4_SM80_LAB_NATIVE_ROUNDING=kv): the KV precision's share of the gap
+#   tests/gpu/steps.sh parity-replay  parity's bf16+marlin with native's FP8 roundings replayed
+#                                  (DSV4_SM80_LAB_NATIVE_ROUNDING=kv, then kv,act): their share of the gap
 #   tests/gpu/steps.sh graphs      patched with CUDA graphs vs patched eager (decode outputs)
 #   tests/gpu/steps.sh spec        patched DSPARK vs patched without speculation (greedy tokens, acceptance), and
 #                                  native DSPARK vs native without speculation beside it (the floor)
@@ -117,13 +117,16 @@ case ${1:?step} in
         --batch 16 --teacher-from "$N16"
       python tests/gpu/compare.py "$N16" "$OUT/parity-$d-$b.json" --floor "$F16" | tee -a "$OUT/parity-$d-$b.log"
     done ;;
-  parity-kv)
-    # native's FP8 key rounding replayed on the SM80 path (lab_rounding.py): does the gap to native fall to the floor?
+  parity-replay)
+    # native's FP8 roundings replayed on the SM80 path (dsv4_sm80/lab_rounding.py): does the gap fall to the floor?
     N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}
-    run parity-kv env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=kv SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin \
-      timeout 200 python tests/gpu/engine_bed.py --out "$OUT/parity-kv.json" --lengths 20,300,3000,20000 \
-      --batch 16 --teacher-from "$N16"
-    python tests/gpu/compare.py "$N16" "$OUT/parity-kv.json" --floor "$F16" | tee -a "$OUT/parity-kv.log" ;;
+    for nr in kv kv,act; do
+      run "parity-replay-${nr/,/-}" env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=$nr \
+        SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 python tests/gpu/engine_bed.py \
+        --out "$OUT/parity-replay-${nr/,/-}.json" --lengths 20,300,3000,20000 --batch 16 --teacher-from "$N16"
+      python tests/gpu/compare.py "$N16" "$OUT/parity-replay-${nr/,/-}.json" --floor "$F16" \
+        | tee -a "$OUT/parity-replay-${nr/,/-}.log"
+    done ;;
   graphs)
     for g in eager graph; do
       run "graphs-$g" env $LAB DSV4_SM80_TRIPWIRE=1 timeout 280 python tests/gpu/engine_bed.py \
