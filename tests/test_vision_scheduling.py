@@ -13,10 +13,14 @@ def splits_a_block(end, full_len, spans):
     return end < full_len and any(s < end <= e for s, e in spans)
 
 
-def test_cut_rule_against_brute_force():
-    rng = random.Random(0)
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_cut_rule_against_brute_force(page):
+    """Against every possible cut: SGLang's own cut when it splits no block; else the last allowed cut before
+    it, else the first after it, where an allowed cut is past the chunk's start, splits no block and is a
+    page edge (or the prompt's end)."""
+    rng = random.Random(page)
     for _ in range(3000):
-        full_len = rng.randint(2, 120)
+        full_len = rng.randint(2, 160)
         spans, pos = [], rng.randint(0, 10)
         while pos < full_len - 1 and rng.random() < 0.8:
             s = pos + rng.randint(0, 12)
@@ -25,28 +29,32 @@ def test_cut_rule_against_brute_force():
                 break
             spans.append((s, e))
             pos = e + 1
-        start = rng.randint(0, full_len - 1)
-        end = rng.randint(start + 1, full_len)
-        if any(s < start <= e for s, e in spans):
-            continue  # a prefix ending inside a block: never produced (the cuts below keep them at edges)
-        r = whole_block_end(start, end, full_len, spans)
-        inside = [(s, e) for s, e in spans if s < end <= e]
+        start = rng.randint(0, full_len - 1) // page * page
+        end = min(full_len, start + rng.randint(1, 40) * page)  # SGLang's cuts: page edges or the end
+        if start >= full_len or any(s < start <= e for s, e in spans):
+            continue  # a prefix ending inside a block: never produced (the cuts keep them at edges)
+        r = whole_block_end(start, end, full_len, spans, page)
+        allowed = [p for p in range(start + 1, full_len + 1)
+                   if (p % page == 0 or p == full_len) and not splits_a_block(p, full_len, spans)]
         if not splits_a_block(end, full_len, spans):
-            assert r == end  # nothing to move
-        elif inside[0][0] > start:
-            assert r == inside[0][0]  # back to the block's start: the block goes whole into the next chunk
-        elif inside[0][1] + 1 < full_len:
-            assert r == inside[0][1] + 1  # a block longer than the chunk: forward past its end
+            assert r == end
         else:
-            assert r == end  # the prompt ends inside its last block: left to the forward's guard
-        assert r > start
-        if r != end or not inside:
-            assert not splits_a_block(r, full_len, spans)
+            before = [p for p in allowed if p < end]
+            assert r == (before[-1] if before else min(p for p in allowed if p > end)), (start, end, spans, r)
+        assert r > start and (r % page == 0 or r == full_len)
+        assert not splits_a_block(r, full_len, spans)
 
 
 CHUNKING = r"""
 import json
 from array import array
+if CKPT:  # the server's args, as the scheduler has them (DSV4 sets its KV page size: 256)
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    set_global_server_args_for_scheduler(ServerArgs(model_path=CKPT, device="cpu", skip_tokenizer_init=True))
+    from sglang.srt.server_args import get_global_server_args
+    page = get_global_server_args().page_size
+else:
+    page = 1
 from sglang.srt.managers.schedule_batch import MultimodalDataItem, MultimodalInputs, Modality, Req
 from sglang.srt.sampling.sampling_params import SamplingParams
 n = 1000
@@ -63,20 +71,22 @@ while prefix < n and len(cuts) < 100:
 text = Req("t", "", array("i", [7] * n), SamplingParams(max_new_tokens=4))
 text.full_untruncated_fill_ids = text.origin_input_ids
 text.set_extend_range(0, 150)
-print(json.dumps({"cuts": cuts, "text": [text.extend_range.start, text.extend_range.end]}))
+print(json.dumps({"cuts": cuts, "text": [text.extend_range.start, text.extend_range.end], "page": page}))
 """
 
 
 @pytest.mark.sglang
-@pytest.mark.parametrize("chunk", [128, 256, 512])
-def test_sglang_req_chunks_keep_blocks_whole(chunk):
+@pytest.mark.parametrize("chunk, with_args", [(128, False), (256, True), (512, True)])
+def test_sglang_req_chunks_keep_blocks_whole(chunk, with_args, unit_ckpt):
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16")
-    code = CHUNKING.replace("CHUNK", str(chunk))
+    code = CHUNKING.replace("CHUNK", str(chunk)).replace("CKPT", repr(unit_ckpt) if with_args else "None")
     on = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_VISION="1"))
+    assert on["page"] == (256 if with_args else 1)
     blocks = [(100, 399), (420, 430), (600, 996)]
     ends = [e for _, e in on["cuts"]]
     assert ends[-1] == 1000 and all(b > a for a, b in on["cuts"])  # progress, to the end
     assert not any(s < c <= e for c in ends[:-1] for s, e in blocks), on["cuts"]
+    assert all(c % on["page"] == 0 for c in ends[:-1]), on["cuts"]  # page edges, as SGLang's own cuts
     assert on["text"] == [0, 150]  # a request without images: SGLang's cut as it was
     off = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_VISION="0"))
     assert [c for _, c in off["cuts"]] == list(range(chunk, 1000, chunk)) + [1000]  # the native cuts

@@ -5,14 +5,18 @@ of the block's queries with all of its keys. SGLang 0.5.16 cuts a long prompt in
 token budget ends (`PrefillAdder.add_one_req` / `add_chunked_req`), and each cut goes through one method,
 `Req.set_extend_range(start, end)` (schedule_batch.py:1153). The seam `vision.whole_image_blocks` wraps it:
 
-- a cut that would fall inside an image block moves back to the block's first token, when the block starts
-  after this chunk's start (the block goes whole into the next chunk);
-- when the block starts at or before the chunk's start (the block is longer than what is left of the chunk
-  budget: an image bigger than the chunk), the cut moves forward past the block's end, so the request makes
-  progress instead of stalling; this chunk is then longer than --chunked-prefill-size by at most one block
-  (at most vision_max_n_token + its rows' newlines + 2 tokens; the KV pages are allocated for the real
-  length, the prefill budget of that round is the only thing under-counted);
+- a cut that would fall inside an image block moves back to the last page edge (a multiple of the KV page
+  size: SGLang's own cuts are page-aligned, `schedule_policy.py:1145-1164`, and DSV4's page is 256 tokens)
+  that splits no block and still leaves this chunk some tokens; the block goes whole into the next chunk;
+- when there is no such edge (the block starts in this chunk's first page, or is longer than the chunk
+  budget: an image bigger than the chunk), the cut moves forward to the first page edge past the block's
+  end that splits no block (or to the prompt's end), so the request makes progress instead of stalling;
+  this chunk is then longer than --chunked-prefill-size by at most a block and a page (the KV pages are
+  allocated for the real length; the prefill budget of that round is the only thing under-counted);
 - a range that ends at the prompt's end, or a cut outside every block, is left as SGLang made it.
+
+(The first H200 run of the unaligned rule never reached a chunked image: the vision server failed at its
+warmup. Page-aligned ends keep the one invariant of chunked prefill this seam could otherwise break.)
 
 Because chunk ends never fall inside a block, the prefix SGLang caches for a chunked request never ends
 inside one either, and a block's pad ids (one hash per image for the whole block, `processor.block_hash`)
@@ -35,23 +39,43 @@ def image_spans(req) -> list[tuple[int, int]]:
     return sorted(spans)
 
 
-def whole_block_end(start: int, end: int, full_len: int, spans) -> int:
-    """The extend end that keeps every image block whole; see the module docstring."""
-    if end >= full_len:
+def _splits(pos: int, spans):
+    """The block a cut at pos would split (tokens pos-1 and pos in one block), or None."""
+    return next(((s, e) for s, e in spans if s < pos <= e), None)
+
+
+def whole_block_end(start: int, end: int, full_len: int, spans, page: int = 1) -> int:
+    """The extend end that keeps every image block whole and, short of the prompt's end, on a page edge
+    (a multiple of `page`, as SGLang's own cuts are); see the module docstring."""
+    if end >= full_len or _splits(end, spans) is None:
         return end
-    for s, e in spans:
-        if s < end <= e:  # the cut falls inside [s, e]: tokens s..end-1 in, end..e out
-            if s > start:
-                return s
-            if e + 1 < full_len:
-                return e + 1
-            return end  # a prompt that ends inside its last block: the forward's guard refuses it
-    return end
+    edge = (end - 1) // page * page  # back: the last page edge before the cut that splits no block
+    while edge > start:
+        blk = _splits(edge, spans)
+        if blk is None:
+            return edge
+        edge = blk[0] // page * page  # a cut at the block's own start splits nothing
+    edge = -(-end // page) * page  # forward: the first page edge past the cut that splits no block
+    while edge < full_len:
+        blk = _splits(edge, spans)
+        if blk is None:
+            return edge
+        edge = -(-(blk[1] + 1) // page) * page
+    return full_len
+
+
+def _page_size() -> int:
+    try:
+        from sglang.srt.server_args import get_global_server_args
+
+        return max(1, int(get_global_server_args().page_size or 1))
+    except (ImportError, ValueError, AttributeError):
+        return 1
 
 
 def set_extend_range_whole_blocks(original, req, start: int, end: int):
     """Around Req.set_extend_range (sglang/srt/managers/schedule_batch.py:1153)."""
     spans = image_spans(req)
     if spans:
-        end = whole_block_end(int(start), int(end), len(req.full_untruncated_fill_ids), spans)
+        end = whole_block_end(int(start), int(end), len(req.full_untruncated_fill_ids), spans, _page_size())
     return original(req, start, end)
