@@ -45,6 +45,9 @@
 #                                  patched (tripwire), patched with DSPARK; CUDA graphs on; footprint per rank
 #   tests/gpu/steps.sh par G0 G1.. each group (quoted, space-separated steps) on its own GPU, all at once;
 #                                  e.g. par "check kernels" moe-bench attn-bench wide
+#   tests/gpu/steps.sh bg G0 G1..  par, detached from a copy of the tree, into /tmp/res; returns at once
+#   tests/gpu/steps.sh wait [S]    up to S s (500) for bg, then summaries and /tmp/res as $OUT/res-HHMMSS.tgz
+#                                  (JSON over 1 MB left out; the JIT tarball once bg is done)
 #   tests/gpu/steps.sh kernels     the kernel tests, compiled on this GPU against their CPU references
 #                                  (needs pytest: carry .dev/pyt, made by `pip install --target .dev/pyt pytest`)
 # Results go to $OUT (default ./out). The native oracle is .dev/oracle/native.json (tests/gpu/engine_bed.py).
@@ -179,6 +182,28 @@ case ${1:?step} in
     wait
     i=0
     for group in "$@"; do echo "##### GPU $i: $group"; cat "$OUT/par-$i.txt"; i=$((i + 1)); done ;;
+  bg)
+    # par, detached, from a copy of the tree (a later device call refreshes the tree under a running script):
+    # device calls then only wait on it (step wait), so GPU time is not lost between calls
+    shift
+    rm -rf /tmp/res /tmp/w && mkdir -p /tmp/res && cp -a . /tmp/w
+    setsid nohup bash -c 'cd /tmp/w && OUT=/tmp/res tests/gpu/steps.sh par "$@" > /tmp/res/par.out 2>&1; touch /tmp/res/DONE' \
+      _ "$@" > /dev/null 2>&1 < /dev/null &
+    echo "bg: started on $# GPU group(s); results in /tmp/res (steps.sh wait SECONDS brings them back)"
+    exit 0 ;;
+  wait)
+    # up to $2 seconds (default 500) for the bg job, then its summaries and a tarball of /tmp/res into $OUT
+    limit=${2:-500}; t0=$SECONDS
+    while [ ! -f /tmp/res/DONE ] && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 5; done
+    [ -f /tmp/res/DONE ] && echo "wait: bg job done" || echo "wait: bg job still running after ${limit} s"
+    for f in /tmp/res/par-*.txt; do
+      [ -f "$f" ] || continue
+      echo "##### $f"; grep -E "^(===|[a-z_]+: |  A/B|  OK|  FAIL|seq |prompt |confident|  +[0-9]+ +[0-9]+ \|)" "$f" | cut -c1-220 | tail -40
+    done
+    tar -C /tmp/res -czf "$OUT/res-$(date +%H%M%S).tgz" --exclude='jit.tar.xz*' --exclude='*.pt' \
+      $(cd /tmp/res && find . -name '*.json' -size +1M -printf '--exclude=%P ') . 2>/dev/null
+    [ -f /tmp/res/DONE ] && cp /tmp/res/jit.tar.xz* "$OUT/" 2>/dev/null
+    exit 0 ;;
   http)
     run http env $LAB timeout 560 python -u tests/gpu/http_check.py --out "$OUT/http.json" ;;
   http-vision)
