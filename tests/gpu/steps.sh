@@ -18,6 +18,8 @@
 #                                  noise floor compare.py --floor calibrates on
 #   tests/gpu/steps.sh parity      patched (tripwire on) bf16+marlin, bf16+mxfp4_int8, fp8_marlin+marlin on the
 #                                  batch-16 sequences, each against native with the floor beside it
+#   tests/gpu/steps.sh floor-ours  native with the SGLang options the SM80 bootstrap pins (top-k v1, no FlashMLA
+#                                  sparse prefill, offline compress) against default native, floor beside it
 #   tests/gpu/steps.sh parity-replay  parity's bf16+marlin with native's FP8 roundings replayed
 #                                  (DSV4_SM80_LAB_NATIVE_ROUNDING=kv, then kv,act): their share of the gap
 #   tests/gpu/steps.sh graphs      patched with CUDA graphs vs patched eager (decode outputs)
@@ -120,6 +122,14 @@ case ${1:?step} in
         --batch 16 --teacher-from "$N16"
       python tests/gpu/compare.py "$N16" "$OUT/parity-$d-$b.json" --floor "$F16" | tee -a "$OUT/parity-$d-$b.log"
     done ;;
+  floor-ours)
+    # native itself with the SGLang choices the SM80 bootstrap pins (top-k v1, no FlashMLA sparse prefill, offline
+    # compress; dsv4_sm80/env.py IMPORT_TIME_DEFAULTS), against default native: how far native's own options move it
+    N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}
+    run native16-ours env ENABLE_SGLANG_DSV4_A100_PATCH=0 SGLANG_OPT_USE_TOPK_V2=0 SGLANG_OPT_FLASHMLA_SPARSE_PREFILL=0 \
+      SGLANG_OPT_USE_ONLINE_COMPRESS=0 timeout 280 python tests/gpu/engine_bed.py --out "$OUT/native16-ours.json" \
+      --lengths 20,300,3000,20000 --batch 16 --teacher-from "$N16"
+    python tests/gpu/compare.py "$N16" "$OUT/native16-ours.json" --floor "$F16" | tee -a "$OUT/native16-ours.log" ;;
   parity-replay)
     # native's FP8 roundings replayed on the SM80 path (dsv4_sm80/lab_rounding.py): does the gap fall to the floor?
     N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}
