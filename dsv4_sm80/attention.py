@@ -132,6 +132,9 @@ def compress_store(original, kv, plan, *, norm_weight, norm_eps, freq_cis, out_l
     if use_fp4:
         raise ValueError("dsv4-sm80 attention: the FP4 indexer (--enable-deepseek-v4-fp4-indexer, SM100) is not "
                          "part of the SM80 datapath; drop that flag")
+    if lab_rounding.idx_enabled():  # lab replay: SGLang's own FP8 store into the same 132-byte pages (SM90)
+        return original(kv, plan, norm_weight=norm_weight, norm_eps=norm_eps, freq_cis=freq_cis, out_loc=out_loc,
+                        kvcache=kvcache, page_size=page_size, use_fp4=False, bf16_store=False)
     from .kernels.indexer_int8 import compress_store_index_k_int8
 
     compress_store_index_k_int8(kv, plan[1], bool(plan.is_decode), out_loc, norm_weight, norm_eps, freq_cis,
@@ -141,17 +144,24 @@ def compress_store(original, kv, plan, *, norm_weight, norm_eps, freq_cis, out_l
 
 # --- indexer ----------------------------------------------------------------------------------------
 
-def indexer_q_int8(q, weight, weight_scale, freqs_cis, positions):
-    """indexer.fused_q_indexer_rope_hadamard_quant: the INT8 variant (same arguments and returns)."""
+def indexer_q_int8(original, q, weight, weight_scale, freqs_cis, positions):
+    """indexer.fused_q_indexer_rope_hadamard_quant: the INT8 variant (same arguments and returns). Lab replay
+    (DSV4_SM80_LAB_NATIVE_ROUNDING with idx): SGLang's own FP8 kernel instead (SM90 only)."""
+    if lab_rounding.idx_enabled():
+        return original(q, weight, weight_scale, freqs_cis, positions)
     from .kernels.indexer_int8 import q_rope_hadamard_int8
 
     return q_rope_hadamard_int8(q, weight, weight_scale, freqs_cis, positions)
 
 
-def indexer_logits_int8(q, kv_cache, weights, seq_lens, page_table, deep_gemm_metadata, max_seq_len,
+def indexer_logits_int8(original, q, kv_cache, weights, seq_lens, page_table, deep_gemm_metadata, max_seq_len,
                         clean_logits=False):
     """indexer.fp8_paged_mqa_logits_torch (selected by SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1): INT8 logits
-    on INT8 tensor cores over the paged INT8 index cache."""
+    on INT8 tensor cores over the paged INT8 index cache. Lab replay with idx: fp32 logits over the FP8
+    cache SGLang's own stores wrote (lab_rounding.fp8_paged_logits; SGLang's torch version gathers every
+    token's whole cache at once and would not fit a long prefill)."""
+    if lab_rounding.idx_enabled():
+        return lab_rounding.fp8_paged_logits(q, kv_cache, weights, seq_lens, page_table, int(max_seq_len))
     from .kernels.indexer_int8 import paged_mqa_logits_int8
 
     return paged_mqa_logits_int8(q, kv_cache, weights, seq_lens, page_table, int(max_seq_len))

@@ -16,12 +16,14 @@ precision, not arithmetic. On SM90 with default arguments native rounds in three
   columns with a plain fp32 scale amax / 448 (floor 1e-10; UE8M0 only on SM100: deep_gemm_wrapper/
   configurer.py:35-38, fp8_utils.py:820-826), and the product accumulates in fp32 with the exact weight.
   Replayed in `fp8_act_linear` (fp32 GEMM of the dequantized activation; slow, for the lab).
-- the indexer's keys and queries (FP8 with fp32 scales per 128 against the SM80 path's INT8): not replayed;
-  it only changes which compressed entries the top-512 selection keeps, i.e. prompts past 2048 tokens.
+- idx: the indexer's keys and queries are FP8 with an fp32 scale amax / 448 per 128 (against the SM80 path's
+  INT8), scored in fp32 by DeepGEMM; it only changes which compressed entries the top-512 selection keeps,
+  i.e. prompts past 2048 tokens. Replayed by running SGLang's own FP8 query kernel and FP8 index store (SM90
+  code: on the H200 only) and `fp8_paged_logits` over that cache.
 
-So a patched run with kv,act compared with native on prompts up to 2048 tokens has no precision choice left
-between them but the indexer's (unused there) and rounding order: if the divergence then falls to the native
-floor, the rest of the datapath is shown equal and the gap is the precision choice alone.
+So a patched run with kv,act,idx compared with native has no precision choice left between them but rounding
+order (and native's fast-math division): if the divergence then falls to the native floor, the rest of the
+datapath is shown equal and the gap is the precision choices alone.
 
 Lab only: never a default, never for serving; eager runs only.
 """
@@ -100,6 +102,40 @@ def _items() -> frozenset:
 
 def kv_enabled() -> bool:
     return "kv" in _items()
+
+
+def idx_enabled() -> bool:
+    return "idx" in _items()
+
+
+def fp8_paged_logits(q, kv_cache, weights, seq_lens, page_table, max_len: int, chunk: int = 64) -> torch.Tensor:
+    """The indexer logits as native computes them (DeepGEMM fp8_paged_mqa_logits, fp32), from the FP8 index
+    cache SGLang's own stores wrote: logits[t, j] = s_k[j] * sum_h w[t, h] * ReLU(q8[t, h] . k8[j]) for
+    j < seq_lens[t], else 0. q [T, (1,) H, 128] FP8; kv_cache: pages of 64 x (128 FP8 + fp32 scale); weights
+    [T, H] fp32 (the q scale folded in); page_table [T, pages]. Tokens in chunks (memory stays ~chunk x
+    length x 128 x 4 bytes); a host sync per chunk: eager runs only."""
+    t_total, heads = q.shape[0], q.shape[-2]
+    qf = q.reshape(t_total, heads, 128).float()
+    lens = seq_lens.reshape(-1).long()
+    flat = kv_cache.view(torch.uint8).reshape(-1, 64 * 132)
+    out = torch.zeros(t_total, max_len, dtype=torch.float32, device=q.device)
+    for t0 in range(0, t_total, chunk):
+        rows = slice(t0, min(t_total, t0 + chunk))
+        n_max = int(lens[rows].max()) if t_total else 0
+        if n_max <= 0:
+            continue
+        pages = -(-n_max // 64)
+        g = flat[page_table[rows, :pages].clamp(min=0).long()]  # [c, pages, 64 * 132] bytes
+        c = g.shape[0]
+        k = g[..., :64 * 128].contiguous().view(torch.float8_e4m3fn).float().reshape(c, pages * 64, 128)
+        s_k = g[..., 64 * 128:].contiguous().view(torch.float32).reshape(c, pages * 64)
+        dots = torch.einsum("chd,cjd->chj", qf[rows], k)
+        logit = (torch.relu(dots) * weights[rows].reshape(c, heads, 1).float()).sum(1) * s_k
+        j = torch.arange(pages * 64, device=q.device)
+        logit = logit.masked_fill(j[None, :] >= lens[rows, None], 0.0)
+        width = min(pages * 64, max_len)
+        out[rows, :width] = logit[:, :width]
+    return out
 
 
 def act_enabled() -> bool:

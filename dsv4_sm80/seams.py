@@ -234,7 +234,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(
         name="attention.indexer_q",
         target="sglang.srt.layers.attention.dsv4.indexer:fused_q_indexer_rope_hadamard_quant",
-        kind="replace",
+        kind="around",
         replacement="dsv4_sm80.attention:indexer_q_int8",
         reason="Indexer Q: RoPE + Hadamard + INT8 (the JIT quantizes to FP8 for DeepGEMM).",
         upstream="srt/layers/attention/dsv4/indexer.py:11",
@@ -242,7 +242,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(
         name="attention.indexer_logits",
         target="sglang.srt.layers.attention.dsv4.indexer:fp8_paged_mqa_logits_torch",
-        kind="replace",
+        kind="around",
         replacement="dsv4_sm80.attention:indexer_logits_int8",
         reason=("The paged weighted-ReLU MQA logits (DeepGEMM, SM90+) on INT8 tensor cores; SGLang calls this "
                 "module global when SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 (an import-time default of the patch)."),

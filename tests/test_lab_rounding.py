@@ -80,8 +80,8 @@ def test_knob_values(monkeypatch):
     assert not lab_rounding.act_enabled()
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "kv,act")
     assert lab_rounding.kv_enabled() and lab_rounding.act_enabled()
-    monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "indexer")
-    with pytest.raises(env.EnvError, match="not one of 0, kv, act, kv,act"):
+    monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "act,kv")  # the documented order only
+    with pytest.raises(env.EnvError, match="not one of 0, kv, act, idx, kv,act"):
         lab_rounding.kv_enabled()
 
 
@@ -172,3 +172,56 @@ def test_activation_rounding_linear_and_the_bf16_method(monkeypatch):
     assert torch.equal(cls.apply(NS(native_act=False), NS(weight=w), x, b), plain)
     with pytest.raises(ValueError, match="not a multiple of 128"):
         lab_rounding.fp8_act_linear(x[:, :200], w[:, :200])
+
+
+def test_fp8_paged_logits_against_the_float64_reference(monkeypatch):
+    """The idx replay's logits over an FP8 index cache (pages of 64 x (128 e4m3 + fp32 scale)), token by
+    token in float64: s_k[j] * sum_h w[t,h] * ReLU(q[t,h] . k[j]) for j < seq_len[t], 0 beyond."""
+    g = torch.Generator().manual_seed(5)
+    n_pages, heads, t_total, max_len = 7, 4, 9, 300
+    vals = (torch.randn(n_pages, 64, 128, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = torch.rand(n_pages, 64, generator=g) * 0.01 + 1e-3
+    cache = torch.cat([vals.view(torch.uint8).reshape(n_pages, -1),
+                       scales.contiguous().view(torch.uint8).reshape(n_pages, -1)], dim=1)  # [pages, 64 * 132]
+    q = (torch.randn(t_total, 1, heads, 128, generator=g) * 30).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w = torch.randn(t_total, heads, generator=g)
+    lens = torch.tensor([0, 1, 63, 64, 65, 200, 256, 130, 7])
+    table = torch.stack([torch.randperm(n_pages, generator=g)[:5] for _ in range(t_total)]).to(torch.int32)
+    table[2, 1:] = -1  # unused entries past a token's pages
+    got = lab_rounding.fp8_paged_logits(q, cache.view(n_pages, 64, 1, 132), w, lens.unsqueeze(-1), table, max_len,
+                                        chunk=4)
+    assert got.shape == (t_total, max_len) and got.dtype == torch.float32
+    for t in range(t_total):
+        want = torch.zeros(max_len, dtype=torch.float64)
+        for j in range(int(lens[t])):
+            page, off = int(table[t, j // 64]), j % 64
+            k = vals[page, off].double()
+            dots = q[t, 0].double() @ k
+            want[j] = float(scales[page, off]) * float((torch.relu(dots) * w[t].double()).sum())
+        assert torch.allclose(got[t].double(), want, rtol=1e-5, atol=1e-6), t
+
+
+def test_idx_replay_routes_the_indexer_to_sglangs_fp8_kernels(monkeypatch):
+    """With idx the query and the index store are SGLang's own (the `original` the seams pass), the main
+    (512-wide) store stays the BF16 one; without it the INT8 path runs and the originals are not called."""
+    from dsv4_sm80 import attention
+
+    calls = []
+
+    def original(*args, **kwargs):
+        calls.append(kwargs if kwargs else args)
+        return "native"
+
+    monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "idx")
+    assert attention.indexer_q_int8(original, "q", "w", 0.5, "f", "p") == "native" and calls[-1] == ("q", "w", 0.5, "f", "p")
+    kv = torch.zeros(3, 128)
+    cache = torch.zeros(2, 64 * 132, dtype=torch.uint8)
+    assert attention.compress_store(original, kv, "plan", norm_weight="nw", norm_eps=1e-6, freq_cis="fc",
+                                    out_loc="ol", kvcache=cache, page_size=64) == "native"
+    assert calls[-1]["bf16_store"] is False and calls[-1]["use_fp4"] is False and calls[-1]["kvcache"] is cache
+    assert calls[-1]["page_size"] == 64
+    monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "0")
+    n = len(calls)
+    with pytest.raises(Exception):  # the INT8 kernel rejects the stand-in arguments: the point is it ran
+        attention.indexer_q_int8(original, torch.zeros(2, 3), "w", 0.5, "f", "p")
+    assert len(calls) == n

@@ -21,7 +21,7 @@
 #   tests/gpu/steps.sh floor-ours  native with the SGLang options the SM80 bootstrap pins (top-k v1, no FlashMLA
 #                                  sparse prefill, offline compress) against default native, floor beside it
 #   tests/gpu/steps.sh parity-replay  parity's bf16+marlin with native's FP8 roundings replayed
-#                                  (DSV4_SM80_LAB_NATIVE_ROUNDING=kv, then kv,act): their share of the gap
+#                                  (DSV4_SM80_LAB_NATIVE_ROUNDING=kv, kv,act, kv,act,idx): their share of the gap
 #   tests/gpu/steps.sh graphs      patched with CUDA graphs vs patched eager (decode outputs)
 #   tests/gpu/steps.sh spec        patched DSPARK vs patched without speculation (greedy tokens, acceptance), and
 #                                  native DSPARK vs native without speculation beside it (the floor)
@@ -133,12 +133,12 @@ case ${1:?step} in
   parity-replay)
     # native's FP8 roundings replayed on the SM80 path (dsv4_sm80/lab_rounding.py): does the gap fall to the floor?
     N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}
-    for nr in kv kv,act; do
-      run "parity-replay-${nr/,/-}" env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=$nr \
+    for nr in kv kv,act kv,act,idx; do
+      run "parity-replay-${nr//,/-}" env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=$nr \
         SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 python tests/gpu/engine_bed.py \
-        --out "$OUT/parity-replay-${nr/,/-}.json" --lengths 20,300,3000,20000 --batch 16 --teacher-from "$N16"
-      python tests/gpu/compare.py "$N16" "$OUT/parity-replay-${nr/,/-}.json" --floor "$F16" \
-        | tee -a "$OUT/parity-replay-${nr/,/-}.log"
+        --out "$OUT/parity-replay-${nr//,/-}.json" --lengths 20,300,3000,20000 --batch 16 --teacher-from "$N16"
+      python tests/gpu/compare.py "$N16" "$OUT/parity-replay-${nr//,/-}.json" --floor "$F16" \
+        | tee -a "$OUT/parity-replay-${nr//,/-}.log"
     done ;;
   graphs)
     for g in eager graph; do
