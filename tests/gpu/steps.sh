@@ -26,6 +26,7 @@
 #   tests/gpu/steps.sh spec        patched DSPARK vs patched without speculation (greedy tokens, acceptance), and
 #                                  native DSPARK vs native without speculation beside it (the floor)
 #   tests/gpu/steps.sh wide        generate the full-width checkpoint (/tmp/dsv4-wide, ~24 GB, fast experts)
+#   tests/gpu/steps.sh wide-parity on it: native, native one sequence at a time (floor), patched (tripwire), TP1
 #   tests/gpu/steps.sh e2e-bench   bench/e2e.py on it: decode tok/s and TTFT, patched vs native, batch 1 and 16
 #   tests/gpu/steps.sh http        serve in lab mode (tiny model + stand-in tokenizer, --api-key): OpenAI and native
 #                                  endpoints, the key enforced, bad requests answered 4xx, the server alive after
@@ -162,6 +163,18 @@ case ${1:?step} in
       | tee -a "$OUT/spec-native-dspark.log" ;;
   wide)
     run wide timeout 500 python -m dsv4_sm80 make-tiny /tmp/dsv4-wide --preset wide ;;
+  wide-parity)
+    # the full-width checkpoint (step wide first): native, native teacher-forcing one sequence at a time (the
+    # floor), patched with the tripwire; the whole model at DSV4-Flash width on one GPU
+    W="--ckpt /tmp/dsv4-wide --preset wide --lengths 20,300,3000 --batch 8 --max-new 16"
+    run wide-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 400 python tests/gpu/engine_bed.py \
+      --out "$OUT/wide-native.json" $W
+    run wide-native-b env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 400 python tests/gpu/engine_bed.py \
+      --out "$OUT/wide-native-b.json" $W --teacher-from "$OUT/wide-native.json" --teacher-mode alone
+    run wide-patched env $LAB DSV4_SM80_TRIPWIRE=1 timeout 400 python tests/gpu/engine_bed.py \
+      --out "$OUT/wide-patched.json" $W --teacher-from "$OUT/wide-native.json"
+    python tests/gpu/compare.py "$OUT/wide-native.json" "$OUT/wide-patched.json" --floor "$OUT/wide-native-b.json" \
+      | tee -a "$OUT/wide-patched.log" ;;
   e2e-bench)
     run e2e-bench timeout 580 python bench/e2e.py --ckpt /tmp/dsv4-wide --out "$OUT/e2e.json" --tp ${E2E_TP:-1} \
       ${E2E_ARGS:-} ;;
