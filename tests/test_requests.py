@@ -10,10 +10,12 @@ from dsv4_sm80.requests import check_input_ids
 def test_ids_inside_the_vocabulary_pass():
     check_input_ids([0, 5, 999], 1000)
     check_input_ids([[0, 1], [2, 999]], 1000)  # a batch
+    check_input_ids([], 1000)
+    check_input_ids(list(range(1000)) * 100, 1000)  # 100K ids: the C path
 
 
 @pytest.mark.parametrize("ids, bad", [([0, 10_000_000], "10000000"), ([0, -5], "-5"), ([1000], "1000"),
-                                      ([0, 2.5], "2.5"), ([True], "True"), ([[0], [1, 1000]], "1000")])
+                                      ([0, 2.5], "2.5"), ([0, 2 ** 70], str(2 ** 70)), ([[0], [1, 1000]], "1000")])
 def test_ids_outside_are_refused_naming_the_check(ids, bad):
     with pytest.raises(ValueError) as e:
         check_input_ids(ids, 1000)
