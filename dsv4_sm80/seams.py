@@ -126,7 +126,7 @@ SEAMS: tuple[Seam, ...] = (
         name="requests.input_ids_range",
         target="sglang.srt.managers.tokenizer_manager:TokenizerManager._validate_one_request",
         kind="around",
-        replacement="dsv4_sm80.requests:validate_one_request",
+        replacement="dsv4_sm80.request_checks:validate_one_request",
         reason=("Caller-supplied input_ids outside [0, vocab) reach DSV4's embedding and hash-layer table "
                 "unchecked in 0.5.16 and a device-side assert kills the server; they are answered 400 naming "
                 "input_ids.range instead."),
