@@ -1,6 +1,6 @@
 """Lab: native SGLang's FP8 roundings replayed on the SM80 datapath (DSV4_SM80_LAB_NATIVE_ROUNDING).
 
-The H200 parity run of session 5 put the patched path 2-4x the native noise floor from native, with the dense
+The H200 parity run of session 5 put the patched path 2-5x the native noise floor from native, with the dense
 mode and the expert backend making no difference. What every SM80 combination shares against native is
 precision, not arithmetic. On SM90 with default arguments native rounds in three places a BF16 path does not
 (read from the 0.5.16 sources; file:line into the wheel):

@@ -58,3 +58,26 @@ def test_margin_calibrated_on_the_native_floor():
     _, patched = _run(margins, [m != 5.0 for m in margins])
     assert compare.agreement_above(a, patched, 1.0) == (88 / 89, 89)
     assert compare.calibrate_margin(a, floor, min_positions=200) is None
+
+
+def test_floor_verdict(tmp_path, capsys):
+    """compare.py --floor ends with one verdict: within the floor only if every sequence's mean KL is at most
+    the floor's and the confident agreement reaches --agree."""
+    import json
+
+    margins = [i / 10 for i in range(100)]
+    a, floor = _run(margins, [m > 0.45 for m in margins])  # the floor flips only low-margin positions
+    _, near = _run(margins, [m > 0.45 for m in margins])
+    _, far = _run(margins, [m > 2.05 for m in margins])  # flips confident positions too
+    paths = {}
+    for name, rec in (("a", a), ("floor", floor), ("near", near), ("far", far)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(dict(rec, prompts=[])))
+
+    def verdict(b):
+        compare.main([str(paths["a"]), str(paths[b]), "--floor", str(paths["floor"])])
+        return [x for x in capsys.readouterr().out.splitlines() if x.startswith("verdict:")][0]
+
+    assert verdict("near").endswith("-> within the floor") and "on 1 of 1 sequences" in verdict("near")
+    v = verdict("far")
+    assert v.endswith("-> NOT within the floor") and "on 0 of 1 sequences" in v

@@ -115,11 +115,19 @@ def main(argv=None) -> int:
             agree_b, n_b = agreement_above(a, b, m)
             print(f"confident positions: margin > {m:.3f} nats (native vs native agree {100 * agree_floor:.2f}% "
                   f"of {n_floor}); this record agrees {100 * agree_b:.2f}% of {n_b}")
+        ratios = []
         for r, f in zip(compare(a, b, args.margin), compare(a, fl, args.margin)):
+            ratios.append(r["kl_mean"] / f["kl_mean"] if f["kl_mean"] > 0 else float("inf") if r["kl_mean"] else 1.0)
             print(f"seq {r['length']:5d}: KL mean {r['kl_mean']:.4f} (floor {f['kl_mean']:.4f}) max {r['kl_max']:.4f} "
                   f"(floor {f['kl_max']:.4f}); top-1 disagree {100 * r['top1_disagree']:.1f}% (floor "
                   f"{100 * f['top1_disagree']:.1f}%); max |dlogprob| {r['max_abs_dlogprob']:.3f} (floor "
                   f"{f['max_abs_dlogprob']:.3f})")
+        within = sum(x <= 1.0 for x in ratios)
+        agree_ok = cal is not None and agree_b >= args.agree
+        print(f"verdict: KL mean within the floor on {within} of {len(ratios)} sequences (ratio to the floor "
+              f"{min(ratios, default=0):.1f}-{max(ratios, default=0):.1f}); confident agreement "
+              f"{'%.2f%%' % (100 * agree_b) if cal else 'n/a'} (needs {100 * args.agree:.0f}%) -> "
+              f"{'within the floor' if within == len(ratios) and agree_ok else 'NOT within the floor'}")
     for r in compare(a, b, args.margin):
         print(f"seq {r['length']:5d}: KL mean {r['kl_mean']:.4f} max {r['kl_max']:.4f} nats; top-1 disagree "
               f"{100 * r['top1_disagree']:.1f}% ({100 * r['confident_disagree']:.1f}% of {r['confident_positions']} "
