@@ -128,3 +128,21 @@ def test_steps_sh_flags_exist_in_the_scripts():
             assert flag in declared, f"steps.sh passes {flag} to {script}, which declares {sorted(declared)}"
             checked += 1
     assert checked > 20
+
+
+def test_http_check_refused_start_harness():
+    """http_check's refused-start check on this CPU machine, where the gate refuses every start (no GPU): a
+    refusal naming the wanted check passes, one naming another check fails and says what it found."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
+    import http_check
+
+    lab = {"DSV4_SM80_LAB_GPU_COUNT": "1", "DSV4_SM80_LAB_CC": "9.0"}
+    good, line = http_check.refused_start(30999, ["--api-key", "k"], "FAIL gpu.count", lab, timeout=240)
+    assert good and line.startswith("exit 1: FAIL gpu.count"), line
+    good, line = http_check.refused_start(30999, ["--api-key", "k"], "moe.expert_parallel", lab, timeout=240)
+    assert not good and "'moe.expert_parallel' not named" in line, line
+    assert [name for name, _, _ in http_check.REFUSED_STARTS] == [
+        "expert parallelism", "NextN speculative decoding", "another MoE runner"]

@@ -47,6 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--native", action="store_true",
                     help="SGLang's own launch_server, patch off (with --vision: the vision overlay alone), for A/B")
     ap.add_argument("--compare", help="an earlier record (the other path): greedy tokens and logprobs side by side")
+    ap.add_argument("--no-refused-starts", action="store_true",
+                    help="skip the launches that must be refused (EP, NextN, another MoE runner) after the checks")
     ap.add_argument("--chunked-prefill-size", type=int, default=0,
                     help="serve with this --chunked-prefill-size (with --vision: image blocks cut across chunks)")
     args = ap.parse_args(argv)
@@ -122,8 +124,48 @@ def main(argv=None) -> int:
                 same = sum(x == y for x, y in zip(a["ids"] or [], b["ids"] or []))
                 dlp = max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=float("nan"))
                 print(f"  A/B {r['check']:34s} greedy tokens agree {same}/{len(a['ids'] or [])}, max |dlogprob| {dlp:.3f}")
+    if not args.vision and not args.native and not args.no_refused_starts:
+        for name, extra, want in REFUSED_STARTS:
+            good, first = refused_start(args.port, serve_args + extra, want, extra_env)
+            ok &= good
+            print(f"  {'OK  ' if good else 'FAIL'} refused start: {name:28s} {first}")
+            results.append({"check": f"refused start: {name}", "status": None, "expected": "exit != 0", "ok": good,
+                            "body": first})
+        with open(args.out, "w") as f:
+            json.dump({"startup_s": startup, "results": results, "healthy_after": healthy}, f, indent=1)
     print("http_check:", "OK" if ok else "FAILED")
     return 0 if ok else 1
+
+
+# launches the patch must refuse before any GPU work, naming the check (issue 9: "unsupported parameters with
+# the patch on (e.g. an EP or NextN flag at runtime)")
+REFUSED_STARTS = [
+    ("expert parallelism", ["--ep-size", "2", "--tp-size", "2"], "moe.expert_parallel"),
+    ("NextN speculative decoding", ["--speculative-algorithm", "NEXTN"], "speculative.draft"),
+    ("another MoE runner", ["--moe-runner-backend", "triton"], "moe.runner_backend"),
+]
+
+
+def refused_start(port, serve_args, want, extra_env, timeout=240):
+    """(True, the refusal's line) if `dsv4_sm80 serve` with these arguments exits non-zero within `timeout`
+    and its output names `want`; never leaves a process behind."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "dsv4_sm80", "serve", "--host", "127.0.0.1", "--port", str(port + 1), *serve_args]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(extra_env or {}))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        return False, f"still running after {timeout} s"
+    line = next((x.strip() for x in out.splitlines() if want in x), None)
+    if proc.returncode != 0 and line:
+        return True, f"exit {proc.returncode}: {line[:150]}"
+    tail = [x.strip() for x in out.splitlines() if x.strip()][-1:] or [""]
+    return False, f"exit {proc.returncode}, {want!r} not named: {tail[0][:150]}"
 
 
 def route_summary(path):

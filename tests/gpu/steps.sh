@@ -29,7 +29,8 @@
 #   tests/gpu/steps.sh wide-parity on it: native, native one sequence at a time (floor), patched (tripwire), TP1
 #   tests/gpu/steps.sh e2e-bench   bench/e2e.py on it: decode tok/s and TTFT, patched vs native, batch 1 and 16
 #   tests/gpu/steps.sh http        serve in lab mode (tiny model + stand-in tokenizer, --api-key): OpenAI and native
-#                                  endpoints, the key enforced, bad requests answered 4xx, the server alive after
+#                                  endpoints, the key enforced, bad requests answered 4xx, the server alive after;
+#                                  then launches that must be refused naming their check (EP, NextN, MoE runner)
 #   tests/gpu/steps.sh http-vision the tiny --vision checkpoint served with DSV4_SM80_VISION=1: image requests,
 #                                  bad images answered 4xx, a different image changes the logprobs
 #   tests/gpu/steps.sh vision-ab   the same image requests on the patched server and on native SGLang with the
