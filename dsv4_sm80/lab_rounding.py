@@ -30,6 +30,7 @@ Lab only: never a default, never for serving; eager runs only.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -89,7 +90,10 @@ def fp8_act_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Te
     return out.to(x.dtype)
 
 
+@functools.lru_cache(maxsize=None)
 def _items() -> frozenset:
+    """Read once per process (the stores call this per layer; the environment does not change under a
+    running server). Tests that change the knob call `_items.cache_clear()`."""
     global _told
     raw = env.get(env.LAB_NATIVE_ROUNDING)
     chosen = frozenset() if raw == "0" else frozenset(raw.split(","))

@@ -23,8 +23,8 @@ def _flat(ids):
 
 def check_input_ids(ids, vocab_size: int) -> None:
     """ValueError (SGLang answers 400) unless every caller-supplied id is an int in [0, vocab_size).
-    The common case runs in C (array + min/max: about a millisecond for 100K ids on the tokenizer manager's
-    event loop); only a request that fails it is walked id by id for the message."""
+    The common case runs in C (array + min/max: about 10 ms for 100K ids, 0.1 ms per 1K, on the tokenizer
+    manager's event loop); only a request that fails it is walked id by id for the message."""
     try:
         nested = len(ids) > 0 and isinstance(ids[0], (list, tuple))
         flat = array("q", chain.from_iterable(ids) if nested else ids)  # TypeError: not an int; OverflowError

@@ -26,6 +26,14 @@ def e4m3_grid():
 GRID = e4m3_grid()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_knob():
+    """The knob is read once per process: each test starts and ends with it unread, so no value leaks."""
+    lab_rounding._items.cache_clear()
+    yield
+    lab_rounding._items.cache_clear()
+
+
 def nearest_e4m3(v: float) -> float:
     a = abs(v)
     best = min(GRID, key=lambda g: (abs(g - a), GRID.index(g) % 2))  # tie: the even code (mantissa LSB 0)
@@ -74,13 +82,17 @@ def test_rounding_is_idempotent_and_leaves_other_rows_and_the_rope_part():
 
 def test_knob_values(monkeypatch):
     monkeypatch.delenv("DSV4_SM80_LAB_NATIVE_ROUNDING", raising=False)
+    lab_rounding._items.cache_clear()
     assert not lab_rounding.kv_enabled()
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "kv")
+    lab_rounding._items.cache_clear()
     assert lab_rounding.kv_enabled()
     assert not lab_rounding.act_enabled()
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "kv,act")
+    lab_rounding._items.cache_clear()
     assert lab_rounding.kv_enabled() and lab_rounding.act_enabled()
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "act,kv")  # the documented order only
+    lab_rounding._items.cache_clear()
     with pytest.raises(env.EnvError, match="not one of 0, kv, act, idx, kv,act"):
         lab_rounding.kv_enabled()
 
@@ -104,6 +116,7 @@ def test_hooks_round_what_the_sm80_pool_stores(monkeypatch):
 
     def swa_store(knob):
         monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", knob)
+        lab_rounding._items.cache_clear()
         pool = NS(swa_kv_pool=NS(kv_buffer=[dev(torch.zeros(2, 8 * 512, dtype=torch.bfloat16))]),
                   _swa_local_layer_id=lambda layer: layer)
         attention.bf16_swa_norm_rope_store(pool, 0, *dev(loc, kv, w), 1e-6, *dev(f, pos))
@@ -111,6 +124,7 @@ def test_hooks_round_what_the_sm80_pool_stores(monkeypatch):
 
     def row_store(knob):
         monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", knob)
+        lab_rounding._items.cache_clear()
         pool = NS(kv_buffer=[dev(torch.zeros(16, 512, dtype=torch.bfloat16))], qk_nope_head_dim=448, qk_rope_head_dim=64)
         attention.bf16_set_key_buffer_fused(pool, 0, *dev(loc, kv))
         return pool.kv_buffer[0].cpu()
@@ -213,6 +227,8 @@ def test_idx_replay_routes_the_indexer_to_sglangs_fp8_kernels(monkeypatch):
         return "native"
 
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "idx")
+
+    lab_rounding._items.cache_clear()
     assert attention.indexer_q_int8(original, "q", "w", 0.5, "f", "p") == "native" and calls[-1] == ("q", "w", 0.5, "f", "p")
     kv = torch.zeros(3, 128)
     cache = torch.zeros(2, 64 * 132, dtype=torch.uint8)
@@ -221,6 +237,7 @@ def test_idx_replay_routes_the_indexer_to_sglangs_fp8_kernels(monkeypatch):
     assert calls[-1]["bf16_store"] is False and calls[-1]["use_fp4"] is False and calls[-1]["kvcache"] is cache
     assert calls[-1]["page_size"] == 64
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "0")
+    lab_rounding._items.cache_clear()
     n = len(calls)
     with pytest.raises(Exception):  # the INT8 kernel rejects the stand-in arguments: the point is it ran
         attention.indexer_q_int8(original, torch.zeros(2, 3), "w", 0.5, "f", "p")
