@@ -81,8 +81,7 @@ def bf16_set_key_buffer_fused(self, layer_id: int, loc: torch.Tensor, cache_k: t
         raise TypeError(f"dsv4-sm80 attention: the BF16 KV pool takes bfloat16 rows, got {cache_k.dtype}")
     rows = cache_k.reshape(-1, _row_dim(self))
     if lab_rounding.kv_enabled() and rows.shape[-1] == HEAD_DIM:
-        rows = rows.clone()
-        rows[:, :lab_rounding.NOPE] = lab_rounding.fp8_pow2_tiles(rows[:, :lab_rounding.NOPE])
+        rows = lab_rounding.round_nope_(rows.clone())
     scatter_rows(rows, loc, self.kv_buffer[layer_id])
 
 

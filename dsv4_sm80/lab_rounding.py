@@ -43,7 +43,6 @@ FP8_MAX = 448.0
 EPS = 1e-4  # main_norm_rope.cuh / fused_norm_rope_v2.cuh (the Triton quant_k_cache.py, unused here, has 1e-8)
 ACT_GROUP = 128
 ACT_EPS = 1e-10
-_told = False
 
 
 def fp8_pow2_tiles(x: torch.Tensor, tile: int = TILE) -> torch.Tensor:
@@ -63,9 +62,13 @@ def kv_rows_(cache_rows: torch.Tensor, loc: torch.Tensor) -> None:
     loc = loc[loc >= 0]
     if loc.numel() == 0:
         return
-    rows = cache_rows.index_select(0, loc)
+    cache_rows.index_copy_(0, loc, round_nope_(cache_rows.index_select(0, loc)))
+
+
+def round_nope_(rows: torch.Tensor) -> torch.Tensor:
+    """[N, 512] key rows (a tensor of their own), the nope part rounded as native stores it; returns rows."""
     rows[:, :NOPE] = fp8_pow2_tiles(rows[:, :NOPE])
-    cache_rows.index_copy_(0, loc, rows)
+    return rows
 
 
 def fp8_act(x: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
@@ -94,11 +97,9 @@ def fp8_act_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Te
 def _items() -> frozenset:
     """Read once per process (the stores call this per layer; the environment does not change under a
     running server). Tests that change the knob call `_items.cache_clear()`."""
-    global _told
     raw = env.get(env.LAB_NATIVE_ROUNDING)
     chosen = frozenset() if raw == "0" else frozenset(raw.split(","))
-    if chosen and not _told:
-        _told = True
+    if chosen:  # once: the result is cached
         print(f"dsv4-sm80 LAB: DSV4_SM80_LAB_NATIVE_ROUNDING={raw}: native's FP8 roundings replayed "
               "(parity experiment; not a serving configuration)", file=sys.stderr, flush=True)
     return chosen
