@@ -324,3 +324,32 @@ def test_ensure_generates_once(tmp_path):
     stamp = os.path.getmtime(index)
     ensure(out, "unit", log=lambda *_: None)
     assert os.path.getmtime(index) == stamp
+
+
+def test_ensure_generates_once_under_concurrent_callers(tmp_path, monkeypatch):
+    """The GPU lanes start at once and all ensure the same checkpoint: one writes it, the others wait for it
+    (they would otherwise rewrite shards another process is reading)."""
+    import threading
+    import time
+
+    from dsv4_sm80.tiny import generate as gen
+
+    calls = []
+    real = gen.generate
+
+    def slow_generate(out_dir, config, **kw):
+        calls.append(out_dir)
+        time.sleep(0.3)
+        return real(out_dir, config, **kw)
+
+    monkeypatch.setattr(gen, "generate", slow_generate)
+    out = str(tmp_path / "c")
+    seen = []
+    workers = [threading.Thread(target=lambda: seen.append(
+        os.path.isfile(os.path.join(gen.ensure(out, "unit", log=lambda *_: None), "model.safetensors.index.json"))))
+        for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert calls == [out] and seen == [True, True, True]

@@ -8,6 +8,7 @@ TP size. The fixture of every test and the default model of `serve` in lab mode.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import zlib
@@ -139,9 +140,17 @@ def _random_mxfp4(spec: fmt.TensorSpec, seed: int) -> tuple[torch.Tensor, torch.
 
 def ensure(out_dir: str, preset: str = "tiny", vision: bool = False, **kw) -> str:
     """out_dir, generated from the preset first when it holds no checkpoint (the GPU scripts' first use);
-    keyword arguments go to `generate`."""
-    if not os.path.isfile(os.path.join(out_dir, "model.safetensors.index.json")):
-        generate(out_dir, tiny_config(PRESETS[preset], vision=vision), **kw)
+    keyword arguments go to `generate`. Processes started at once (one per GPU) generate it once: the first
+    holds a lock beside out_dir while it writes, the others wait and then find the index it wrote last."""
+    index = os.path.join(out_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        return out_dir
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    with open(os.path.abspath(out_dir) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(index):
+            generate(out_dir, tiny_config(PRESETS[preset], vision=vision), **kw)
     return out_dir
 
 
@@ -183,12 +192,15 @@ def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=p
             total += len(data)
         assert not pending_scale, pending_scale
         write_shard(os.path.join(out_dir, name), tensors)
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     if tokenizer:
         from .tokenizer import write_tokenizer
 
         write_tokenizer(out_dir, vocab)
+    # the index last and whole (renamed into place): `ensure` takes its presence for a finished checkpoint
+    index = os.path.join(out_dir, "model.safetensors.index.json")
+    with open(index + ".part", "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    os.replace(index + ".part", index)
     summary = {"dir": out_dir, "tensors": len(specs), "shards": n_shards, "bytes": total,
                "seed": seed, "head_scale": head_scale, "vision": fmt.has_vision(config),
                "fast_experts": fast_experts}

@@ -47,9 +47,11 @@
 #                                  (TP=2 steps.sh tp: the same at TP2 on the two-GPU kind, gate count overridden to 2)
 #                                  the floor teacher-forcing one sequence at a time),
 #                                  patched (tripwire), patched with DSPARK; CUDA graphs on; footprint per rank
+#   tests/gpu/steps.sh fault-tp    fault with TP=$TP (2): the last rank's scheduler killed
 #   tests/gpu/steps.sh par G0 G1.. each group (quoted, space-separated steps) on its own GPU, all at once;
 #                                  e.g. par "check kernels" moe-bench attn-bench wide
 #   tests/gpu/steps.sh bg G0 G1..  par, detached from a copy of the tree, into /tmp/res; returns at once
+#                                  (THEN="tp4 ...": steps after every group, one at a time, all GPUs visible)
 #   tests/gpu/steps.sh wait [S]    up to S s (500) for bg, then summaries and /tmp/res as $OUT/res-HHMMSS.tgz
 #                                  (JSON over 1 MB left out; the JIT tarball once bg is done)
 #   tests/gpu/steps.sh kernels     the kernel tests, compiled on this GPU against their CPU references
@@ -211,16 +213,20 @@ case ${1:?step} in
     # device calls then only wait on it (step wait), so GPU time is not lost between calls
     shift
     rm -rf /tmp/res /tmp/w && mkdir -p /tmp/res && cp -a . /tmp/w
-    setsid nohup bash -c 'cd /tmp/w && OUT=/tmp/res tests/gpu/steps.sh par "$@" > /tmp/res/par.out 2>&1; touch /tmp/res/DONE' \
+    # THEN="s1 s2": steps run after every group, one at a time, with all GPUs visible (e.g. tp4)
+    setsid nohup bash -c 'cd /tmp/w && export OUT=/tmp/res NO_JIT_TAR=1; tests/gpu/steps.sh par "$@" > /tmp/res/par.out 2>&1
+      for s in ${THEN:-}; do tests/gpu/steps.sh "$s" >> /tmp/res/then.txt 2>&1 || echo "=== $s: failed" >> /tmp/res/then.txt; done
+      NO_JIT_TAR= tests/gpu/steps.sh jitpack > /dev/null 2>&1; touch /tmp/res/DONE' \
       _ "$@" > /dev/null 2>&1 < /dev/null &
-    echo "bg: started on $# GPU group(s); results in /tmp/res (steps.sh wait SECONDS brings them back)"
+    echo "bg: started on $# GPU group(s)${THEN:+, then $THEN}; results in /tmp/res (steps.sh wait SECONDS brings them back)"
     exit 0 ;;
+  jitpack) ;;  # only the JIT cache tarball below
   wait)
     # up to $2 seconds (default 500) for the bg job, then its summaries and a tarball of /tmp/res into $OUT
     limit=${2:-500}; t0=$SECONDS
     while [ ! -f /tmp/res/DONE ] && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 5; done
     [ -f /tmp/res/DONE ] && echo "wait: bg job done" || echo "wait: bg job still running after ${limit} s"
-    for f in /tmp/res/par-*.txt; do
+    for f in /tmp/res/par-*.txt /tmp/res/then.txt; do
       [ -f "$f" ] || continue
       echo "##### $f"; grep -E "^(===|[a-z_]+: |  A/B|  OK|  FAIL|seq |prompt |confident|  +[0-9]+ +[0-9]+ \|)" "$f" | cut -c1-220 | tail -40
     done
@@ -231,14 +237,14 @@ case ${1:?step} in
   http)
     run http env $LAB timeout 560 python -u tests/gpu/http_check.py --out "$OUT/http.json" ;;
   http-vision)
-    run http-vision env $LAB DSV4_SM80_TRIPWIRE=1 timeout 560 python -u tests/gpu/http_check.py --vision \
+    run http-vision env $LAB DSV4_SM80_TRIPWIRE=1 timeout 560 python -u tests/gpu/http_check.py --vision --port 30223 \
       --out "$OUT/http-vision.json" ;;
   vision-ab)
-    run http-vision env $LAB DSV4_SM80_TRIPWIRE=1 timeout 280 python -u tests/gpu/http_check.py --vision \
+    run http-vision env $LAB DSV4_SM80_TRIPWIRE=1 timeout 280 python -u tests/gpu/http_check.py --vision --port 30223 \
       --out "$OUT/http-vision.json"
-    run http-vision-native timeout 280 python -u tests/gpu/http_check.py --vision --native \
+    run http-vision-native timeout 280 python -u tests/gpu/http_check.py --vision --port 30223 --native \
       --out "$OUT/http-vision-native.json" --compare "$OUT/http-vision.json"
-    run http-vision-chunked env $LAB DSV4_SM80_TRIPWIRE=1 timeout 280 python -u tests/gpu/http_check.py --vision \
+    run http-vision-chunked env $LAB DSV4_SM80_TRIPWIRE=1 timeout 280 python -u tests/gpu/http_check.py --vision --port 30223 \
       --chunked-prefill-size 256 --out "$OUT/http-vision-chunked.json" --compare "$OUT/http-vision.json" ;;
   vision)
     run vision env $LAB timeout 400 python -u tests/gpu/vision_check.py --out "$OUT/vision.json" ;;
@@ -248,6 +254,12 @@ case ${1:?step} in
       --out "$OUT/hygiene-dspark.json" ;;
   fault)
     run fault env $LAB timeout 400 python -u tests/gpu/fault_kill.py --out "$OUT/fault.json" ;;
+  fault-tp)
+    # the last TP rank's scheduler killed at TP=$TP (2 or 4; the gate's count is overridden below 4)
+    TP=${TP:-2}; LABN="ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_CC=9.0"
+    [ "$TP" = 4 ] || LABN="$LABN DSV4_SM80_LAB_GPU_COUNT=$TP"
+    run fault-tp$TP env $LABN timeout 400 python -u tests/gpu/fault_kill.py --tp $TP --rank $((TP - 1)) \
+      --out "$OUT/fault-tp$TP.json" ;;
   soak)
     run soak env $LAB timeout 560 python -u tests/gpu/soak.py --minutes ${SOAK_MIN:-4} --out "$OUT/soak.json" ;;
   soak-dspark)
