@@ -182,3 +182,32 @@ def test_visible_window_lists_against_brute_force():
                 assert torch.equal(ids[t, :128], causal[t, :128]) and int(new_lens[t]) == int(lens[t])
                 assert (ids[t, 128:] == -1).all()
             t += 1
+
+
+@pytest.mark.sglang
+def test_forward_places_images_only_in_extends(monkeypatch):
+    """A decode or verify batch keeps its requests' mm_inputs (contains_mm_inputs() is true) but has no extend
+    lengths: the VL forward hands it to the text forward, as SGLang's general_mm_embed_routine does. On the
+    H200 the first decode after an image prefill died in extend_image_spans(extend_prefix_lens_cpu=None)."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    def batch(mode, mm=True):
+        return SimpleNamespace(forward_mode=mode, contains_mm_inputs=lambda: mm, mm_inputs=[object()],
+                               extend_prefix_lens_cpu=None, extend_seq_lens_cpu=None)
+
+    places = {m.name for m in ForwardMode if M.embeds_images(batch(m))}
+    assert {"EXTEND", "MIXED"} <= places
+    assert not places & {"DECODE", "TARGET_VERIFY"}
+    assert not any(M.embeds_images(batch(m, mm=False)) for m in ForwardMode)
+
+    cls = M.vl_model_class()
+    text = cls.__mro__[1]
+    seen = []
+    monkeypatch.setattr(text, "forward", lambda self, ids, pos, fb, *rest: seen.append(fb.forward_mode.name) or "text")
+    vl = object.__new__(cls)
+    for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        assert cls.forward(vl, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), batch(mode)) == "text"
+    assert seen == ["DECODE", "TARGET_VERIFY"]

@@ -98,6 +98,15 @@ class VisionPart(nn.Module):
         return torch.cat([self.image_embeddings(it.feature, it.n_vit_h, it.n_vit_w, it.types, it.perm) for it in items])
 
 
+def embeds_images(forward_batch) -> bool:
+    """Whether this forward places image rows: an extend (prefill, chunk, mixed) of a batch with image inputs,
+    the condition of SGLang's own `general_mm_embed_routine` (mm_utils.py:1222-1226). A decode or verify
+    batch keeps its requests' mm_inputs but carries no extend lengths and no image positions (seen on the
+    H200: the first decode after an image prefill died on extend_prefix_lens_cpu=None)."""
+    mode = forward_batch.forward_mode
+    return not mode.is_decode() and not mode.is_target_verify() and forward_batch.contains_mm_inputs()
+
+
 class PartialImageBlock(RuntimeError):
     pass
 
@@ -189,7 +198,7 @@ def vl_model_class():
 
         @torch.no_grad()
         def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
-            if input_embeds is not None or not forward_batch.contains_mm_inputs():
+            if input_embeds is not None or not embeds_images(forward_batch):
                 return super().forward(input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors)
             from sglang.srt.managers.mm_utils import general_mm_embed_routine
 
