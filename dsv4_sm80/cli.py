@@ -152,6 +152,14 @@ def serve(args, rest) -> int:
         return 1
     if "WITHOUT" in bind.found:
         print(f"serve: {bind.line()}", file=sys.stderr)
+    # before SGLang parses its arguments: its DSV4 hook asserts on NEXTN (deepseek_v4_hook.py:55-59) before the
+    # in-launch gate (launch_gate.py) could name the reason, the missing e_proj/h_proj draft (seen on the H200)
+    algo = _flag_value(rest, "--speculative-algorithm")
+    if algo:
+        spec = compat_check.check_speculative(algo, compat_check.collect_model(model))
+        if spec.status == "fail":
+            print(f"serve: {spec.line()}", file=sys.stderr)
+            return 1
     launch_env = dict(os.environ)
     launch_env[env.PATCH.name] = "1"
     # The platform directory (sitecustomize, compat_check) first, then the patch body's directory.

@@ -107,6 +107,19 @@ def test_serve_refuses_an_open_bind_without_a_key(no_gpu, unit_ckpt):
     assert "server.bind" not in p.stderr
 
 
+def test_serve_refuses_nextn_before_sglang_parses_it(no_gpu, unit_ckpt):
+    """NEXTN on a checkpoint whose draft is DSPARK: refused by name before SGLang starts (SGLang's own DSV4
+    hook would only assert "Only EAGLE and DSPARK ..." first, as the H200 run showed); DSPARK goes on to the gate."""
+    for flag in (["--speculative-algorithm", "NEXTN"], ["--speculative-algorithm=eagle"]):
+        p = cli("serve", "--model-path", unit_ckpt, *flag)
+        assert p.returncode == 1, p.stderr
+        assert "serve: FAIL speculative.draft: found --speculative-algorithm" in p.stderr
+        assert "fix: use --speculative-algorithm DSPARK" in p.stderr
+        assert "== gate" not in p.stdout and "serve:" not in p.stdout
+    p = cli("serve", "--model-path", unit_ckpt, "--speculative-algorithm", "DSPARK")
+    assert "speculative.draft" not in p.stderr and "FAIL gpu.count" in p.stdout
+
+
 def test_redact_and_doctor_keep_secrets_out():
     from dsv4_sm80.cli import redact
 
