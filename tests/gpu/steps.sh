@@ -20,6 +20,10 @@
 #                                  batch-16 sequences, each against native with the floor beside it
 #   tests/gpu/steps.sh floor-ours  native with the SGLang options the SM80 bootstrap pins (top-k v1, no FlashMLA
 #                                  sparse prefill, offline compress) against default native, floor beside it
+#   tests/gpu/steps.sh floor-pins  native with each SGLang option the bootstrap pins, one at a time, vs default native
+#                                  (floor beside it): which of SGLang's own choices moves native (waits for $F16)
+#   tests/gpu/steps.sh parity-pinned native with every pin as the oracle, its one-at-a-time floor, then patched
+#                                  (marlin; roundings 0 / act / kv,act) against it (waits for $F16)
 #   tests/gpu/steps.sh parity-replay  parity's bf16+marlin with native's FP8 roundings replayed
 #                                  (DSV4_SM80_LAB_NATIVE_ROUNDING=kv, kv,act, kv,act,idx): their share of the gap
 #   tests/gpu/steps.sh graphs      patched with CUDA graphs vs patched eager (decode outputs)
@@ -64,6 +68,14 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} SGLANG_JIT_DEEPGEMM_PRECOMPILE=0
 LAB="ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0"
 ORACLE=${ORACLE:-.dev/oracle/native.json}
 rc=0
+pins() {  # NAME=VALUE of every SGLang option the SM80 bootstrap pins at import (dsv4_sm80/env.py)
+  python -c "from dsv4_sm80.env import IMPORT_TIME_DEFAULTS as D; print(' '.join(f'{d.name}={d.value}' for d in D))"
+}
+need() {  # wait (up to 20 min) for a file another GPU lane writes, e.g. the floor's native16b.json
+  local t=0
+  while [ ! -f "$1" ] && [ $t -lt 1200 ]; do sleep 10; t=$((t + 10)); done
+  [ -f "$1" ] || echo "=== need: $1 never appeared"
+}
 run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
@@ -134,6 +146,34 @@ case ${1:?step} in
       SGLANG_OPT_USE_ONLINE_COMPRESS=0 timeout 280 python tests/gpu/engine_bed.py --out "$OUT/native16-ours.json" \
       --lengths 20,300,3000,20000 --batch 16 --teacher-from "$N16"
     python tests/gpu/compare.py "$N16" "$OUT/native16-ours.json" --floor "$F16" | tee -a "$OUT/native16-ours.log" ;;
+  floor-pins)
+    # native with each SGLang option the SM80 bootstrap pins (dsv4_sm80/env.py IMPORT_TIME_DEFAULTS), one at a
+    # time, against default native with the floor beside it: how far each of SGLang's own choices moves native
+    N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}; need "$F16"
+    for kv in $(pins); do
+      n=${kv%%=*}
+      run "pin-$n" env ENABLE_SGLANG_DSV4_A100_PATCH=0 $kv timeout 280 python tests/gpu/engine_bed.py \
+        --out "$OUT/pin-$n.json" --lengths 20,300,3000,20000 --batch 16 --teacher-from "$N16"
+      python tests/gpu/compare.py "$N16" "$OUT/pin-$n.json" --floor "$F16" | tee -a "$OUT/pin-$n.log" | grep verdict
+    done ;;
+  parity-pinned)
+    # the oracle the SM80 path can be held to: native with every pin (SGLang's own options an SM80 run must
+    # take), its floor (one sequence at a time), then patched with marlin experts, as is and with native's
+    # FP8 roundings replayed, against it
+    N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}; need "$F16"
+    B16="--lengths 20,300,3000,20000 --batch 16"; P=$OUT/native16-pinned.json
+    run native16-pinned env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(pins) timeout 280 python tests/gpu/engine_bed.py \
+      --out "$P" $B16 --teacher-from "$N16"
+    run native16-pinned-b env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(pins) timeout 280 python tests/gpu/engine_bed.py \
+      --out "$OUT/native16-pinned-b.json" $B16 --teacher-from "$P" --teacher-mode alone
+    python tests/gpu/compare.py "$P" "$OUT/native16-pinned-b.json" | tee -a "$OUT/native16-pinned-b.log"
+    for nr in 0 act kv,act; do
+      run "parity-pinned-${nr//,/-}" env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=$nr \
+        SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 python tests/gpu/engine_bed.py \
+        --out "$OUT/parity-pinned-${nr//,/-}.json" $B16 --teacher-from "$P"
+      python tests/gpu/compare.py "$P" "$OUT/parity-pinned-${nr//,/-}.json" --floor "$OUT/native16-pinned-b.json" \
+        | tee -a "$OUT/parity-pinned-${nr//,/-}.log"
+    done ;;
   parity-replay)
     # native's FP8 roundings replayed on the SM80 path (dsv4_sm80/lab_rounding.py): does the gap fall to the floor?
     N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}
@@ -170,11 +210,11 @@ case ${1:?step} in
     # the full-width checkpoint (step wide first): native, native teacher-forcing one sequence at a time (the
     # floor), patched with the tripwire; the whole model at DSV4-Flash width on one GPU
     W="--ckpt /tmp/dsv4-wide --preset wide --lengths 20,300,3000 --batch 8 --max-new 16"
-    run wide-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 400 python tests/gpu/engine_bed.py \
+    run wide-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 900 python tests/gpu/engine_bed.py \
       --out "$OUT/wide-native.json" $W
-    run wide-native-b env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 400 python tests/gpu/engine_bed.py \
+    run wide-native-b env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 900 python tests/gpu/engine_bed.py \
       --out "$OUT/wide-native-b.json" $W --teacher-from "$OUT/wide-native.json" --teacher-mode alone
-    run wide-patched env $LAB DSV4_SM80_TRIPWIRE=1 timeout 400 python tests/gpu/engine_bed.py \
+    run wide-patched env $LAB DSV4_SM80_TRIPWIRE=1 timeout 900 python tests/gpu/engine_bed.py \
       --out "$OUT/wide-patched.json" $W --teacher-from "$OUT/wide-native.json"
     python tests/gpu/compare.py "$OUT/wide-native.json" "$OUT/wide-patched.json" --floor "$OUT/wide-native-b.json" \
       | tee -a "$OUT/wide-patched.log" ;;
