@@ -27,6 +27,11 @@ def install(environ=None) -> dict:
         return state
     if state["enabled"]:
         state["defaults_set"] = env.apply_import_time_defaults(environ)
+        if "TRITON_CACHE_MANAGER" not in environ:  # a full disk named (triton_cache.py); a user's choice stays
+            from .jitcache import TRITON_CACHE_MANAGER
+
+            environ["TRITON_CACHE_MANAGER"] = TRITON_CACHE_MANAGER
+            state["defaults_set"]["TRITON_CACHE_MANAGER"] = TRITON_CACHE_MANAGER
     else:  # the vision overlay alone on native SGLang: its image window rides FlashMLA's SWA lists, which
         # the native sparse-prefill branch (on by default) rebuilds without it (vision_backport/window.py)
         if env.NATIVE_VISION_PREFILL.name not in environ:

@@ -10,6 +10,8 @@ disk that fills half-way through shows up deep in a compiler as a linker or ninj
 - `load_jit_clear_disk_error` (seam `jit.disk_full`, around SGLang's `load_jit`): a build that fails
   because the disk is full is re-raised as `JitCacheFull`, naming the module, the directory, what is
   free and what to do, instead of the compiler's output.
+- `triton_cache.DiskFullClearCacheManager` (Triton's own `TRITON_CACHE_MANAGER` hook, set by the
+  bootstrap): the same for a Triton kernel file that cannot be written.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from typing import Mapping, Optional
+
+# Triton's cache class while the patch is on (set by the bootstrap unless the user chose one): its writes that
+# fail for lack of space raise JitCacheFull too (triton_cache.py; named here, where no Triton is imported)
+TRITON_CACHE_MANAGER = "dsv4_sm80.triton_cache:DiskFullClearCacheManager"
 
 MIN_FREE_BYTES = 1 << 30  # 1 GiB: ~9x what a cold start of the tiny model wrote (117 MB)
 

@@ -120,3 +120,40 @@ def test_caches_resolved_in_the_launch_environment(tmp_path):
     """serve runs the gate with the environment it will launch in: its cache variables count, not ours."""
     f = cc.collect(patch_environ={"TRITON_CACHE_DIR": str(tmp_path / "t"), "TVM_FFI_CACHE_DIR": str(tmp_path)})
     assert {d.path for d in f.jit} >= {str(tmp_path / "t"), str(tmp_path)}
+
+
+TRITON_FULL = r"""
+import errno, json, os
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dsv4_sm80.kernels import indexer_int8 as ix
+
+def full(src, dst):  # every atomic rename into the cache fails as on a full disk
+    raise OSError(errno.ENOSPC, "No space left on device")
+os.replace = full
+try:
+    triton.compile(ASTSource(fn=ix._store_index_k_kernel, signature={"x_ptr": "*fp32", "stride_x": "i32",
+                   "loc_ptr": "*i32", "cache_ptr": "*i8", "cache_f32_ptr": "*fp32"}, constexprs={}),
+                   target=GPUTarget("cuda", 80, 32), options={"num_warps": 4})
+    out = "compiled?"
+except BaseException as e:
+    out = f"{type(e).__name__}: {e}"
+print(json.dumps({"out": out, "manager": os.environ.get("TRITON_CACHE_MANAGER")}))
+"""
+
+
+def test_triton_cache_write_on_a_full_disk_is_named(tmp_path):
+    """A Triton kernel (ours, compiled for sm_80) whose cache write fails for lack of space: with the patch on
+    the bootstrap's cache class (Triton's TRITON_CACHE_MANAGER hook) names jit.disk_full, the file, the
+    directory and the fix; off, Triton's bare OSError. A user's own cache class is left alone."""
+    on = last_json(run_python(TRITON_FULL, TRITON_INTERPRET="0", ENABLE_SGLANG_DSV4_A100_PATCH="1", TRITON_CACHE_DIR=str(tmp_path / "on")))
+    assert on["manager"] == jitcache.TRITON_CACHE_MANAGER
+    assert on["out"].startswith("JitCacheFull: dsv4-sm80 jit.disk_full: writing Triton kernel file"), on
+    assert str(tmp_path / "on") in on["out"] and "TRITON_CACHE_DIR" in on["out"] and "GiB free" in on["out"]
+    off = last_json(run_python(TRITON_FULL, TRITON_INTERPRET="0", ENABLE_SGLANG_DSV4_A100_PATCH="0", TRITON_CACHE_DIR=str(tmp_path / "off")))
+    assert off["manager"] is None and off["out"].startswith("OSError: [Errno 28]"), off
+    mine = "triton.runtime.cache:FileCacheManager"
+    user = last_json(run_python(TRITON_FULL, TRITON_INTERPRET="0", ENABLE_SGLANG_DSV4_A100_PATCH="1", TRITON_CACHE_MANAGER=mine,
+                                TRITON_CACHE_DIR=str(tmp_path / "user")))
+    assert user["manager"] == mine and user["out"].startswith("OSError: [Errno 28]"), user
