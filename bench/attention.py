@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", default="8192,32768")
     ap.add_argument("--no-native", action="store_true")
     ap.add_argument("--variants", action="store_true",
-                    help="also time split counts x0.5 / x2, BLOCK_N 64 and 8 warps per decode shape")
+                    help="also time split counts x0.5 / x2, BLOCK_N 64, 8 warps and the prefetching loop per decode shape")
     args = ap.parse_args(argv)
 
     import torch
@@ -128,7 +128,9 @@ def main(argv=None) -> int:
                     alts = {f"splits {max(1, splits // 2)}": dict(splits=max(1, splits // 2)),
                             f"splits {min(64, splits * 2)}": dict(splits=min(64, splits * 2)),
                             "block_n 64": dict(splits=splits, block_n=64),
-                            "8 warps": dict(splits=splits, num_warps=8)}
+                            "8 warps": dict(splits=splits, num_warps=8),
+                            "prefetch": dict(splits=splits, prefetch=True),
+                            "prefetch 8 warps": dict(splits=splits, prefetch=True, num_warps=8)}
                     row["variants_us"] = {}
                     for name, kw in alts.items():
                         try:

@@ -44,11 +44,11 @@ def setup(t=5, hpad=32, slots=300, swa_w=128, ext_w=0, seed=0, lens=None, ext_le
     return q, swa, swa_ids, swa_lens, extra, (ext_ids if ext_w else None), (ext_lens if ext_w else None), sink
 
 
-def check(k, args, heads, use_sink, splits, block_n=32):
+def check(k, args, heads, use_sink, splits, block_n=32, prefetch=False):
     q, swa, swa_ids, swa_lens, extra, ext_ids, ext_lens, sink = args
     out = dev(torch.full_like(q, 7.0))  # rows past `heads` must stay untouched
     k.sparse_attn(*dev(q, swa, swa_ids, swa_lens, extra, ext_ids, ext_lens, sink if use_sink else None),
-                  heads=heads, splits=splits, block_n=block_n, out=out)
+                  heads=heads, splits=splits, block_n=block_n, prefetch=prefetch, out=out)
     out = out.cpu()
     want = sparse_attn_ref(q[:, :heads], swa, swa_ids, swa_lens, extra, ext_ids, ext_lens,
                            sink[:heads] if use_sink else None)
@@ -63,6 +63,17 @@ def check(k, args, heads, use_sink, splits, block_n=32):
 @pytest.mark.parametrize("splits", [1, 3])
 def test_matches_reference(k, ext_w, use_sink, splits):
     check(k, setup(t=4, ext_w=ext_w, seed=ext_w + splits), heads=20, use_sink=use_sink, splits=splits)
+
+
+@pytest.mark.parametrize("ext_w", [0, 77], ids=["ratio0-swa-only", "c128-all"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_prefetch_variant_matches_reference(k, ext_w, splits):
+    """The bench variant that issues the next list step's loads first: same math, odd and empty lists."""
+    check(k, setup(t=4, ext_w=ext_w, seed=11 + ext_w + splits), heads=20, use_sink=True, splits=splits,
+          block_n=16, prefetch=True)
+    args = setup(t=3, ext_w=16, lens=[0, 5, 0], ext_lens=[0, 0, 3], seed=3)
+    out, _ = check(k, args, heads=16, use_sink=False, splits=splits, prefetch=True)
+    assert (out[0, :16] == 0).all()
 
 
 def test_empty_key_sets_give_zero(k):
@@ -99,18 +110,20 @@ main_sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32",
             "ext_ptr": "*bf16", "ext_ids_ptr": "*i32", "stride_ext_ids": "i32", "ext_lens_ptr": "*i32", "ext_width": "i32",
             "sink_ptr": "*fp32", "o_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32", "ws_acc_ptr": "*fp32",
             "ws_ml_ptr": "*fp32", "heads": "i32", "scale": "fp32", "HAS_EXTRA": "constexpr", "HAS_SINK": "constexpr",
-            "SPLITS": "constexpr", "D": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "DOT_F32": "constexpr"}
+            "SPLITS": "constexpr", "D": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "DOT_F32": "constexpr",
+            "PREFETCH": "constexpr"}
 comb_sig = {"ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32", "sink_ptr": "*fp32", "o_ptr": "*bf16", "stride_ot": "i32",
             "stride_oh": "i32", "heads": "i32", "HAS_SINK": "constexpr", "SPLITS": "constexpr", "D": "constexpr",
             "BLOCK_H": "constexpr", "BLOCK_D": "constexpr"}
 out = {}
 target = GPUTarget("cuda", 80, 32)
-for splits in (1, 8):
-    c = dict(HAS_EXTRA=True, HAS_SINK=True, SPLITS=splits, D=512, BLOCK_H=16, BLOCK_N=32, DOT_F32=False)
+for splits, prefetch in ((1, False), (8, False), (8, True)):
+    c = dict(HAS_EXTRA=True, HAS_SINK=True, SPLITS=splits, D=512, BLOCK_H=16, BLOCK_N=32, DOT_F32=False,
+             PREFETCH=prefetch)
     r = triton.compile(ASTSource(fn=k._sparse_attn_kernel, signature=main_sig, constexprs=c), target=target,
                        options={"num_warps": 4, "num_stages": 2})
     ptx = r.asm["ptx"]
-    out[f"main-splits{splits}"] = {"sm80": ".target sm_80" in ptx, "bf16_mma": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx,
+    out[f"main-splits{splits}" + ("-prefetch" if prefetch else "")] = {"sm80": ".target sm_80" in ptx, "bf16_mma": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx,
                                     "fp8": "e4m3" in ptx or "e5m2" in ptx, "shared": r.metadata.shared}
 r = triton.compile(ASTSource(fn=k._combine_kernel, signature=comb_sig,
                              constexprs=dict(HAS_SINK=True, SPLITS=8, D=512, BLOCK_H=16, BLOCK_D=k.COMBINE_D)), target=target,
@@ -126,7 +139,7 @@ def test_compiles_for_sm80():
     from conftest import last_json, run_python
 
     out = last_json(run_python(COMPILE, TRITON_INTERPRET="0"))
-    assert set(out) == {"main-splits1", "main-splits8", "combine"}
+    assert set(out) == {"main-splits1", "main-splits8", "main-splits8-prefetch", "combine"}
     for name, r in out.items():
         assert r["sm80"] and r["bf16_mma"] and not r["fp8"], (name, r)
         assert r["shared"] <= 163 * 1024, (name, r)

@@ -32,20 +32,35 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
+def _gather_rows(cache_ptr, ids_ptr, j0, hi, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """List entries [j0, j0 + BLOCK_N) below hi: their key rows (zeros where invalid) and validity."""
+    offs_j = j0 + tl.arange(0, BLOCK_N)
+    in_range = offs_j < hi
+    ids = tl.load(ids_ptr + offs_j, mask=in_range, other=-1)
+    ok = in_range & (ids >= 0)
+    rows = tl.where(ok, ids, 0).to(tl.int64)
+    k = tl.load(cache_ptr + rows[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
+    return k, ok
+
+
+@triton.jit
 def _stream_list(q, m, l, acc, cache_ptr, ids_ptr, n, split, scale,
-                 SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
-    """Fold this split's share of one index list into the running (m, l, acc)."""
+                 SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+                 PREFETCH: tl.constexpr):
+    """Fold this split's share of one index list into the running (m, l, acc). PREFETCH: the next step's
+    index load and row gather are issued before this step's math (two dependent memory round trips per
+    step otherwise serialise with it: the batch-1 decode latency, docs/attention.md); a bench variant."""
     chunk = (n + SPLITS - 1) // SPLITS
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n)
-    offs_d = tl.arange(0, D)
+    if PREFETCH:
+        k_next, ok_next = _gather_rows(cache_ptr, ids_ptr, lo, hi, D, BLOCK_N)
     for j0 in range(lo, hi, BLOCK_N):
-        offs_j = j0 + tl.arange(0, BLOCK_N)
-        in_range = offs_j < hi
-        ids = tl.load(ids_ptr + offs_j, mask=in_range, other=-1)
-        ok = in_range & (ids >= 0)
-        rows = tl.where(ok, ids, 0).to(tl.int64)
-        k = tl.load(cache_ptr + rows[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        if PREFETCH:
+            k, ok = k_next, ok_next
+            k_next, ok_next = _gather_rows(cache_ptr, ids_ptr, j0 + BLOCK_N, hi, D, BLOCK_N)  # masked past hi
+        else:
+            k, ok = _gather_rows(cache_ptr, ids_ptr, j0, hi, D, BLOCK_N)
         if DOT_F32:  # Triton's CPU interpreter mis-multiplies BF16 operands; same math in fp32
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
         else:
@@ -73,6 +88,7 @@ def _sparse_attn_kernel(
     heads, scale,
     HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLITS: tl.constexpr,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -87,11 +103,11 @@ def _sparse_attn_kernel(
     acc = tl.zeros((BLOCK_H, D), tl.float32)
     n_swa = tl.minimum(tl.load(swa_lens_ptr + t), swa_width)
     m, l, acc = _stream_list(q, m, l, acc, swa_ptr, swa_ids_ptr + t * stride_swa_ids, n_swa, split, scale,
-                             SPLITS, D, BLOCK_N, DOT_F32)
+                             SPLITS, D, BLOCK_N, DOT_F32, PREFETCH)
     if HAS_EXTRA:
         n_ext = tl.minimum(tl.load(ext_lens_ptr + t), ext_width)
         m, l, acc = _stream_list(q, m, l, acc, ext_ptr, ext_ids_ptr + t * stride_ext_ids, n_ext, split, scale,
-                                 SPLITS, D, BLOCK_N, DOT_F32)
+                                 SPLITS, D, BLOCK_N, DOT_F32, PREFETCH)
 
     if SPLITS == 1:
         if HAS_SINK:
@@ -170,11 +186,12 @@ def _sm_count(index: int) -> int:
 
 def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=None, extra_lens=None, sink=None,
                 *, scale: float = HEAD_DIM ** -0.5, heads: int | None = None, splits: int | None = 1,
-                block_n: int = 32,
+                block_n: int = 32, prefetch: bool = False,
                 out: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """o [T, Hpad, 512] (BF16) for q [T, Hpad, 512]; caches [slots, 512] BF16; ids [T, W] int32 slots;
     lens [T] int32; sink [>= heads] fp32. Only the first `heads` heads are computed (default all).
-    splits=None picks `default_splits` from the static shapes."""
+    splits=None picks `default_splits` from the static shapes. prefetch: the next list step's loads are issued
+    before this step's math (off: not yet measured faster; `bench/attention.py --variants`)."""
     t_total, hpad, dim = q.shape
     if dim != HEAD_DIM or swa_cache.shape[-1] != HEAD_DIM:
         raise ValueError(f"head dim must be {HEAD_DIM}, got q {dim}, cache {swa_cache.shape[-1]}")
@@ -202,7 +219,7 @@ def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=Non
         sink_arg, out, out.stride(0), out.stride(1), ws_acc, ws_ml,
         heads, float(scale),
         HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLITS=splits, D=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_N=block_n,
-        DOT_F32=_INTERPRETED, num_warps=num_warps, num_stages=num_stages,
+        DOT_F32=_INTERPRETED, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _combine_kernel[(t_total, triton.cdiv(heads, BLOCK_H), HEAD_DIM // COMBINE_D)](
