@@ -238,6 +238,11 @@ def model_bytes(model) -> dict:
     return {"weights": rest, "vision": vision}
 
 
+def _size(n: int) -> str:
+    """GiB, or MiB below a tenth of one (a small vision tower printed 0.00 GiB on the H200)."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / (1 << 20):.1f} MiB"
+
+
 def startup_line(runner) -> str:
     """One line for one ModelRunner after its CUDA graphs: weights, vision, KV pool, graphs, free memory."""
     import torch
@@ -246,10 +251,12 @@ def startup_line(runner) -> str:
     m = model_bytes(runner.model)
     pool = getattr(runner, "token_to_kv_pool", None)
     kv = _unique_bytes(tensors_of(pool), set()) if pool is not None else 0
-    graphs = float(getattr(runner, "graph_mem_usage", 0.0) or 0.0)  # GB, as SGLang measures it
-    parts = [f"weights {m['weights'] / GIB:.2f} GiB" + (f" (+ vision {m['vision'] / GIB:.2f} GiB)" if m["vision"] else ""),
+    # SGLang's own figure: free memory before minus after the capture in units of 2^30 bytes (utils/common.py
+    # get_available_gpu_memory), which its log labels "GB"
+    graphs = float(getattr(runner, "graph_mem_usage", 0.0) or 0.0)
+    parts = [f"weights {m['weights'] / GIB:.2f} GiB" + (f" (+ vision {_size(m['vision'])})" if m["vision"] else ""),
              f"KV pool {kv / GIB:.2f} GiB ({getattr(runner, 'max_total_num_tokens', 0):,} tokens)",
-             f"CUDA graphs {graphs:.2f} GB"]
+             f"CUDA graphs {graphs:.2f} GiB"]
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         parts.append(f"free {free / GIB:.2f} of {total / GIB:.2f} GiB")

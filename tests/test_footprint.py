@@ -114,7 +114,7 @@ def test_startup_report_counts_weights_pool_and_graphs(capsys):
     runner = types.SimpleNamespace(model=model, token_to_kv_pool=pool, graph_mem_usage=1.25,
                                    max_total_num_tokens=4096, is_draft_worker=True, tp_rank=2)
     line = fp.startup_line(runner)
-    assert line.startswith("[rank 2] dsv4-sm80 footprint (draft): weights 0.00 GiB (+ vision 0.00 GiB), KV pool")
-    assert "(4,096 tokens), CUDA graphs 1.25 GB" in line
+    assert line.startswith("[rank 2] dsv4-sm80 footprint (draft): weights 0.00 GiB (+ vision 1.0 MiB), KV pool")
+    assert "(4,096 tokens), CUDA graphs 1.25 GiB" in line  # SGLang's figure is in 2^30 bytes
     fp.log_startup(None, types.SimpleNamespace())  # nothing to report: a message, not an exception
     assert "dsv4-sm80 footprint: not available (AttributeError" in capsys.readouterr().err
