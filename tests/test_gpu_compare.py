@@ -81,3 +81,28 @@ def test_floor_verdict(tmp_path, capsys):
     assert verdict("near").endswith("-> within the floor") and "on 1 of 1 sequences" in verdict("near")
     v = verdict("far")
     assert v.endswith("-> NOT within the floor") and "on 0 of 1 sequences" in v
+
+
+def test_several_floors_the_widest_counts(tmp_path, capsys):
+    """--floor repeated (batch composition, another machine): per sequence the widest floor counts, and the
+    confident margin is calibrated on the runs pooled."""
+    import json
+
+    margins = [i / 10 for i in range(100)]
+    a, tight = _run(margins, [True] * 100)  # the batch-composition rerun: identical
+    _, machine = _run(margins, [m > 0.45 for m in margins])  # another machine flips the low margins
+    _, patched = _run(margins, [m > 0.25 for m in margins])  # flips fewer than the machine does
+    rows = compare.floor_rows(a, [tight, machine], 0.5)
+    assert rows[0]["kl_mean"] == compare.compare(a, machine)[0]["kl_mean"] > 0 and rows[0]["length"] == 101
+    assert compare.calibrate_margin(a, [tight, machine], min_positions=20)[:3:2] == (0.3, 192)  # pooled: 1 flip in 192
+    paths = {}
+    for name, rec in (("a", a), ("tight", tight), ("machine", machine), ("patched", patched)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(dict(rec, prompts=[])))
+
+    def verdict(*floors):
+        compare.main([str(paths["a"]), str(paths["patched"])] + [x for f in floors for x in ("--floor", str(paths[f]))])
+        return [x for x in capsys.readouterr().out.splitlines() if x.startswith("verdict:")][0]
+
+    assert verdict("tight").endswith("NOT within the floor")
+    assert verdict("tight", "machine").endswith("-> within the floor")

@@ -10,7 +10,8 @@ Metrics per sequence (the measure "same output as native" is judged by, see ../s
 The records must hold the same sequences (run the second with --teacher-from the first).
 
 With --floor NATIVE2 (a second native run on the same sequences: another process, machine or batch
-composition), the native path's own noise is measured the same way and printed beside each figure, and
+composition; repeatable, the widest per sequence counts), the native path's own noise is measured the same
+way and printed beside each figure, and
 the confident-position margin is calibrated on it: the smallest margin (nats, top-1 minus top-2 of the
 first record) at which the two native runs agree on at least --agree (99 %) of the top-1s, over at least
 --min-positions positions. The other record's top-1 agreement is then reported at that margin.
@@ -73,11 +74,13 @@ def _margins_and_agreement(a: dict, b: dict):
     return out
 
 
-def calibrate_margin(a: dict, floor: dict, agree: float = 0.99, min_positions: int = 20):
-    """The smallest margin at which `a` and `floor` (two runs of the same path) agree on >= `agree` of
-    the top-1s at positions whose margin exceeds it, with at least `min_positions` such positions.
-    Returns (margin, agreement, positions), or None when no margin qualifies."""
-    pts = sorted(_margins_and_agreement(a, floor), reverse=True)  # largest margin first
+def calibrate_margin(a: dict, floor, agree: float = 0.99, min_positions: int = 20):
+    """The smallest margin at which `a` and `floor` (two runs of the same path; or a list of such runs,
+    their positions pooled) agree on >= `agree` of the top-1s at positions whose margin exceeds it, with
+    at least `min_positions` such positions. Returns (margin, agreement, positions), or None when no
+    margin qualifies."""
+    floors = floor if isinstance(floor, list) else [floor]
+    pts = sorted((p for f in floors for p in _margins_and_agreement(a, f)), reverse=True)  # largest margin first
     best, agreeing = None, 0
     for i, (m, same) in enumerate(pts):
         agreeing += same
@@ -87,6 +90,14 @@ def calibrate_margin(a: dict, floor: dict, agree: float = 0.99, min_positions: i
             nxt = pts[i + 1][0] if i + 1 < len(pts) else 0.0
             best = (nxt, agreeing / n, n)  # positions with margin > nxt are exactly these n
     return best
+
+
+def floor_rows(a: dict, floors: list, margin: float) -> list[dict]:
+    """Per sequence, the widest of several floors (each a run of a's path on the same sequences: another
+    batch composition, another machine): every metric at its maximum over them."""
+    rows = [compare(a, f, margin) for f in floors]
+    return [{k: (max(r[k] for r in per_seq) if isinstance(per_seq[0][k], float) else per_seq[0][k])
+             for k in per_seq[0]} for per_seq in zip(*rows)]
 
 
 def agreement_above(a: dict, b: dict, margin: float):
@@ -99,13 +110,15 @@ def main(argv=None) -> int:
     ap.add_argument("a")
     ap.add_argument("b")
     ap.add_argument("--margin", type=float, default=0.5)
-    ap.add_argument("--floor", help="a second run of a's path on the same sequences: the noise floor")
+    ap.add_argument("--floor", action="append",
+                    help="a second run of a's path on the same sequences: the noise floor; repeat it for several "
+                         "(another batch composition, another machine): the widest counts, per sequence")
     ap.add_argument("--agree", type=float, default=0.99)
     ap.add_argument("--min-positions", type=int, default=20)
     args = ap.parse_args(argv)
     a, b = json.load(open(args.a)), json.load(open(args.b))
     if args.floor:
-        fl = json.load(open(args.floor))
+        fl = [json.load(open(p)) for p in args.floor]
         cal = calibrate_margin(a, fl, args.agree, args.min_positions)
         if cal is None:
             print(f"floor: no margin gives {100 * args.agree:.0f}% native-vs-native top-1 agreement over "
@@ -116,7 +129,7 @@ def main(argv=None) -> int:
             print(f"confident positions: margin > {m:.3f} nats (native vs native agree {100 * agree_floor:.2f}% "
                   f"of {n_floor}); this record agrees {100 * agree_b:.2f}% of {n_b}")
         ratios = []
-        for r, f in zip(compare(a, b, args.margin), compare(a, fl, args.margin)):
+        for r, f in zip(compare(a, b, args.margin), floor_rows(a, fl, args.margin)):
             ratios.append(r["kl_mean"] / f["kl_mean"] if f["kl_mean"] > 0 else float("inf") if r["kl_mean"] else 1.0)
             print(f"seq {r['length']:5d}: KL mean {r['kl_mean']:.4f} (floor {f['kl_mean']:.4f}) max {r['kl_max']:.4f} "
                   f"(floor {f['kl_max']:.4f}); top-1 disagree {100 * r['top1_disagree']:.1f}% (floor "

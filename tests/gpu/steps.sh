@@ -71,6 +71,10 @@ rc=0
 pins() {  # NAME=VALUE of every SGLang option the SM80 bootstrap pins at import (dsv4_sm80/env.py)
   python -c "from dsv4_sm80.env import IMPORT_TIME_DEFAULTS as D; print(' '.join(f'{d.name}={d.value}' for d in D))"
 }
+floors() {  # the floors a native16-based comparison is held to: batch composition, and another machine if run
+  echo "--floor $F16"
+  [ -f "$OUT/native16-prev.json" ] && echo "--floor $OUT/native16-prev.json"
+}
 need() {  # wait (up to 20 min) for a file another GPU lane writes, e.g. the floor's native16b.json
   local t=0
   while [ ! -f "$1" ] && [ $t -lt 1200 ]; do sleep 10; t=$((t + 10)); done
@@ -122,9 +126,17 @@ case ${1:?step} in
   attn-bench)
     run attn-bench timeout 500 python bench/attention.py --variants --out "$OUT/attention.json" ;;
   floor)
-    B16="--lengths 20,300,3000,20000 --batch 16"
+    # N16_FROM=an earlier machine's native16.json(.xz): this machine's native run teacher-forces its sequences in
+    # the same batch, so that pair is the across-machines floor (kept as $OUT/native16-prev.json; X16 below)
+    B16="--lengths 20,300,3000,20000 --batch 16"; TF=""
+    if [ -n "${N16_FROM:-}" ]; then
+      case $N16_FROM in *.xz) xz -dc "$N16_FROM" > "$OUT/native16-prev.json" ;; *) cp "$N16_FROM" "$OUT/native16-prev.json" ;; esac
+      TF="--teacher-from $OUT/native16-prev.json"
+    fi
     run native16 env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 280 \
-      python tests/gpu/engine_bed.py --out "$OUT/native16.json" $B16
+      python tests/gpu/engine_bed.py --out "$OUT/native16.json" $B16 $TF
+    [ -n "$TF" ] && python tests/gpu/compare.py "$OUT/native16.json" "$OUT/native16-prev.json" \
+      | tee -a "$OUT/native16-machines.log"
     run native16b env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 280 \
       python tests/gpu/engine_bed.py --out "$OUT/native16b.json" $B16 --teacher-from "$OUT/native16.json" \
       --teacher-mode alone
@@ -136,7 +148,7 @@ case ${1:?step} in
       run "parity-$d-$b" env $LAB DSV4_SM80_TRIPWIRE=1 SGLANG_DSV4_A100_DENSE=$d SGLANG_DSV4_MXFP4_MOE_BACKEND=$b \
         timeout 200 python tests/gpu/engine_bed.py --out "$OUT/parity-$d-$b.json" --lengths 20,300,3000,20000 \
         --batch 16 --teacher-from "$N16"
-      python tests/gpu/compare.py "$N16" "$OUT/parity-$d-$b.json" --floor "$F16" | tee -a "$OUT/parity-$d-$b.log"
+      python tests/gpu/compare.py "$N16" "$OUT/parity-$d-$b.json" $(floors) | tee -a "$OUT/parity-$d-$b.log"
     done ;;
   floor-ours)
     # native itself with the SGLang choices the SM80 bootstrap pins (top-k v1, no FlashMLA sparse prefill, offline
@@ -145,7 +157,7 @@ case ${1:?step} in
     run native16-ours env ENABLE_SGLANG_DSV4_A100_PATCH=0 SGLANG_OPT_USE_TOPK_V2=0 SGLANG_OPT_FLASHMLA_SPARSE_PREFILL=0 \
       SGLANG_OPT_USE_ONLINE_COMPRESS=0 timeout 280 python tests/gpu/engine_bed.py --out "$OUT/native16-ours.json" \
       --lengths 20,300,3000,20000 --batch 16 --teacher-from "$N16"
-    python tests/gpu/compare.py "$N16" "$OUT/native16-ours.json" --floor "$F16" | tee -a "$OUT/native16-ours.log" ;;
+    python tests/gpu/compare.py "$N16" "$OUT/native16-ours.json" $(floors) | tee -a "$OUT/native16-ours.log" ;;
   floor-pins)
     # native with each SGLang option the SM80 bootstrap pins (dsv4_sm80/env.py IMPORT_TIME_DEFAULTS), one at a
     # time, against default native with the floor beside it: how far each of SGLang's own choices moves native
@@ -154,7 +166,7 @@ case ${1:?step} in
       n=${kv%%=*}
       run "pin-$n" env ENABLE_SGLANG_DSV4_A100_PATCH=0 $kv timeout 280 python tests/gpu/engine_bed.py \
         --out "$OUT/pin-$n.json" --lengths 20,300,3000,20000 --batch 16 --teacher-from "$N16"
-      python tests/gpu/compare.py "$N16" "$OUT/pin-$n.json" --floor "$F16" | tee -a "$OUT/pin-$n.log" | grep verdict
+      python tests/gpu/compare.py "$N16" "$OUT/pin-$n.json" $(floors) | tee -a "$OUT/pin-$n.log" | grep verdict
     done ;;
   parity-pinned)
     # the oracle the SM80 path can be held to: native with every pin (SGLang's own options an SM80 run must
@@ -181,7 +193,7 @@ case ${1:?step} in
       run "parity-replay-${nr//,/-}" env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=$nr \
         SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 python tests/gpu/engine_bed.py \
         --out "$OUT/parity-replay-${nr//,/-}.json" --lengths 20,300,3000,20000 --batch 16 --teacher-from "$N16"
-      python tests/gpu/compare.py "$N16" "$OUT/parity-replay-${nr//,/-}.json" --floor "$F16" \
+      python tests/gpu/compare.py "$N16" "$OUT/parity-replay-${nr//,/-}.json" $(floors) \
         | tee -a "$OUT/parity-replay-${nr//,/-}.log"
     done ;;
   graphs)
