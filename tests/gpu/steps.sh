@@ -23,7 +23,8 @@
 #   tests/gpu/steps.sh floor-pins  native with each SGLang option the bootstrap pins, one at a time, vs default native
 #                                  (floor beside it): which of SGLang's own choices moves native (waits for $F16)
 #   tests/gpu/steps.sh parity-pinned native with every pin as the oracle, its one-at-a-time floor, then patched
-#                                  (marlin; roundings 0 / act / kv,act) against it (waits for $F16)
+#                                  against it: bf16+marlin (roundings 0 / act / kv,act), bf16+mxfp4_int8,
+#                                  fp8_marlin+marlin (waits for $F16)
 #   tests/gpu/steps.sh parity-replay  parity's bf16+marlin with native's FP8 roundings replayed
 #                                  (DSV4_SM80_LAB_NATIVE_ROUNDING=kv, kv,act, kv,act,idx): their share of the gap
 #   tests/gpu/steps.sh graphs      patched with CUDA graphs vs patched eager (decode outputs)
@@ -179,12 +180,13 @@ case ${1:?step} in
     run native16-pinned-b env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(pins) timeout 280 python tests/gpu/engine_bed.py \
       --out "$OUT/native16-pinned-b.json" $B16 --teacher-from "$P" --teacher-mode alone
     python tests/gpu/compare.py "$P" "$OUT/native16-pinned-b.json" | tee -a "$OUT/native16-pinned-b.log"
-    for nr in 0 act kv,act; do
-      run "parity-pinned-${nr//,/-}" env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=$nr \
-        SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 python tests/gpu/engine_bed.py \
-        --out "$OUT/parity-pinned-${nr//,/-}.json" $B16 --teacher-from "$P"
-      python tests/gpu/compare.py "$P" "$OUT/parity-pinned-${nr//,/-}.json" --floor "$OUT/native16-pinned-b.json" \
-        | tee -a "$OUT/parity-pinned-${nr//,/-}.log"
+    # dense:experts:roundings; the issue's combination first, then the other backend and dense mode as is
+    for c in bf16:marlin:0 bf16:marlin:act bf16:marlin:kv,act bf16:mxfp4_int8:0 fp8_marlin:marlin:0; do
+      IFS=: read -r d b nr <<< "$c"; n="parity-pinned-$d-$b-${nr//,/-}"
+      run "$n" env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=$nr SGLANG_DSV4_A100_DENSE=$d \
+        SGLANG_DSV4_MXFP4_MOE_BACKEND=$b timeout 250 python tests/gpu/engine_bed.py \
+        --out "$OUT/$n.json" $B16 --teacher-from "$P"
+      python tests/gpu/compare.py "$P" "$OUT/$n.json" --floor "$OUT/native16-pinned-b.json" | tee -a "$OUT/$n.log"
     done ;;
   parity-replay)
     # native's FP8 roundings replayed on the SM80 path (dsv4_sm80/lab_rounding.py): does the gap fall to the floor?
