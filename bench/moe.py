@@ -47,6 +47,7 @@ def peaks(torch):
 # W4A8 alternatives timed with --variants (config keys of w4a8_moe): the default is the PTX table decoder
 # with per-group scaling and default_config's tiles.
 VARIANTS = {
+    "fused io": {"fused_io": True},  # one-launch activation quantizer and top-k combine (~12 + 3 launches fewer)
     "alu-decode": {"decode": "alu"},
     "span-merge": {"merge": True},
     "session-3 kernel (alu, per-group)": {"decode": "alu", "merge": False},

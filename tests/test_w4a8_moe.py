@@ -113,6 +113,39 @@ def test_kernel_equals_int8_emulation(k, seed, t, top_k, input_group, cfg):
     assert int(off.sum()) <= max(1, t // 4) and float(per_token.max()) < 1e-2, per_token.tolist()
 
 
+@pytest.mark.parametrize("rows,cols,group", [(3, 256, 0), (5, 256, 64), (1, 4096, 0), (4, 96, 32), (0, 128, 0)])
+def test_fused_quantize_equals_the_reference_rounding(k, rows, cols, group):
+    """The one-launch activation quantizer (fused_io) against the reference's INT8 round trip written from
+    the math: the same q * s bit for bit (IEEE division in the kernel), zero rows and huge values included."""
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols + group)) * 3
+    if rows > 1:
+        x[1] = 0.0
+        x[0, :5] = torch.tensor([1e30, -1e30, 65504.0, 1e-30, -0.0])
+    x = x.to(torch.bfloat16)
+    q, s = k.quantize_rows_int8_fused(dev(x), group)
+    q, s = q.cpu(), s.cpu()
+    assert q.dtype == torch.int8 and s.shape == (rows, cols // (group or cols))
+    back = (q.float().view(rows, cols // (group or cols), group or cols) * s.unsqueeze(-1)).view(rows, cols)
+    assert torch.equal(back, ref.int8_round_trip(x.float(), group or None))
+    assert q.abs().max() <= 127 if rows else True
+
+
+@pytest.mark.parametrize("cfg", [DECODE, PREFILL])
+def test_fused_io_moe_equals_the_torch_io(k, cfg):
+    """fused_io (one-launch quantize, one-launch top-k sum x scaling x cast) gives the unfused result."""
+    x, w13, s13, w2, s2, tw, ids = case(t=6, top_k=3, seed=31)
+    a, b = k.repack_mxfp4_for_w4a8(dev(w13.clone())), k.repack_mxfp4_for_w4a8(dev(w2.clone()))
+    args = dev(x, a, s13, b, s2, tw, ids)
+    plain = k.w4a8_moe(*args, routed_scaling_factor=1.5, config=cfg).float().cpu()
+    fused = k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(cfg, fused_io=True))
+    assert fused.dtype == x.dtype
+    assert rel(fused.float().cpu(), plain) < 1e-2  # the same fp32 sums, rounded to BF16 once each
+    into, plain_into = dev(torch.empty(x.shape, dtype=torch.float32)), dev(torch.empty(x.shape, dtype=torch.float32))
+    k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(cfg, fused_io=True), out=into)
+    k.w4a8_moe(*args, routed_scaling_factor=1.5, config=cfg, out=plain_into)
+    assert rel(into.cpu(), plain_into.cpu()) < 1e-6  # fp32 out: only the summation order may differ
+
+
 def test_default_configs_are_valid(k):
     for pairs in (1, 64, 65, 4096, 4097, 100000):
         cfg = k.default_config(pairs)
@@ -164,6 +197,7 @@ import json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from dsv4_sm80.kernels import w4a8_moe as k
 from dsv4_sm80.kernels.w4a8_moe import _w4a8_moe_kernel as fn
 SIG = {
     "a_ptr": "*i8", "a_scale_ptr": "*fp32", "b_ptr": "*u8", "bs_ptr": "*u8", "c_ptr": "*i8", "c_scale_ptr": "*fp32",
@@ -191,7 +225,18 @@ for name, cfg in CONFIGS.items():
                     "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
                     "prmt": "0xF4F8FAFC" in ptx,  # the negative table of the inline decoder
                     "fp8": "e4m3" in ptx or "e5m2" in ptx}
-print(json.dumps(out))
+io = {}  # the fused_io kernels: plain sm_80 code, IEEE division in the quantizer
+for fn, sig, consts in (
+        (k._quantize_rows_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "q_ptr": "*i8", "s_ptr": "*fp32", "cols": "i32",
+                                   "groups": "i32", "GCOLS": "constexpr", "BLOCK": "constexpr"},
+         {"GCOLS": 4096, "BLOCK": 4096}),
+        (k._sum_pairs_kernel, {"y_ptr": "*fp32", "out_ptr": "*bf16", "h": "i32", "scale": "fp32",
+                               "TOP_K": "constexpr", "BLOCK": "constexpr"}, {"TOP_K": 6, "BLOCK": 1024})):
+    ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 80, 32),
+                         options={"num_warps": 8}).asm["ptx"]
+    io[fn.__name__] = {"sm80": ".target sm_80" in ptx, "fp8": "e4m3" in ptx or "e5m2" in ptx,
+                       "div_rn": "div.rn.f32" in ptx}
+print(json.dumps({"gemm": out, "io": io}))
 """
 
 
@@ -202,10 +247,13 @@ def test_compiles_for_sm80_with_int8_mma():
     from conftest import last_json, run_python
 
     code = COMPILE.replace("CONFIGS", repr({"decode": DECODE, "prefill": PREFILL}))
-    out = last_json(run_python(code, TRITON_INTERPRET="0"))
+    res = last_json(run_python(code, TRITON_INTERPRET="0"))
+    out = res["gemm"]
     assert len(out) == 14  # decode down has only span 32 (block_n 32)
     for name, r in out.items():
         assert r == {"sm80": True, "int8_mma": True, "prmt": name.endswith("-asm"), "fp8": False}, (name, r)
+    assert res["io"]["_quantize_rows_kernel"] == {"sm80": True, "fp8": False, "div_rn": True}, res["io"]
+    assert res["io"]["_sum_pairs_kernel"]["sm80"] and not res["io"]["_sum_pairs_kernel"]["fp8"], res["io"]
 
 
 E2M1X2 = [0, 1, 2, 3, 4, 6, 8, 12]

@@ -84,6 +84,51 @@ def quantize_rows_int8(x: torch.Tensor, group: int = 0):
 
 
 @triton.jit
+def _quantize_rows_kernel(x_ptr, stride_x, q_ptr, s_ptr, cols, groups,
+                          GCOLS: tl.constexpr, BLOCK: tl.constexpr):
+    """One (row, group of GCOLS columns) per program: `quantize_rows_int8` in one launch (the torch version
+    is about a dozen elementwise kernels, most of a batch-1 decode call's launches). Same fp32 operations,
+    IEEE division: bit-equal to it."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    offs = g * GCOLS + tl.arange(0, BLOCK)
+    ok = (tl.arange(0, BLOCK) < GCOLS) & (offs < cols)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    s = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 127.0)
+    s = tl.where(s > 0, s, 1.0)
+    tl.store(q_ptr + row * cols + offs, round_int8(tl.math.div_rn(x, s)), mask=ok)
+    tl.store(s_ptr + row * groups + g, s)
+
+
+def quantize_rows_int8_fused(x: torch.Tensor, group: int = 0):
+    """`quantize_rows_int8` as one Triton launch (the same q and s)."""
+    rows, cols = x.shape
+    gcols = group or cols
+    groups = cols // gcols
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty((rows, cols), dtype=torch.int8, device=x.device)
+    s = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    if rows:
+        _quantize_rows_kernel[(rows, groups)](x, x.stride(0), q, s, cols, groups, GCOLS=gcols,
+                                              BLOCK=triton.next_power_of_2(gcols), num_warps=4 if gcols <= 1024 else 8)
+    return q, s
+
+
+@triton.jit
+def _sum_pairs_kernel(y_ptr, out_ptr, h, scale, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, cols] = (sum over the token's TOP_K pair rows of y) * scale, cast to out's dtype: the torch
+    sum, multiply and cast of the combine in one launch."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < h
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + k) * h + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + t * h + offs, (acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _e2m1x2(c):
     """4-bit E2M1 code (int32 0..15) -> twice its value, an integer in [-12, 12]."""
     m = c & 7
@@ -394,7 +439,8 @@ def w4a8_moe(
     span_up = _span(h, input_group, merge)
     span_down = _span(inter, block_n, merge)
     decode_asm = cfg.get("decode", "asm" if x.is_cuda and not _INTERPRETED else "alu") == "asm"
-    xq, xs = quantize_rows_int8(x, input_group)
+    fused_io = cfg.get("fused_io", False)  # one-launch quantize and combine; off until measured (bench --variants)
+    xq, xs = (quantize_rows_int8_fused if fused_io else quantize_rows_int8)(x, input_group)
     hq = torch.empty((pairs, inter), dtype=torch.int8, device=dev)
     groups = inter // block_n
     hs = torch.empty((pairs, groups), dtype=torch.float32, device=dev)
@@ -417,6 +463,12 @@ def w4a8_moe(
         GATED=False, MUL_WEIGHT=True, A_GROUP=block_n, BLOCK_M=block_m, BLOCK_N=block_n2,
         SPAN=span_down, DECODE_ASM=decode_asm, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if fused_io and (out is None or out.is_contiguous()):
+        res = torch.empty((t, h), dtype=x.dtype, device=dev) if out is None else out
+        if t:
+            _sum_pairs_kernel[(t, triton.cdiv(h, 1024))](y, res, h, float(routed_scaling_factor), TOP_K=top_k,
+                                                         BLOCK=1024, num_warps=4)
+        return res
     summed = y.view(t, top_k, h).sum(dim=1)
     if routed_scaling_factor != 1.0:
         summed.mul_(routed_scaling_factor)
