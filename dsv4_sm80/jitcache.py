@@ -119,6 +119,19 @@ def _module_dir(kwargs) -> str:
     return os.path.expanduser(os.environ.get("TVM_FFI_CACHE_DIR") or "~/.cache/tvm-ffi")
 
 
+def disk_full_error(what: str, where: str, cache_vars: str, exc: BaseException) -> JitCacheFull:
+    """The jit.disk_full error for a failed cache write or build (`what`) under directory `where`: what is
+    free on its disk, what a cold start needs, which variables move the caches (`cache_vars`), the cause."""
+    try:
+        free = shutil.disk_usage(_nearest_existing(where)).free
+    except OSError:
+        free = None
+    return JitCacheFull(
+        f"dsv4-sm80 jit.disk_full: {what} failed: no space left on the device of {where} ({gib(free)} free; a "
+        f"cold start needs about {gib(MIN_FREE_BYTES)}). Free space there, or set {cache_vars} to a disk with "
+        f"room, then restart. Cause: {type(exc).__name__}: {str(exc)[-300:]}")
+
+
 def load_jit_clear_disk_error(original, *args, **kwargs):
     """Around sglang.jit_kernel.utils.compile.load_jit: the same call; a failure caused by a full disk
     (ENOSPC/EDQUOT anywhere in the exception chain, or the compiler's "No space left on device") becomes
@@ -128,15 +141,6 @@ def load_jit_clear_disk_error(original, *args, **kwargs):
     except Exception as e:
         if not _disk_full(e):
             raise
-        where = _module_dir(kwargs)
-        anchor = _nearest_existing(where)
-        try:
-            free = shutil.disk_usage(anchor).free
-        except OSError:
-            free = None
         module = "_".join(str(a) for a in args) or "?"
-        raise JitCacheFull(
-            f"dsv4-sm80 jit.disk_full: building SGLang JIT module {module!r} failed: no space left on the "
-            f"device of {where} ({gib(free)} free; a cold start needs about {gib(MIN_FREE_BYTES)}). Free "
-            f"space there, or set TVM_FFI_CACHE_DIR (and TRITON_CACHE_DIR) to a disk with room, then restart. "
-            f"Cause: {type(e).__name__}: {str(e)[-300:]}") from e
+        raise disk_full_error(f"building SGLang JIT module {module!r}", _module_dir(kwargs),
+                              "TVM_FFI_CACHE_DIR (and TRITON_CACHE_DIR)", e) from e

@@ -13,11 +13,10 @@ Imported by Triton (when it resolves the variable), never by the gate: it import
 
 from __future__ import annotations
 
-import shutil
-
 from triton.runtime.cache import FileCacheManager
 
-from .jitcache import MIN_FREE_BYTES, JitCacheFull, _disk_full, _nearest_existing, gib
+from .jitcache import _disk_full, disk_full_error
+
 
 class DiskFullClearCacheManager(FileCacheManager):
     def put(self, data, filename, binary=True) -> str:
@@ -26,13 +25,5 @@ class DiskFullClearCacheManager(FileCacheManager):
         except Exception as e:
             if not _disk_full(e):
                 raise
-            where = self.cache_dir or "?"
-            try:
-                free = shutil.disk_usage(_nearest_existing(where)).free
-            except OSError:
-                free = None
-            raise JitCacheFull(
-                f"dsv4-sm80 jit.disk_full: writing Triton kernel file {filename!r} failed: no space left on the "
-                f"device of {where} ({gib(free)} free; a cold start needs about {gib(MIN_FREE_BYTES)}). Free "
-                f"space there, or set TRITON_CACHE_DIR (and TVM_FFI_CACHE_DIR) to a disk with room, then "
-                f"restart. Cause: {type(e).__name__}: {str(e)[-300:]}") from e
+            raise disk_full_error(f"writing Triton kernel file {filename!r}", self.cache_dir or "?",
+                                  "TRITON_CACHE_DIR (and TVM_FFI_CACHE_DIR)", e) from e

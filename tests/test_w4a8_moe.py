@@ -128,6 +128,9 @@ def test_fused_quantize_equals_the_reference_rounding(k, rows, cols, group):
     back = (q.float().view(rows, cols // (group or cols), group or cols) * s.unsqueeze(-1)).view(rows, cols)
     assert torch.equal(back, ref.int8_round_trip(x.float(), group or None))
     assert q.abs().max() <= 127 if rows else True
+    if group:
+        with pytest.raises(ValueError, match="not a whole number of groups"):
+            k.quantize_rows_int8_fused(dev(torch.zeros(1, cols + group // 2, dtype=torch.bfloat16)), group)
 
 
 @pytest.mark.parametrize("cfg", [DECODE, PREFILL])

@@ -104,6 +104,8 @@ def quantize_rows_int8_fused(x: torch.Tensor, group: int = 0):
     """`quantize_rows_int8` as one Triton launch (the same q and s)."""
     rows, cols = x.shape
     gcols = group or cols
+    if cols % gcols:
+        raise ValueError(f"{cols} columns are not a whole number of groups of {gcols}")
     groups = cols // gcols
     if x.stride(1) != 1:
         x = x.contiguous()
