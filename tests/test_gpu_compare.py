@@ -106,3 +106,26 @@ def test_several_floors_the_widest_counts(tmp_path, capsys):
 
     assert verdict("tight").endswith("NOT within the floor")
     assert verdict("tight", "machine").endswith("-> within the floor")
+
+
+def test_http_teacher_record_feeds_compare(tmp_path, capsys):
+    """http_check's teacher-forced vision A/B: SGLang's /generate meta_info (input_token_logprobs as (logprob,
+    id, text), input_top_logprobs per position, None first) becomes compare.py's record, tops largest first."""
+    import json
+
+    import http_check
+
+    meta = {"input_token_logprobs": [[None, 0, None], [-0.5, 7, None], [-2.0, 9, None]],
+            "input_top_logprobs": [None, [[-1.5, 8, None], [-0.5, 7, None]], [[-0.1, 9, None], [-3.0, 4, None]]]}
+    rec = http_check.teacher_record([meta])
+    assert rec["teacher"][0] == {"sequence": [0, 7, 9], "input_logprobs": [None, -0.5, -2.0],
+                                 "top": [[], [[7, -0.5], [8, -1.5]], [[9, -0.1], [4, -3.0]]]}
+    other = json.loads(json.dumps(meta))
+    other["input_top_logprobs"][2] = [[-0.1, 4, None], [-3.0, 9, None]]  # the top-1 flips at a 2.9-nat margin
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(rec))
+    b.write_text(json.dumps(http_check.teacher_record([other])))
+    compare.main([str(a), str(b)])
+    out = capsys.readouterr().out
+    assert "top-1 disagree 50.0% (50.0% of 2 positions with margin > 0.5)" in out
+    assert len(http_check.teacher_requests()) == 2 and all(r["logprob_start_len"] == 0 for r in http_check.teacher_requests())

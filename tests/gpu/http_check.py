@@ -101,6 +101,12 @@ def main(argv=None) -> int:
             ok &= differ
             results.append({"check": "a different image changes the logprobs", "status": 200, "expected": 200,
                             "ok": differ, "body": ""})
+            stem = os.path.splitext(os.path.abspath(args.out))[0]
+            with open(stem + "-teacher.json", "w") as f:
+                json.dump(teacher_forced(args.port), f)
+            if args.native:  # the oracle's own floor: the same sequences, batched differently
+                with open(stem + "-teacher-floor.json", "w") as f:
+                    json.dump(teacher_forced(args.port, batched=True), f)
             routed = route_summary(trace)
             good = (routed["calls"] > 0 and routed["text_rows_changed"] == 0
                     and routed["image_rows_bias_vl"] >= 0.995 * routed["image_rows"]
@@ -124,6 +130,15 @@ def main(argv=None) -> int:
                 same = sum(x == y for x, y in zip(a["ids"] or [], b["ids"] or []))
                 dlp = max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=float("nan"))
                 print(f"  A/B {r['check']:34s} greedy tokens agree {same}/{len(a['ids'] or [])}, max |dlogprob| {dlp:.3f}")
+    if args.compare and args.vision:  # teacher-forced: the native record is the oracle (a), its floor beside it
+        import compare
+
+        this, other = (os.path.splitext(os.path.abspath(p))[0] for p in (args.out, args.compare))
+        oracle, candidate = (this, other) if args.native else (other, this)
+        floor = oracle + "-teacher-floor.json"
+        print("  teacher-forced A/B (image prompts):", os.path.basename(candidate), "against", os.path.basename(oracle))
+        compare.main([oracle + "-teacher.json", candidate + "-teacher.json"]
+                     + (["--floor", floor] if os.path.exists(floor) else []))
     if not args.vision and not args.native and not args.no_refused_starts:
         for name, extra, want in REFUSED_STARTS:
             good, first = refused_start(args.port, serve_args + extra, want, extra_env)
@@ -205,6 +220,67 @@ def image_request(images, placeholders=None):
     n = len(images) if placeholders is None else placeholders
     return {"text": PROMPT.format(images="<｜deepseek_image｜>" * n), "image_data": urls, "return_logprob": True,
             "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+
+
+# Teacher-forced A/B over HTTP for image prompts (engine_bed's measure, which takes token ids only): a fixed text
+# after the image block, scored position by position (input top-20 logprobs), on each path; the native run also
+# sends the same requests inside a concurrent batch, its own batch-composition floor (compare.py --floor).
+SUFFIX = "The picture shows a single colour filling the whole frame, with no text and no other object. " * 3
+
+
+def teacher_requests():
+    red, blue = png(640, 480, (220, 20, 20)), png(200, 900, (20, 20, 220))
+    out = []
+    for images in ([red], [red, blue]):
+        body = image_request(images)
+        body.update(text=body["text"] + SUFFIX, logprob_start_len=0, top_logprobs_num=20,
+                    sampling_params={"max_new_tokens": 1, "temperature": 0})
+        out.append(body)
+    return out
+
+
+def teacher_record(meta_infos) -> dict:
+    """compare.py's record from /generate meta_info with input logprobs: per request the prompt's token ids,
+    each position's input logprob and its top list as [token, logprob] pairs, largest first."""
+    teacher = []
+    for meta in meta_infos:
+        toks = meta["input_token_logprobs"]
+        tops = meta["input_top_logprobs"]
+        teacher.append({"sequence": [int(t[1]) for t in toks], "input_logprobs": [t[0] for t in toks],
+                        "top": [sorted(([int(x[1]), float(x[0])] for x in tp), key=lambda y: -y[1]) if tp else []
+                                for tp in tops]})
+    return {"teacher": teacher, "prompts": []}
+
+
+def teacher_forced(port, batched=False) -> dict:
+    """The teacher requests one after another, or (batched) all at once beside six text requests of other
+    lengths, so the server batches them differently."""
+    import threading
+
+    bodies = teacher_requests()
+    fillers = [{"text": "filler " * (40 * i + 7), "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+               for i in range(6)] if batched else []
+    replies = [None] * len(bodies)
+
+    def send(i, body):
+        status, text = call(port, "/generate", body)
+        if i < len(replies):
+            if status != 200:
+                raise RuntimeError(f"teacher-forced request {i}: HTTP {status}: {text[:200]}")
+            replies[i] = json.loads(text)["meta_info"]
+
+    if batched:
+        threads = [threading.Thread(target=send, args=(i, b)) for i, b in enumerate(bodies + fillers)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if any(r is None for r in replies):
+            raise RuntimeError("a batched teacher-forced request failed")
+    else:
+        for i, b in enumerate(bodies):
+            send(i, b)
+    return teacher_record(replies)
 
 
 def vision_checks(port):

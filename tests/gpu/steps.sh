@@ -40,8 +40,9 @@
 #                                  bad images answered 4xx, a different image changes the logprobs
 #   tests/gpu/steps.sh vision-ab   the same image requests on the patched server and on native SGLang with the
 #                                  vision overlay alone (patch off), then patched with 256-token prefill chunks (DSV4 pages are 256 tokens; SGLang asserts the chunk is a multiple)
-#                                  (image blocks across chunks): greedy tokens and logprobs side by side; each run
-#                                  also checks the bias_vl routing trace (DSV4_SM80_LAB_ROUTE_TRACE)
+#                                  (image blocks across chunks): greedy tokens and logprobs side by side, and a
+#                                  teacher-forced A/B of two image prompts against native with native's own
+#                                  batch floor (compare.py); each run also checks the bias_vl routing trace
 #   tests/gpu/steps.sh vision      the Vision-Exp model class loads the tiny --vision checkpoint in SGLang's ModelRunner
 #   tests/gpu/steps.sh hygiene     page hygiene: the same requests with the pools poisoned (0xFF) after every
 #                                  flush and without; outputs must be equal and finite (and with DSPARK)
