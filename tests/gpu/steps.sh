@@ -18,11 +18,11 @@
 #                                  noise floor compare.py --floor calibrates on
 #   tests/gpu/steps.sh parity      patched (tripwire on) bf16+marlin, bf16+mxfp4_int8, fp8_marlin+marlin on the
 #                                  batch-16 sequences, each against native with the floor beside it
-#   tests/gpu/steps.sh floor-ours  native with the SGLang options the SM80 bootstrap pins (top-k v1, no FlashMLA
-#                                  sparse prefill, offline compress) against default native, floor beside it
+#   tests/gpu/steps.sh floor-ours  native with every SGLang option the SM80 bootstrap pins against default native,
+#                                  floor beside it
 #   tests/gpu/steps.sh floor-pins  native with each SGLang option the bootstrap pins, one at a time, vs default native
 #                                  (floor beside it): which of SGLang's own choices moves native (waits for $F16)
-#   tests/gpu/steps.sh parity-pinned native with every pin as the oracle, its one-at-a-time floor, then patched
+#   tests/gpu/steps.sh parity-pinned floor-ours's run (made first if absent) as the oracle, its one-at-a-time floor, then patched
 #                                  against it: bf16+marlin (roundings 0 / act / kv,act), bf16+mxfp4_int8,
 #                                  fp8_marlin+marlin (waits for $F16)
 #   tests/gpu/steps.sh parity-replay  parity's bf16+marlin with native's FP8 roundings replayed
@@ -77,6 +77,10 @@ floors() {  # the floors a native16-based comparison is held to: batch compositi
   echo "--floor $F16"
   [ -f "$OUT/native16-prev.json" ] && echo "--floor $OUT/native16-prev.json"
 }
+lab_tp() {  # lab mode for a TP run on $1 GPUs: the gate's GPU count overridden unless it is the production 4
+  echo "ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_CC=9.0"
+  [ "$1" = 4 ] || echo "DSV4_SM80_LAB_GPU_COUNT=$1"
+}
 need() {  # wait (up to 20 min) for a file another GPU lane writes, e.g. the floor's native16b.json
   local t=0
   while [ ! -f "$1" ] && [ $t -lt 1200 ]; do sleep 10; t=$((t + 10)); done
@@ -129,7 +133,7 @@ case ${1:?step} in
     run attn-bench timeout 500 python bench/attention.py --variants --out "$OUT/attention.json" ;;
   floor)
     # N16_FROM=an earlier machine's native16.json(.xz): this machine's native run teacher-forces its sequences in
-    # the same batch, so that pair is the across-machines floor (kept as $OUT/native16-prev.json; X16 below)
+    # the same batch, so that pair is the across-machines floor (kept as $OUT/native16-prev.json; floors() adds it)
     B16="--lengths 20,300,3000,20000 --batch 16"; TF=""
     if [ -n "${N16_FROM:-}" ]; then
       case $N16_FROM in *.xz) xz -dc "$N16_FROM" > "$OUT/native16-prev.json" ;; *) cp "$N16_FROM" "$OUT/native16-prev.json" ;; esac
@@ -153,12 +157,12 @@ case ${1:?step} in
       python tests/gpu/compare.py "$N16" "$OUT/parity-$d-$b.json" $(floors) | tee -a "$OUT/parity-$d-$b.log"
     done ;;
   floor-ours)
-    # native itself with the SGLang choices the SM80 bootstrap pins (top-k v1, no FlashMLA sparse prefill, offline
-    # compress; dsv4_sm80/env.py IMPORT_TIME_DEFAULTS), against default native: how far native's own options move it
+    # native itself with every SGLang option the SM80 bootstrap pins (pins(): dsv4_sm80/env.py
+    # IMPORT_TIME_DEFAULTS; session 6 ran it with three of them spelled here), against default native: how far
+    # native's own options move it. parity-pinned holds the SM80 path to this run.
     N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}
-    run native16-ours env ENABLE_SGLANG_DSV4_A100_PATCH=0 SGLANG_OPT_USE_TOPK_V2=0 SGLANG_OPT_FLASHMLA_SPARSE_PREFILL=0 \
-      SGLANG_OPT_USE_ONLINE_COMPRESS=0 timeout 280 python tests/gpu/engine_bed.py --out "$OUT/native16-ours.json" \
-      --lengths 20,300,3000,20000 --batch 16 --teacher-from "$N16"
+    run native16-ours env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(pins) timeout 280 python tests/gpu/engine_bed.py \
+      --out "$OUT/native16-ours.json" --lengths 20,300,3000,20000 --batch 16 --teacher-from "$N16"
     python tests/gpu/compare.py "$N16" "$OUT/native16-ours.json" $(floors) | tee -a "$OUT/native16-ours.log" ;;
   floor-pins)
     # native with each SGLang option the SM80 bootstrap pins (dsv4_sm80/env.py IMPORT_TIME_DEFAULTS), one at a
@@ -175,9 +179,8 @@ case ${1:?step} in
     # take), its floor (one sequence at a time), then patched with marlin experts, as is and with native's
     # FP8 roundings replayed, against it
     N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}; need "$F16"
-    B16="--lengths 20,300,3000,20000 --batch 16"; P=$OUT/native16-pinned.json
-    run native16-pinned env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(pins) timeout 280 python tests/gpu/engine_bed.py \
-      --out "$P" $B16 --teacher-from "$N16"
+    B16="--lengths 20,300,3000,20000 --batch 16"; P=$OUT/native16-ours.json
+    [ -f "$P" ] || OUT=$OUT N16=$N16 F16=$F16 NO_JIT_TAR=1 "$0" floor-ours  # that run (with its figure against native)
     run native16-pinned-b env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(pins) timeout 280 python tests/gpu/engine_bed.py \
       --out "$OUT/native16-pinned-b.json" $B16 --teacher-from "$P" --teacher-mode alone
     python tests/gpu/compare.py "$P" "$OUT/native16-pinned-b.json" | tee -a "$OUT/native16-pinned-b.log"
@@ -239,8 +242,7 @@ case ${1:?step} in
   tp4|tp)
     TP=${TP:-4}
     T4="--tp $TP --cuda-graph --cuda-graph-max-bs 8 --lengths 20,300,3000"
-    LAB4="ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_TRIPWIRE=1"
-    [ "$TP" = 4 ] || LAB4="$LAB4 DSV4_SM80_LAB_GPU_COUNT=$TP"  # 4 is the gate's production count
+    LAB4="$(lab_tp "$TP") DSV4_SM80_TRIPWIRE=1"
     run tp$TP-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 200 python tests/gpu/engine_bed.py \
       --out "$OUT/tp$TP-native.json" $T4
     run tp$TP-patched env $LAB4 timeout 200 python tests/gpu/engine_bed.py --out "$OUT/tp$TP-patched.json" $T4 \
@@ -314,9 +316,8 @@ case ${1:?step} in
     run fault env $LAB timeout 400 python -u tests/gpu/fault_kill.py --out "$OUT/fault.json" ;;
   fault-tp)
     # the last TP rank's scheduler killed at TP=$TP (2 or 4; the gate's count is overridden below 4)
-    TP=${TP:-2}; LABN="ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_CC=9.0"
-    [ "$TP" = 4 ] || LABN="$LABN DSV4_SM80_LAB_GPU_COUNT=$TP"
-    run fault-tp$TP env $LABN timeout 400 python -u tests/gpu/fault_kill.py --tp $TP --rank $((TP - 1)) \
+    TP=${TP:-2}
+    run fault-tp$TP env $(lab_tp "$TP") timeout 400 python -u tests/gpu/fault_kill.py --tp $TP --rank $((TP - 1)) \
       --out "$OUT/fault-tp$TP.json" ;;
   soak)
     run soak env $LAB timeout 560 python -u tests/gpu/soak.py --minutes ${SOAK_MIN:-4} --out "$OUT/soak.json" ;;
