@@ -143,6 +143,10 @@ def test_fused_io_moe_equals_the_torch_io(k, cfg):
     fused = k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(cfg, fused_io=True))
     assert fused.dtype == x.dtype
     assert rel(fused.float().cpu(), plain) < 1e-2  # the same fp32 sums, rounded to BF16 once each
+    # and against the reference written from the math, as test_kernel_equals_int8_emulation holds the unfused path
+    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"]).float()
+    per_token = (fused.float().cpu() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
+    assert float(per_token.max()) < 1e-2, per_token.tolist()
     into, plain_into = dev(torch.empty(x.shape, dtype=torch.float32)), dev(torch.empty(x.shape, dtype=torch.float32))
     k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(cfg, fused_io=True), out=into)
     k.w4a8_moe(*args, routed_scaling_factor=1.5, config=cfg, out=plain_into)
