@@ -57,6 +57,11 @@ VARIANTS = {
     # prefill: a taller M tile decodes each weight tile for more rows (decode is per weight, per M tile)
     "block_m 128, warps 8": {"block_m": 128, "num_warps": 8},
     "span-merge, block_m 128, warps 8": {"merge": True, "block_m": 128, "num_warps": 8},
+    # tiles chosen from the sm_80 SASS of the loop (instructions per IMMA: 64x64/8 warps 48, 64x128/4 warps
+    # 20, 32x128/4 warps 27): fewer warps sharing one weight tile decode it fewer times
+    "tile 64x128, warps 4": {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4},
+    "tile 32x128, warps 4": {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 4},
+    "tile 32x128, warps 8": {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 8},
 }
 
 
