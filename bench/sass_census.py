@@ -1,0 +1,117 @@
+"""Static SASS census of the W4A8 MoE kernel's K loops for sm_80 (no GPU needed; counts, not timings).
+
+Compiles `_w4a8_moe_kernel` for sm_80 with the divisibility hints the real JIT derives (pointers, N, K,
+strides multiples of 16), disassembles it with Triton's bundled nvdisasm and, per loop (a backward
+branch), counts instructions, IMMA (m16n8k32 INT8 MMA), I2F (int32 -> fp32 conversions) and local-memory
+spills (LDL/STL, whole kernel). Rows: decode and prefill tiles, gate-up and down, per-group and shift.
+
+    TRITON_INTERPRET=0 python bench/sass_census.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SIG = {
+    "a_ptr": "*i8", "a_scale_ptr": "*fp32", "b_ptr": "*u8", "bs_ptr": "*u8", "c_ptr": "*i8", "c_scale_ptr": "*fp32",
+    "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "topk_w_ptr": "*fp32",
+    "eref_ptr": "*u8", "N": "i32", "K": "i32", "num_pairs": "i32", "a_row_div": "i32", "a_scale_groups": "i32",
+    "limit": "fp32", "stride_am": "i32", "stride_be": "i32", "stride_bn": "i32", "stride_bse": "i32",
+    "stride_bsn": "i32", "stride_cm": "i32", "c_scale_groups": "i32", "stride_ere": "i32"}
+DIV16 = {"a_ptr", "a_scale_ptr", "b_ptr", "bs_ptr", "c_ptr", "c_scale_ptr", "sorted_ids_ptr", "block_expert_ptr",
+         "num_padded_ptr", "topk_w_ptr", "eref_ptr", "N", "K", "stride_am", "stride_be", "stride_bn", "stride_bse",
+         "stride_bsn", "stride_cm", "stride_ere"}
+
+
+def sass(consts: dict, num_warps: int, num_stages: int = 3, gated: bool = True) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dsv4_sm80.kernels import w4a8_moe as k
+
+    fn = k._w4a8_moe_kernel
+    params = list(inspect.signature(fn.fn).parameters)
+    sig = {p: SIG.get(p, "constexpr") for p in params}
+    sig["c_ptr"] = "*i8" if gated else "*fp32"
+    consts = {p: v for p, v in consts.items() if p in sig and sig[p] == "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p in DIV16}
+    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 80, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    d = tempfile.mkdtemp()
+    with open(f"{d}/k.cubin", "wb") as f:
+        f.write(c.asm["cubin"])
+    nvd = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+    return subprocess.run([nvd, "-c", "-g", f"{d}/k.cubin"], capture_output=True, text=True, check=True).stdout
+
+
+def _op(line):
+    m = re.search(r"\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+    return m.group(2).split(".")[0] if m else None
+
+
+def loops(text: str) -> dict:
+    """{'loops': [Counter per backward-branch loop with >= 1 IMMA], 'LDL': n, 'STL': n} for one kernel."""
+    lines = text.splitlines()
+    labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", l))}
+    out = []
+    for i, l in enumerate(lines):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", l)
+        if m and labels.get(m.group(1), 1 << 30) < i:
+            cnt = collections.Counter(o for o in map(_op, lines[labels[m.group(1)]:i + 1]) if o)
+            if cnt["IMMA"]:
+                out.append(cnt)
+    allc = collections.Counter(o for o in map(_op, lines) if o)
+    return {"loops": out, "LDL": allc["LDL"], "STL": allc["STL"]}
+
+
+TILES = {  # name: (block_m, block_n gate-up, block_n2 down, warps)
+    "decode 16x32/4w": (16, 32, 64, 4),
+    "prefill 64x64/8w": (64, 64, 128, 8),
+    "prefill 64x128/4w": (64, 128, 128, 4),
+    "prefill 32x128/4w": (32, 128, 128, 4),
+}
+
+
+def census(shift_modes=(0, 1)):
+    from dsv4_sm80.kernels import w4a8_moe as k
+
+    has_shift = "SHIFT" in inspect.signature(k._w4a8_moe_kernel.fn).parameters
+    rows = []
+    for tile, (bm, bn, bn2, warps) in TILES.items():
+        for gated in (True, False):
+            # the down kernel's activation group is the gate-up block_n; the down tile is block_n2 wide
+            consts = {"GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": 0 if gated else bn, "BLOCK_M": bm,
+                      "BLOCK_N": bn if gated else bn2, "SPAN": 32, "DECODE_ASM": True}
+            for shift in (shift_modes if has_shift else (0,)):
+                if has_shift:
+                    consts["SHIFT"] = bool(shift)
+                r = loops(sass(consts, warps, gated=gated))
+                for i, cnt in enumerate(r["loops"]):
+                    n, imma = sum(cnt.values()), cnt["IMMA"]
+                    rows.append({"tile": tile, "kernel": "gate-up" if gated else "down", "shift": bool(shift),
+                                 "loop": i, "instrs": n, "imma": imma, "per_imma": round(n / imma, 1),
+                                 "I2F": cnt["I2F"], "PRMT": cnt["PRMT"], "LDL": r["LDL"], "STL": r["STL"]})
+    return rows
+
+
+if __name__ == "__main__":
+    rows = census()
+    print(f"{'tile':20s} {'kernel':8s} {'shift':5s} {'loop':4s} {'instrs':>6s} {'IMMA':>4s} {'/IMMA':>6s} "
+          f"{'I2F':>4s} {'PRMT':>4s} {'LDL':>4s} {'STL':>4s}")
+    for r in rows:
+        print(f"{r['tile']:20s} {r['kernel']:8s} {str(r['shift']):5s} {r['loop']:4d} {r['instrs']:6d} {r['imma']:4d} "
+              f"{r['per_imma']:6.1f} {r['I2F']:4d} {r['PRMT']:4d} {r['LDL']:4d} {r['STL']:4d}")
+    if "--json" in sys.argv:
+        with open(sys.argv[sys.argv.index("--json") + 1], "w") as f:
+            json.dump(rows, f, indent=1)
