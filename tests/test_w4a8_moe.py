@@ -61,9 +61,14 @@ def test_repack_keeps_every_code_and_4_bits(k):
     out = k.repack_mxfp4_for_w4a8(dev(w.clone())).cpu()
     assert out.dtype == torch.uint8 and out.shape == w.shape  # same bytes: 4 bits per weight
     codes = torch.stack((w & 0xF, w >> 4), dim=-1).flatten(-2)  # checkpoint: low nibble = even k
-    chunks = codes.view(3, 5, 2, 2, 32)  # [.., chunk, half, j]: k = 64*chunk + 32*half + j
-    assert torch.equal(out.view(3, 5, 2, 32) & 0xF, chunks[..., 0, :])
-    assert torch.equal(out.view(3, 5, 2, 32) >> 4, chunks[..., 1, :])
+    # kernel layout, written from its definition: in each 64-wide chunk, word q (bytes 4q..4q+3) holds as
+    # nibbles 0..3 the codes of k = 4q..4q+3 and as nibbles 4..7 those of k = 32+4q..32+4q+3
+    for chunk in range(2):
+        for q in range(8):
+            word = sum(out[..., 32 * chunk + 4 * q + b].to(torch.int64) << (8 * b) for b in range(4))
+            for nib in range(8):
+                kk = 64 * chunk + 32 * (nib // 4) + 4 * q + nib % 4
+                assert torch.equal((word >> (4 * nib)) & 0xF, codes[..., kk].to(torch.int64)), (chunk, q, nib)
 
 
 def test_repack_is_in_place(k):
@@ -209,29 +214,46 @@ from dsv4_sm80.kernels.w4a8_moe import _w4a8_moe_kernel as fn
 SIG = {
     "a_ptr": "*i8", "a_scale_ptr": "*fp32", "b_ptr": "*u8", "bs_ptr": "*u8", "c_ptr": "*i8", "c_scale_ptr": "*fp32",
     "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "topk_w_ptr": "*fp32",
-    "N": "i32", "K": "i32", "num_pairs": "i32", "a_row_div": "i32", "a_scale_groups": "i32", "limit": "fp32",
-    "stride_am": "i32", "stride_be": "i32", "stride_bn": "i32", "stride_bse": "i32", "stride_bsn": "i32",
-    "stride_cm": "i32", "c_scale_groups": "i32", "GATED": "constexpr", "MUL_WEIGHT": "constexpr",
-    "A_GROUP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "SPAN": "constexpr",
-    "DECODE_ASM": "constexpr",
+    "eref_ptr": "*u8", "N": "i32", "K": "i32", "num_pairs": "i32", "a_row_div": "i32", "a_scale_groups": "i32",
+    "limit": "fp32", "stride_am": "i32", "stride_be": "i32", "stride_bn": "i32", "stride_bse": "i32",
+    "stride_bsn": "i32", "stride_cm": "i32", "c_scale_groups": "i32", "stride_ere": "i32",
+    "GATED": "constexpr", "MUL_WEIGHT": "constexpr", "A_GROUP": "constexpr", "BLOCK_M": "constexpr",
+    "BLOCK_N": "constexpr", "SPAN": "constexpr", "DECODE_ASM": "constexpr", "SHIFT": "constexpr",
 }
+
+
+def asm_layouts(ttgir):  # the layouts of every inline-asm decoder's operands and results
+    out = set()
+    for line in ttgir.splitlines():
+        if "tt.elementwise_inline_asm" in line:
+            out |= set(re.findall(r"tensor<[^>]*?(#[^<]*<[^>]*>)", line.split('"')[-1]))
+    return out
+
+
 out = {}
 for name, cfg in CONFIGS.items():
     for gated in (True, False):
-        a_group = 0 if gated else cfg["block_n"]
-        for span in sorted({32, 128 if gated else cfg["block_n"]}):
-            for asm in (True, False):
-                sig = dict(SIG, c_ptr="*i8" if gated else "*fp32")
-                consts = {"GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": a_group, "BLOCK_M": cfg["block_m"],
-                          "BLOCK_N": cfg["block_n"] if gated else cfg["block_n2"], "SPAN": span, "DECODE_ASM": asm}
-                ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                                     target=GPUTarget("cuda", 80, 32),
-                                     options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}).asm["ptx"]
-                out[f"{name}-{'gate_up' if gated else 'down'}-span{span}-{'asm' if asm else 'alu'}"] = {
-                    "sm80": ".target sm_80" in ptx,
-                    "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
-                    "prmt": "0xF4F8FAFC" in ptx,  # the negative table of the inline decoder
-                    "fp8": "e4m3" in ptx or "e5m2" in ptx}
+        variants = [(span, asm, False) for span in sorted({32, 128 if gated else cfg["block_n"]})
+                    for asm in (True, False)] + [(32, asm, True) for asm in (True, False)]
+        for span, asm, shift in variants:
+            # the shift path needs the down kernel's activation group a multiple of 64
+            a_group = 0 if gated else (cfg["block_n"] if not shift else max(64, cfg["block_n"]))
+            sig = dict(SIG, c_ptr="*i8" if gated else "*fp32")
+            consts = {"GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": a_group, "BLOCK_M": cfg["block_m"],
+                      "BLOCK_N": cfg["block_n"] if gated else cfg["block_n2"], "SPAN": span, "DECODE_ASM": asm,
+                      "SHIFT": shift}
+            c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 80, 32),
+                               options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+            ptx = c.asm["ptx"]
+            layouts = asm_layouts(c.asm["ttgir"])
+            out[f"{name}-{'gate_up' if gated else 'down'}-{'shift' if shift else 'span%d' % span}-{'asm' if asm else 'alu'}"] = {
+                "sm80": ".target sm_80" in ptx,
+                "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
+                "prmt": "0xF4F8FAFC" in ptx,  # the negative table of the inline decoder
+                "prmt_shift": "0x7F7F7F7F" in ptx,  # the shift decoder's sign mask
+                # the decoders' words must be 4 consecutive k of one column: the INT8 MMA B operand layout
+                "asm_in_mma_b_layout": bool(layouts) and all("dot_op<{opIdx = 1" in l for l in layouts),
+                "fp8": "e4m3" in ptx or "e5m2" in ptx}
 io = {}  # the fused_io kernels: plain sm_80 code, IEEE division in the quantizer
 for fn, sig, consts in (
         (k._quantize_rows_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "q_ptr": "*i8", "s_ptr": "*fp32", "cols": "i32",
@@ -248,17 +270,20 @@ print(json.dumps({"gemm": out, "io": io}))
 
 
 def test_compiles_for_sm80_with_int8_mma():
-    """Both kernels, both tile configurations, per-group and int32-merged spans, PRMT and ALU code
-    decoding, compiled for sm_80 without a GPU (in a process where Triton's interpreter is off): INT8
-    tensor-core MMA, the PRMT table lookup where selected, no FP8 type anywhere."""
+    """Both kernels, both tile configurations, per-group and int32-merged spans, the shift path (with its
+    per-group fallback), PRMT and ALU code decoding, compiled for sm_80 without a GPU (in a process where
+    Triton's interpreter is off): INT8 tensor-core MMA, the PRMT decoders where selected, running in the
+    MMA B-operand layout (what their word layout assumes), no FP8 type anywhere."""
     from conftest import last_json, run_python
 
     code = COMPILE.replace("CONFIGS", repr({"decode": DECODE, "prefill": PREFILL}))
     res = last_json(run_python(code, TRITON_INTERPRET="0"))
     out = res["gemm"]
-    assert len(out) == 14  # decode down has only span 32 (block_n 32)
+    assert len(out) == 22  # decode down has only span 32 (block_n 32); shift: 2 per kernel and config
     for name, r in out.items():
-        assert r == {"sm80": True, "int8_mma": True, "prmt": name.endswith("-asm"), "fp8": False}, (name, r)
+        asm = name.endswith("-asm")
+        assert r == {"sm80": True, "int8_mma": True, "prmt": asm, "prmt_shift": asm and "-shift-" in name,
+                     "asm_in_mma_b_layout": asm, "fp8": False}, (name, r)
     assert res["io"]["_quantize_rows_kernel"] == {"sm80": True, "fp8": False, "div_rn": True}, res["io"]
     assert res["io"]["_sum_pairs_kernel"]["sm80"] and not res["io"]["_sum_pairs_kernel"]["fp8"], res["io"]
 
@@ -267,43 +292,91 @@ E2M1X2 = [0, 1, 2, 3, 4, 6, 8, 12]
 
 
 def _prmt(a, b, c):
-    """PTX prmt.b32 (default mode): byte i of the result = byte (selector nibble i) of {b, a}."""
+    """PTX prmt.b32 (default mode): byte i of the result = byte (selector nibble i & 7) of {b, a}, or, if
+    bit 3 of that nibble is set, that byte's msb replicated over the byte (sign-replicate)."""
     src, out = (b << 32) | a, 0
     for i in range(4):
         sel = (c >> (4 * i)) & 0xF
-        assert sel < 8  # the sign-replicate mode is never used
-        out |= ((src >> (8 * sel)) & 0xFF) << (8 * i)
+        byte = (src >> (8 * (sel & 7))) & 0xFF
+        if sel & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
     return out
 
 
-def _swar_nibbles(x):
-    """kernels/w4a8_moe.py _SWAR_NIBBLE, instruction by instruction, on one 32-bit register."""
-    m = x & 0x07070707
-    t = (m >> 4) | m
-    sel = _prmt(t, 0, 0x4420)
-    pos = _prmt(0x03020100, 0x0C080604, sel)
-    neg = _prmt(0xFDFEFF00, 0xF4F8FAFC, sel)
-    sg = ((x & 0x08080808) >> 3) * 255
-    return ((pos & ~sg) | (neg & sg)) & 0xFFFFFFFF
+def _decode_word(x):
+    """kernels/w4a8_moe.py _DECODE_ASM, instruction by instruction, on one 32-bit word: (lo, hi)."""
+    sel = x & 0x77777777
+    selh = sel >> 16
+    sx = (x << 4) & 0xFFFFFFFF
+    out = []
+    for s, m in ((sel, 0x9D8C), (selh, 0xBFAE)):
+        pos = _prmt(0x03020100, 0x0C080604, s)
+        neg = _prmt(0xFDFEFF00, 0xF4F8FAFC, s)
+        sg = _prmt(x, sx, m)
+        out.append(((sg & neg) | (~sg & pos)) & 0xFFFFFFFF)  # lop3 0xD8: c ? b : a
+    return out
+
+
+def _decode_word_shift(x, mb):
+    """_DECODE_SHIFT_ASM instruction by instruction: x the codes, mb the operand register (4 identical
+    bytes m0 | m1 << 4, m = 2^s). Also checks the no-carry reasoning: the 32-bit multiply-add equals the
+    bytewise one (no byte of P * m + M exceeds 255)."""
+    sel = x & 0x77777777
+    selh = sel >> 16
+    sx = (x << 4) & 0xFFFFFFFF
+    m0, m1 = mb & 15, (mb >> 4) & 15  # and 15; bfe.u32 4, 4
+    out = []
+    for s, sm, m in ((sel, 0x9D8C, m0), (selh, 0xBFAE, m1)):
+        pos = _prmt(0x03020100, 0x0C080604, s)
+        sg = _prmt(x, sx, sm) & 0x7F7F7F7F
+        v = (pos * m + sg) & 0xFFFFFFFF  # mad.lo.u32
+        bytewise = [((pos >> (8 * i)) & 0xFF) * m + ((sg >> (8 * i)) & 0xFF) for i in range(4)]
+        assert all(b < 256 for b in bytewise) and v == sum(b << (8 * i) for i, b in enumerate(bytewise))
+        out.append(v ^ sg)
+    return out
+
+
+def _words():
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(0, 2**32, (4096,), generator=g, dtype=torch.int64).tolist()
+    # every code in every nibble position, with varied neighbours
+    words += [sum(((c + 3 * p * r) % 16) << (4 * p) for p in range(8)) for c in range(16) for r in range(16)]
+    return words + [0, 0xFFFFFFFF, 0x88888888, 0x77777777, 0xF0F0F0F0]
+
+
+def _want(x, group, mul=1):
+    """The bytes the decoder must give for word x: code k0 + i of the group (nibble 4*group + i) x mul."""
+    vals = []
+    for i in range(4):
+        c = (x >> (4 * (4 * group + i))) & 0xF
+        vals.append(((-1 if c & 8 else 1) * E2M1X2[c & 7] * mul) & 0xFF)
+    return vals
 
 
 def test_swar_decode_algorithm():
-    """The PTX decoder's algorithm (four codes per register, two table lookups, a sign blend), emulated
-    on every byte value in every position, against the E2M1 table. The kernel's PTX text is checked to
-    be these instructions with these constants; a GPU run checks the compiled kernel against the
-    reference."""
+    """The PTX decoders (8 codes per 32-bit word of the repacked layout: three PRMTs and a blend per four
+    codes; the shift decoder's multiply-add and sign flip), emulated instruction by instruction over
+    many words and every multiplier pair, against the E2M1 table. The kernel's PTX text is checked to be
+    these instructions with these constants; a GPU run checks the compiled kernel against the reference."""
     from dsv4_sm80.kernels import w4a8_moe as mod
 
-    for const in ("0x07070707", "0x08080808", "0x4420", "0x03020100", "0x0C080604", "0xFDFEFF00", "0xF4F8FAFC"):
+    for const in ("0x77777777", "0x9D8C", "0xBFAE", "0x03020100", "0x0C080604", "0xFDFEFF00", "0xF4F8FAFC",
+                  "0xD8", "shr.b32 selh, sel, 16", "shl.b32 sx, $2, 4"):
         assert const in mod._DECODE_ASM, const
-    want = lambda c: (-E2M1X2[c & 7] if c & 8 else E2M1X2[c & 7]) & 0xFF  # noqa: E731
-    g = torch.Generator().manual_seed(0)
-    words = torch.randint(0, 256, (4096, 4), generator=g).tolist() + [[b, (b + 1) % 256, 255 - b, b ^ 0x88] for b in range(256)]
-    for bs in words:
-        w = sum(b << (8 * i) for i, b in enumerate(bs))
-        lo, hi = _swar_nibbles(w), _swar_nibbles(w >> 4)
-        assert [(lo >> (8 * i)) & 0xFF for i in range(4)] == [want(b & 0xF) for b in bs], bs
-        assert [(hi >> (8 * i)) & 0xFF for i in range(4)] == [want(b >> 4) for b in bs], bs
+    for const in ("0x77777777", "0x9D8C", "0xBFAE", "0x03020100", "0x0C080604", "0x7F7F7F7F",
+                  "and.b32 m0, $3, 15", "bfe.u32 m1, $3, 4, 4", "mad.lo.u32 v, pos, m0, sg", "xor.b32 $0, v, sg"):
+        assert const in mod._DECODE_SHIFT_ASM, const
+    bytes_of = lambda w: [(w >> (8 * i)) & 0xFF for i in range(4)]  # noqa: E731
+    for x in _words():
+        lo, hi = _decode_word(x)
+        assert bytes_of(lo) == _want(x, 0) and bytes_of(hi) == _want(x, 1), hex(x)
+    for s0 in range(4):
+        for s1 in range(4):
+            mb = ((1 << s0) | ((1 << s1) << 4)) * 0x01010101
+            for x in _words()[::7]:
+                lo, hi = _decode_word_shift(x, mb)
+                assert bytes_of(lo) == _want(x, 0, 1 << s0) and bytes_of(hi) == _want(x, 1, 1 << s1), (hex(x), s0, s1)
 
 
 def test_span_merge_exact_up_to_13_binades_and_bounded_beyond(k):
@@ -322,3 +395,102 @@ def test_span_merge_exact_up_to_13_binades_and_bounded_beyond(k):
     merged = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(PREFILL, merge=True))
     per_group = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(PREFILL, merge=False))
     assert rel(merged, per_group) < 1e-6
+
+
+def column_scales(e, n, kdim, seed, spread, bad_every=0):
+    """E8M0 bytes [e, n, kdim/32] as real MXFP4 checkpoints have them: a base exponent per column (output
+    row) plus a per-group offset in 0..spread (spread <= 3: every column shiftable). bad_every=j: every
+    j-th column (offset by the expert) gets one group 4..6 binades above its base instead (not shiftable),
+    so tiles mix shiftable and non-shiftable columns."""
+    g = torch.Generator().manual_seed(seed)
+    groups = kdim // 32
+    base = torch.randint(118, 126, (e, n, 1), generator=g)
+    s = base + torch.randint(0, spread + 1, (e, n, groups), generator=g)
+    if bad_every:
+        cols = (torch.arange(n)[None, :] + torch.arange(e)[:, None]) % bad_every == 0
+        grp = torch.randint(0, groups, (e, n), generator=g)
+        jump = torch.randint(4, 7, (e, n), generator=g)
+        s.scatter_(2, grp[..., None], torch.where(cols, base[..., 0] + jump, s.gather(2, grp[..., None])[..., 0])[..., None])
+    return s.to(torch.uint8)
+
+
+def shift_case(spread, bad_every=0, t=5, top_k=3, seed=50, h=128, inter=128, e=8):
+    x, w13, _, w2, _, tw, ids = case(t=t, top_k=top_k, seed=seed, h=h, inter=inter, e=e)
+    s13 = column_scales(e, 2 * inter, h, seed + 10, spread, bad_every)
+    s2 = column_scales(e, h, inter, seed + 11, spread, bad_every)
+    return x, w13, s13, w2, s2, tw, ids
+
+
+def test_shift_refs_against_brute_force(k):
+    s = column_scales(4, 37, 256, 3, 4)
+    s[0, 0, :] = 130  # constant column: shiftable, e_ref = 130
+    s[0, 1, 3] = 0  # an E8M0 0 group (flushes to zero per group): not shiftable
+    s[0, 2, :] = 0
+    s[0, 3, :] = 1
+    s[0, 3, 5] = 4  # spread exactly 3 from e = 1
+    s[0, 4, :] = 200
+    s[0, 4, 2] = 196  # spread 4
+    got = k.shift_refs(dev(s)).cpu()
+    assert got.dtype == torch.uint8 and got.shape == (4, 37)
+    for e in range(4):
+        for n in range(37):
+            col = [int(v) for v in s[e, n]]
+            want = 0
+            for ref_e in range(255, 0, -1):  # the largest e_ref with every shift e - e_ref in 0..3 (min shift 0)
+                if all(v > 0 and 0 <= v - ref_e <= 3 for v in col):
+                    want = ref_e
+                    break
+            assert int(got[e, n]) == want, (e, n, col, int(got[e, n]))
+    assert int(got[0, 0]) == 130 and int(got[0, 1]) == 0 and int(got[0, 2]) == 0 and int(got[0, 3]) == 1
+    assert int(got[0, 4]) == 0
+    assert 0 < float((got > 0).float().mean()) < 1  # spread 4 draws: some columns of each kind
+
+
+def run_shift(k, x, w13, s13, w2, s2, tw, ids, erefs=None, **kw):
+    a, b = k.repack_mxfp4_for_w4a8(dev(w13.clone())), k.repack_mxfp4_for_w4a8(dev(w2.clone()))
+    e13, e2 = erefs if erefs is not None else (k.shift_refs(dev(s13)), k.shift_refs(dev(s2)))
+    out = dev(torch.empty(x.shape, dtype=torch.float32))
+    return k.w4a8_moe(*dev(x, a, s13, b, s2, tw, ids), out=out, w13_eref=dev(e13), w2_eref=dev(e2), **kw).cpu()
+
+
+DECODE64 = dict(DECODE, block_n=64)  # the down kernel's activation group a multiple of 64: shift there too
+
+
+@pytest.mark.parametrize("spread,bad_every", [(3, 0), (1, 0), (4, 3), (3, 7)])
+@pytest.mark.parametrize("cfg,t,top_k,input_group", [(DECODE, 4, 3, 0), (DECODE64, 2, 2, 0), (PREFILL, 19, 6, 0),
+                                                      (PREFILL, 6, 2, 64)])
+def test_shift_path_equals_int8_emulation(k, spread, bad_every, cfg, t, top_k, input_group):
+    """The shift path (int32 accumulation over K, one conversion per activation-scale change) against the
+    reference written from the math, with the same tolerance rule as test_kernel_equals_int8_emulation:
+    all columns shiftable (spread <= 3), none (a group 4..6 binades up in every 3rd column: every tile
+    falls back), and mixed columns within a tile (every 7th: fallback for those tiles only)."""
+    x, w13, s13, w2, s2, tw, ids = shift_case(spread, bad_every, t=t, top_k=top_k, seed=60 + t)
+    got = run_shift(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=input_group,
+                    config=dict(cfg, shift=True)).float()
+    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"],
+                                 input_group=input_group).float()
+    per_token = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
+    off = per_token > 1e-5
+    assert int(off.sum()) <= max(1, t // 4) and float(per_token.max()) < 1e-2, per_token.tolist()
+    frac = float((k.shift_refs(s13) > 0).float().mean())
+    assert (frac == 1.0) if not bad_every else (frac < 1.0)
+
+
+@pytest.mark.parametrize("cfg", [DECODE64, PREFILL])
+def test_shift_path_is_taken_and_a_wrong_map_is_loud(k, cfg):
+    """With every column shiftable, a map off by one binade (shifts -1..2) must give NaN, not a number:
+    this shows the shift loop ran for those tiles (the per-group loop ignores the map) and that a map
+    of other scales cannot pass silently. A map of zeros (nothing shiftable) gives the per-group result."""
+    x, w13, s13, w2, s2, tw, ids = shift_case(2, 0, t=3, top_k=2, seed=70)
+    e13, e2 = k.shift_refs(s13), k.shift_refs(s2)
+    assert bool((e13 > 0).all()) and bool((e2 > 0).all())
+    for wrong in ((e13 + 1, e2), (e13, e2 + 1)):
+        got = run_shift(k, x, w13, s13, w2, s2, tw, ids, erefs=wrong, config=dict(cfg, shift=True))
+        assert bool(torch.isnan(got).all()), got
+    fallback = run_shift(k, x, w13, s13, w2, s2, tw, ids, erefs=(torch.zeros_like(e13), torch.zeros_like(e2)),
+                         config=dict(cfg, shift=True))
+    per_group = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=cfg)
+    assert torch.equal(fallback, per_group)
+    shifted = run_shift(k, x, w13, s13, w2, s2, tw, ids, config=dict(cfg, shift=True))
+    off = run_shift(k, x, w13, s13, w2, s2, tw, ids, config=dict(cfg, shift=False))
+    assert torch.equal(off, per_group) and rel(shifted, per_group) < 1e-2

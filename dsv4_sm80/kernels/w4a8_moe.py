@@ -56,6 +56,10 @@ CHUNK = 64  # K per byte tile: two groups, low and high nibbles
 def repack_mxfp4_for_w4a8(packed: torch.Tensor, experts_per_step: int = 16) -> torch.Tensor:
     """Checkpoint MXFP4 bytes [E, N, K/2] (low nibble = even k) -> the kernel's layout, in place.
 
+    Per 64-wide K chunk (32 bytes) of a row: the 32-bit little-endian word q (bytes 4q..4q+3) holds, as
+    nibbles 0..3, the codes of k = 4q..4q+3 (the chunk's first scale group) and, as nibbles 4..7, those of
+    k = 32+4q..32+4q+3 (its second), i.e. byte 4q+b holds nibbles 2b (low) and 2b+1 (high). One word then
+    decodes to four INT8 operands of each group's dot with a single PRMT selector per group.
     Works expert slice by expert slice so the transient is a few experts' codes, not the layer's."""
     e_total, n, half_k = packed.shape
     k = half_k * 2
@@ -64,9 +68,28 @@ def repack_mxfp4_for_w4a8(packed: torch.Tensor, experts_per_step: int = 16) -> t
     raw = packed.view(torch.uint8)
     for e0 in range(0, e_total, experts_per_step):
         b = raw[e0:e0 + experts_per_step]
-        codes = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(b.shape[0], n, k // CHUNK, 2, GROUP)
-        b.copy_((codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(b.shape))
+        # [.., chunk, group, q, i]: k = 64*chunk + 32*group + 4*q + i
+        codes = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(b.shape[0], n, k // CHUNK, 2, 8, 4)
+        nib = codes.permute(0, 1, 2, 4, 3, 5).reshape(b.shape[0], n, k // CHUNK, 8, 4, 2)  # [q, b, nibble]
+        b.copy_((nib[..., 0] | (nib[..., 1] << 4)).reshape(b.shape))
     return packed
+
+
+def shift_refs(scale: torch.Tensor, experts_per_step: int = 16) -> torch.Tensor:
+    """E8M0 scale bytes [E, N, K/32] -> the shift map `eref` uint8 [E, N] the kernel's shift path reads.
+
+    A column (one output row of the weight, all its K groups) is shiftable when its exponents span at most
+    3 binades and none is 0 (E8M0 0 flushes to zero in the per-group path): then every group's codes times
+    2^(e - e_ref), e_ref = the column's smallest exponent, are integers of |q| <= 12 * 8 = 96, exact in
+    INT8, and the whole K of INT8 dots can accumulate in int32 with one conversion and one 2^(e_ref-127).
+    eref[e, n] = e_ref for a shiftable column, 0 for one that is not (the per-group path serves it)."""
+    s = scale.view(torch.uint8)
+    out = torch.empty(s.shape[:2], dtype=torch.uint8, device=s.device)
+    for e0 in range(0, s.shape[0], experts_per_step):
+        part = s[e0:e0 + experts_per_step]
+        lo, hi = part.amin(dim=-1), part.amax(dim=-1)
+        out[e0:e0 + experts_per_step] = torch.where((hi - lo <= 3) & (lo > 0), lo, torch.zeros_like(lo))
+    return out
 
 
 def quantize_rows_int8(x: torch.Tensor, group: int = 0):
@@ -145,46 +168,71 @@ def _e8m0(e):
     return (e << 23).to(tl.float32, bitcast=True)
 
 
-# E2M1 codes -> twice their value as INT8, four bytes per 32-bit register (SWAR): the magnitude bits of
-# four codes become one PRMT selector, two PRMTs look the magnitudes up in a positive and a negative
-# 8-byte table, the sign bits pick per byte. About 3 instructions per code instead of ~10 on int32 lanes.
-# Emulated bit for bit in tests/test_w4a8_moe.py (test_swar_decode_algorithm); on a GPU the kernel tests
-# check the compiled result against the reference.
-_SWAR_NIBBLE = """
-    and.b32 m, {x}, 0x07070707;
-    shr.b32 t, m, 4;
-    or.b32 t, t, m;
-    prmt.b32 sel, t, 0, 0x4420;
-    prmt.b32 pos, lp, hp, sel;
-    prmt.b32 neg, ln, hn, sel;
-    and.b32 sg, {x}, 0x08080808;
-    shr.b32 sg, sg, 3;
-    mul.lo.u32 sg, sg, 255;
-    and.b32 neg, neg, sg;
-    not.b32 sg, sg;
-    and.b32 pos, pos, sg;
-    or.b32 {out}, pos, neg;
-"""
-_DECODE_ASM = ("{\n.reg .b32 m, t, sel, pos, neg, sg, hi4, lp, hp, ln, hn;\n"
-               "mov.b32 lp, 0x03020100;\nmov.b32 hp, 0x0C080604;\n"
-               "mov.b32 ln, 0xFDFEFF00;\nmov.b32 hn, 0xF4F8FAFC;\n"
-               + _SWAR_NIBBLE.format(x="$2", out="$0")
-               + "shr.b32 hi4, $2, 4;\n"
-               + _SWAR_NIBBLE.format(x="hi4", out="$1")
+# E2M1 codes -> twice their value as INT8, four bytes per 32-bit register (SWAR), for the repacked layout
+# (`repack_mxfp4_for_w4a8`): one 32-bit word x holds 4 codes of the chunk's first scale group (nibbles
+# 0..3, bits 0-15) and the 4 codes 32 further (nibbles 4..7). PRMT's default mode reads its selector's low
+# 16 bits: result byte i = byte (nibble i of c) & 7 of {b:a} (a = bytes 0..3), and if bit 3 of that nibble
+# is set, that byte's msb replicated (sign-replicate). So x & 0x77777777 is the selector of group 0's four
+# magnitudes, >> 16 that of group 1's; two 8-byte tables (0,1,2,3,4,6,8,12 and their negatives) give
+# the positive and negative values; a third PRMT in sign-replicate mode builds the mask 0xFF per byte whose
+# code is negative (x << 4 brings the even nibbles' sign bits to byte msbs, x has the odd nibbles'); one
+# LOP3 (0xD8: c ? b : a) blends. 11 instructions per word = 8 codes. Emulated instruction by instruction
+# in tests/test_w4a8_moe.py (test_swar_decode_algorithm).
+#
+# Relies on the 4 bytes Triton packs into one register (pack=4) being 4 consecutive k of one column,
+# aligned to 4: true in the INT8 MMA operand layout the decode runs in (the m16n8k32 B fragment holds
+# exactly such words; the compile test checks that the decode runs in that layout).
+_DECODE_HEAD = ("{\n.reg .b32 sel, selh, sx, sg, pos, neg, lp, hp, ln, hn;\n"
+                "mov.b32 lp, 0x03020100;\nmov.b32 hp, 0x0C080604;\n"
+                "and.b32 sel, $2, 0x77777777;\nshr.b32 selh, sel, 16;\nshl.b32 sx, $2, 4;\n")
+_DECODE_ASM = (_DECODE_HEAD + "mov.b32 ln, 0xFDFEFF00;\nmov.b32 hn, 0xF4F8FAFC;\n"
+               + "".join(f"prmt.b32 pos, lp, hp, {s};\nprmt.b32 neg, ln, hn, {s};\n"
+                         f"prmt.b32 sg, $2, sx, {m};\nlop3.b32 {o}, pos, neg, sg, 0xD8;\n"
+                         for s, m, o in (("sel", "0x9D8C", "$0"), ("selh", "0xBFAE", "$1")))
                + "}")
+# The shift path's decoder: codes times 2^s, s = 0..3 per column and group, given as the multiplier
+# m = 2^s (operand $3: each byte m0 | m1 << 4 for the low and high group). After the positive lookup P
+# (bytes <= 12), v = P * m + M with M = 0x7F where the code is negative (else 0): bytes P*m <= 96, so
+# neither the multiply nor the add carries across bytes (<= 96 + 127 < 256); then v ^ M is P*m where
+# M = 0 and (0x7F + q) ^ 0x7F = 256 - q = -q mod 256 where M = 0x7F (0 <= q <= 0x80). 15 per word.
+_DECODE_SHIFT_ASM = (_DECODE_HEAD.replace("lp, hp, ln, hn", "lp, hp, m0, m1, v")
+                     + "and.b32 m0, $3, 15;\nbfe.u32 m1, $3, 4, 4;\n"
+                     + "".join(f"prmt.b32 pos, lp, hp, {s};\nprmt.b32 sg, $2, sx, {m};\n"
+                               f"and.b32 sg, sg, 0x7F7F7F7F;\nmad.lo.u32 v, pos, {mm}, sg;\n"
+                               f"xor.b32 {o}, v, sg;\n"
+                               for s, m, mm, o in (("sel", "0x9D8C", "m0", "$0"), ("selh", "0xBFAE", "m1", "$1")))
+                     + "}")
 _DECODE_ASM_C = tl.constexpr(_DECODE_ASM)
+_DECODE_SHIFT_ASM_C = tl.constexpr(_DECODE_SHIFT_ASM)
 
 
 @triton.jit
-def _decode_pair(byte, DECODE_ASM: tl.constexpr):
-    """A uint8 tile of packed codes -> (low-nibble codes, high-nibble codes) as INT8 twice-values."""
+def _load_codes(b_ptrs, n_ok, mul, DECODE_ASM: tl.constexpr, SHIFT: tl.constexpr):
+    """b_ptrs [32, BLOCK_N]: the 32 bytes of one 64-wide K chunk per column (row j = byte j). Returns
+    (lo, hi) INT8 [32, BLOCK_N]: lo[j] = twice the E2M1 value of code k0+j, hi[j] = of code k0+32+j; with
+    SHIFT, times the column's 2^s per group, mul [BLOCK_N] = m0 | m1 << 4 (m = 2^s, 1..8)."""
     if DECODE_ASM:
-        lo, hi = tl.inline_asm_elementwise(_DECODE_ASM_C, "=r,=r,r", [byte], dtype=(tl.int8, tl.int8),
-                                           is_pure=True, pack=4)
-    else:
-        b = byte.to(tl.int32) & 0xFF
-        lo = _e2m1x2(b & 0xF).to(tl.int8)
-        hi = _e2m1x2(b >> 4).to(tl.int8)
+        byte = tl.load(b_ptrs, mask=n_ok[None, :], other=0)
+        if SHIFT:
+            m = tl.broadcast_to(mul.to(tl.uint8)[None, :], byte.shape)
+            lo, hi = tl.inline_asm_elementwise(_DECODE_SHIFT_ASM_C, "=r,=r,r,r", [byte, m],
+                                               dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_DECODE_ASM_C, "=r,=r,r", [byte], dtype=(tl.int8, tl.int8),
+                                               is_pure=True, pack=4)
+    else:  # elementwise (interpreter): gather code k0+j from byte 4*(j//4) + (j%4)//2, nibble j%2 (+2: k0+32+j)
+        j = tl.arange(0, 32)
+        delta = ((j // 4) * 4 + (j % 4) // 2 - j)[:, None]
+        nib = ((j % 2) * 4)[:, None]
+        blo = tl.load(b_ptrs + delta, mask=n_ok[None, :], other=0).to(tl.int32) & 0xFF
+        bhi = tl.load(b_ptrs + delta + 2, mask=n_ok[None, :], other=0).to(tl.int32) & 0xFF
+        vlo = _e2m1x2((blo >> nib) & 0xF)
+        vhi = _e2m1x2((bhi >> nib) & 0xF)
+        if SHIFT:
+            vlo = vlo * (mul & 15)[None, :]
+            vhi = vhi * (mul >> 4)[None, :]
+        lo = vlo.to(tl.int8)
+        hi = vhi.to(tl.int8)
     return lo, hi
 
 
@@ -193,13 +241,90 @@ def _w4_dots(a0, a1, b_ptrs, s_ptrs, n_ok, DECODE_ASM: tl.constexpr):
     """One 64-deep K step against one byte tile, per group (activation scale per 32 columns): the two
     32-deep INT8 dots (low nibbles = k0..k0+31, high = k0+32..k0+63), each scaled by its own group's
     E8M0 weight scale, in fp32."""
-    byte = tl.load(b_ptrs, mask=n_ok[None, :], other=0)
     s0 = _e8m0(tl.load(s_ptrs, mask=n_ok, other=0).to(tl.int32) & 0xFF)
     s1 = _e8m0(tl.load(s_ptrs + 1, mask=n_ok, other=0).to(tl.int32) & 0xFF)
-    lo, hi = _decode_pair(byte, DECODE_ASM)
+    lo, hi = _load_codes(b_ptrs, n_ok, 0, DECODE_ASM, False)
     d0 = tl.dot(a0, lo, out_dtype=tl.int32).to(tl.float32) * s0[None, :]
     d1 = tl.dot(a1, hi, out_dtype=tl.int32).to(tl.float32) * s1[None, :]
     return d0, d1
+
+
+@triton.jit
+def _shift_step(a0, a1, b_ptrs, s_ptrs, eref, n_ok, iacc, bad, DECODE_ASM: tl.constexpr):
+    """Shift path, one 64-deep K step: both groups' codes times 2^(e - eref) (the column's reference
+    exponent), INT8 dots accumulated straight into the int32 `iacc`. `bad` collects, per column, any
+    shift outside 0..3 (a map that does not belong to these scales): the result is made NaN there,
+    never silently wrong."""
+    d0 = (tl.load(s_ptrs, mask=n_ok, other=0).to(tl.int32) & 0xFF) - eref
+    d1 = (tl.load(s_ptrs + 1, mask=n_ok, other=0).to(tl.int32) & 0xFF) - eref
+    bad = bad | tl.where(n_ok, (d0 | d1) & ~3, 0)
+    mul = (1 << (d0 & 3)) | ((1 << (d1 & 3)) << 4)
+    lo, hi = _load_codes(b_ptrs, n_ok, mul, DECODE_ASM, True)
+    iacc = tl.dot(a0, lo, iacc, out_dtype=tl.int32)
+    iacc = tl.dot(a1, hi, iacc, out_dtype=tl.int32)
+    return iacc, bad
+
+
+@triton.jit
+def _shift_chunk(k0, a_ptr, a_rows, row_ok, stride_am, b_base, bs_base, offs_n, n_ok, er, er_up, N, stride_bn,
+                 stride_bsn, iacc, iacc_up, bad, GATED: tl.constexpr, DECODE_ASM: tl.constexpr):
+    """The 64-deep K step at k0 of the shift path: activation loads shared by the gate and up tiles."""
+    offs_j = tl.arange(0, 32)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
+    a0 = tl.load(a_ptrs, mask=row_ok[:, None], other=0)
+    a1 = tl.load(a_ptrs + 32, mask=row_ok[:, None], other=0)
+    b_ptrs = b_base + offs_n[None, :] * stride_bn + (k0 // 2 + offs_j)[:, None]
+    s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
+    iacc, bad = _shift_step(a0, a1, b_ptrs, s_ptrs, er, n_ok, iacc, bad, DECODE_ASM)
+    if GATED:  # the up rows of the same columns sit N rows further
+        iacc_up, bad = _shift_step(a0, a1, b_ptrs + N * stride_bn, s_ptrs + N * stride_bsn, er_up, n_ok, iacc_up,
+                                   bad, DECODE_ASM)
+    return iacc, iacc_up, bad
+
+
+@triton.jit
+def _shift_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base, offs_n, n_ok,
+                er, er_up, N, K, stride_bn, stride_bsn,
+                GATED: tl.constexpr, A_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                DECODE_ASM: tl.constexpr):
+    """The whole K for a tile whose columns are all shiftable: int32 accumulation, one int32 -> fp32
+    conversion per activation-scale change (A_GROUP = 0: once at the end; else per A_GROUP columns of K,
+    a multiple of 64), times 2^(eref - 127) per column at the end. Returns fp32 (gate, up) as the
+    per-group loop does: the per-row activation scale for A_GROUP = 0 is still to be applied.
+    |iacc| <= 127 * 96 * K < 2^31 for K < 176k (checked by the caller)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    bad = tl.zeros((BLOCK_N,), dtype=tl.int32)
+    iacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    iacc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    if A_GROUP == 0:  # one activation scale per row: the whole K in int32
+        for k0 in range(0, K, 64):
+            iacc, iacc_up, bad = _shift_chunk(k0, a_ptr, a_rows, row_ok, stride_am, b_base, bs_base, offs_n, n_ok,
+                                              er, er_up, N, stride_bn, stride_bsn, iacc, iacc_up, bad,
+                                              GATED, DECODE_ASM)
+        acc = iacc.to(tl.float32)
+        acc_up = iacc_up.to(tl.float32)
+    else:  # one conversion per A_GROUP columns of K, times that group's activation scale
+        for kg in range(0, K, A_GROUP):
+            iacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+            iacc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+            if A_GROUP <= 256:
+                for kk in tl.static_range(0, A_GROUP, 64):
+                    iacc, iacc_up, bad = _shift_chunk(kg + kk, a_ptr, a_rows, row_ok, stride_am, b_base, bs_base,
+                                                      offs_n, n_ok, er, er_up, N, stride_bn, stride_bsn, iacc,
+                                                      iacc_up, bad, GATED, DECODE_ASM)
+            else:
+                for kk in range(0, A_GROUP, 64):
+                    iacc, iacc_up, bad = _shift_chunk(kg + kk, a_ptr, a_rows, row_ok, stride_am, b_base, bs_base,
+                                                      offs_n, n_ok, er, er_up, N, stride_bn, stride_bsn, iacc,
+                                                      iacc_up, bad, GATED, DECODE_ASM)
+            sa = tl.load(a_scale_ptr + a_rows * a_scale_groups + kg // A_GROUP, mask=row_ok, other=0.0)
+            acc += iacc.to(tl.float32) * sa[:, None]
+            acc_up += iacc_up.to(tl.float32) * sa[:, None]
+    acc = tl.where(bad[None, :] != 0, float("nan"), acc * _e8m0(er)[None, :])
+    if GATED:
+        acc_up = tl.where(bad[None, :] != 0, float("nan"), acc_up * _e8m0(er_up)[None, :])
+    return acc, acc_up
 
 
 @triton.jit
@@ -242,11 +367,11 @@ def _w4_span(a_ptrs, row_ok, b_ptrs, s_ptrs, n_ok, up_b, up_s,
     for c in tl.static_range(SPAN // 64):
         a0 = tl.load(a_ptrs + c * 64, mask=row_ok[:, None], other=0)
         a1 = tl.load(a_ptrs + c * 64 + 32, mask=row_ok[:, None], other=0)
-        lo, hi = _decode_pair(tl.load(b_ptrs + c * 32, mask=n_ok[None, :], other=0), DECODE_ASM)
+        lo, hi = _load_codes(b_ptrs + c * 32, n_ok, 0, DECODE_ASM, False)
         iacc += _shifted(tl.dot(a0, lo, out_dtype=tl.int32), _group_shift(sh, 2 * c, G))
         iacc += _shifted(tl.dot(a1, hi, out_dtype=tl.int32), _group_shift(sh, 2 * c + 1, G))
         if GATED:
-            lo, hi = _decode_pair(tl.load(b_ptrs + up_b + c * 32, mask=n_ok[None, :], other=0), DECODE_ASM)
+            lo, hi = _load_codes(b_ptrs + up_b + c * 32, n_ok, 0, DECODE_ASM, False)
             iacc_up += _shifted(tl.dot(a0, lo, out_dtype=tl.int32), _group_shift(sh_up, 2 * c, G))
             iacc_up += _shifted(tl.dot(a1, hi, out_dtype=tl.int32), _group_shift(sh_up, 2 * c + 1, G))
     gate = iacc.to(tl.float32) * _e8m0(e_ref)[None, :]
@@ -258,38 +383,15 @@ def _w4_span(a_ptrs, row_ok, b_ptrs, s_ptrs, n_ok, up_b, up_s,
 
 
 @triton.jit
-def _w4a8_moe_kernel(
-    a_ptr, a_scale_ptr, b_ptr, bs_ptr, c_ptr, c_scale_ptr,
-    sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_w_ptr,
-    N, K, num_pairs, a_row_div, a_scale_groups, limit,
-    stride_am, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, c_scale_groups,
-    GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr = 32, DECODE_ASM: tl.constexpr = False,
-):
-    """SPAN = 32: every scale group converted to fp32 on its own (needed when the activation scale
-    changes every 32 columns). SPAN = 64 or 128: groups merged in int32 over the span (`_w4_span`); the
-    activation scale, if grouped, is constant over the span (A_GROUP == SPAN)."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // n_tiles
-    pid_n = pid % n_tiles
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ids = tl.load(sorted_ids_ptr + offs_m)
-    row_ok = ids < num_pairs
-    a_rows = tl.where(row_ok, ids // a_row_div, 0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base, offs_n, n_ok,
+                N, K, stride_bn, stride_bsn, GATED: tl.constexpr, A_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, SPAN: tl.constexpr, DECODE_ASM: tl.constexpr):
+    """The exact per-group K loop (SPAN = 32: each 32-deep dot converted to fp32 and scaled by its own
+    group's power of two; SPAN = 64/128: groups merged in int32 over the span, `_w4_span`). Returns fp32
+    (gate, up); the per-row activation scale for A_GROUP = 0 is still to be applied."""
     offs_j = tl.arange(0, 32)
-
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    b_base = b_ptr + expert * stride_be
-    bs_base = bs_ptr + expert * stride_bse
     if SPAN == 32:
         for k0 in range(0, K, 64):
             a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
@@ -326,6 +428,63 @@ def _w4a8_moe_kernel(
                 acc += gate
                 acc_up += up
 
+    return acc, acc_up
+
+
+@triton.jit
+def _w4a8_moe_kernel(
+    a_ptr, a_scale_ptr, b_ptr, bs_ptr, c_ptr, c_scale_ptr,
+    sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_w_ptr, eref_ptr,
+    N, K, num_pairs, a_row_div, a_scale_groups, limit,
+    stride_am, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, c_scale_groups, stride_ere,
+    GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr = 32, DECODE_ASM: tl.constexpr = False,
+    SHIFT: tl.constexpr = False,
+):
+    """SPAN = 32: every scale group converted to fp32 on its own (needed when the activation scale
+    changes every 32 columns). SPAN = 64 or 128: groups merged in int32 over the span (`_w4_span`); the
+    activation scale, if grouped, is constant over the span (A_GROUP == SPAN).
+    SHIFT: eref_ptr is the shift map [E, N (x2 gated: gate rows, then up rows)] (`shift_refs`); a tile whose
+    columns are all shiftable runs `_shift_loop` (A_GROUP must then be 0 or a multiple of 64), any other
+    the per-group loop."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = ids < num_pairs
+    a_rows = tl.where(row_ok, ids // a_row_div, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+
+    b_base = b_ptr + expert * stride_be
+    bs_base = bs_ptr + expert * stride_bse
+    if SHIFT:  # the tile's columns (gate and up rows) all shiftable: int32 accumulation, else per group
+        er = tl.load(eref_ptr + expert * stride_ere + offs_n, mask=n_ok, other=1).to(tl.int32) & 0xFF
+        er_up = er
+        tile_ok = tl.min(er, axis=0) > 0
+        if GATED:
+            er_up = tl.load(eref_ptr + expert * stride_ere + N + offs_n, mask=n_ok, other=1).to(tl.int32) & 0xFF
+            tile_ok = tile_ok & (tl.min(er_up, axis=0) > 0)
+        if tile_ok:
+            acc, acc_up = _shift_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
+                                      offs_n, n_ok, er, er_up, N, K, stride_bn, stride_bsn,
+                                      GATED, A_GROUP, BLOCK_M, BLOCK_N, DECODE_ASM)
+        else:
+            acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
+                                      offs_n, n_ok, N, K, stride_bn, stride_bsn,
+                                      GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM)
+    else:
+        acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
+                                  offs_n, n_ok, N, K, stride_bn, stride_bsn,
+                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM)
+
     if not A_GROUP:  # one activation scale per row
         sa = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
         acc = acc * sa[:, None]
@@ -340,6 +499,8 @@ def _w4a8_moe_kernel(
         # INT8 per (pair, this tile's columns): the scale the down kernel reads per K group
         s = tl.max(tl.abs(h), axis=1) / 127.0
         s = tl.where(s > 0, s, 1.0)
+        if SHIFT:  # a NaN column (shift map not of these scales) must not vanish in the INT8 rounding
+            s = tl.where(tl.max(((acc != acc) | (acc_up != acc_up)).to(tl.int32), axis=1) > 0, float("nan"), s)
         q = round_int8(h / s[:, None])
         tl.store(c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :], q,
                  mask=row_ok[:, None] & n_ok[None, :])
@@ -417,12 +578,16 @@ def w4a8_moe(
     x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, swiglu_limit: float = 10.0,
     routed_scaling_factor: float = 1.0, input_group: int = 0, config: dict | None = None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, w13_eref: torch.Tensor | None = None, w2_eref: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed-expert output for x [T, H] (bf16): sum_k w_k * down_e(act(gate_up_e(x))) * scaling.
 
     w13 [E, 2I, H/2] and w2 [E, H, I/2]: MXFP4 bytes in the kernel layout (repack_mxfp4_for_w4a8);
-    scales [E, 2I, H/32], [E, H, I/32]: E8M0 (float8_e8m0fnu or uint8). topk_* [T, top_k]."""
+    scales [E, 2I, H/32], [E, H, I/32]: E8M0 (float8_e8m0fnu or uint8). topk_* [T, top_k].
+    w13_eref [E, 2I], w2_eref [E, H]: the shift maps of those scales (`shift_refs`, computed once at load);
+    with them and config shift (default on), tiles whose columns are all shiftable accumulate in int32
+    (`_shift_loop`); without them, or for a launch whose activation group is not a multiple of 64 (the
+    down kernel when block_n is 32), every tile runs the per-group loop."""
     t, h = x.shape
     e, two_i, _ = w13.shape
     inter = two_i // 2
@@ -440,6 +605,15 @@ def w4a8_moe(
     merge = cfg.get("merge", False)  # per-group: faster on the H200 (docs/moe.md)
     span_up = _span(h, input_group, merge)
     span_down = _span(inter, block_n, merge)
+    shift = cfg.get("shift", True)
+    shift_up = shift and w13_eref is not None and input_group % CHUNK == 0 and h * 127 * 96 < 2**31
+    shift_down = shift and w2_eref is not None and block_n % CHUNK == 0 and inter * 127 * 96 < 2**31
+    if shift_up:
+        w13_eref = w13_eref.view(torch.uint8).contiguous()
+    if shift_down:
+        w2_eref = w2_eref.view(torch.uint8).contiguous()
+    if shift_up and w13_eref.shape != (e, two_i) or shift_down and w2_eref.shape != (e, h):
+        raise ValueError("w13_eref / w2_eref must be shift_refs of w13_scale / w2_scale: [E, 2I], [E, H]")
     decode_asm = cfg.get("decode", "asm" if x.is_cuda and not _INTERPRETED else "alu") == "asm"
     fused_io = cfg.get("fused_io", False)  # one-launch quantize and combine; off until measured (bench --variants)
     xq, xs = (quantize_rows_int8_fused if fused_io else quantize_rows_int8)(x, input_group)
@@ -451,19 +625,21 @@ def w4a8_moe(
     blocks = block_expert.numel()
     _w4a8_moe_kernel[(blocks * triton.cdiv(inter, block_n),)](
         xq, xs, w13b, w13s, hq, hs, sorted_ids, block_expert, num_padded, topk_weights,
-        inter, h, pairs, top_k, xs.shape[1], float(swiglu_limit),
+        w13_eref if shift_up else w13s, inter, h, pairs, top_k, xs.shape[1], float(swiglu_limit),
         xq.stride(0), w13b.stride(0), w13b.stride(1), w13s.stride(0), w13s.stride(1), hq.stride(0), groups,
+        w13_eref.stride(0) if shift_up else 0,
         GATED=True, MUL_WEIGHT=False, A_GROUP=input_group, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPAN=span_up, DECODE_ASM=decode_asm, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SPAN=span_up, DECODE_ASM=decode_asm, SHIFT=shift_up, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     y = torch.empty((pairs, h), dtype=torch.float32, device=dev)
     tw = topk_weights.reshape(-1).to(torch.float32)
     _w4a8_moe_kernel[(blocks * triton.cdiv(h, block_n2),)](
         hq, hs, w2b, w2s, y, y, sorted_ids, block_expert, num_padded, tw,
-        h, inter, pairs, 1, groups, 0.0,
+        w2_eref if shift_down else w2s, h, inter, pairs, 1, groups, 0.0,
         hq.stride(0), w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0), 0,
+        w2_eref.stride(0) if shift_down else 0,
         GATED=False, MUL_WEIGHT=True, A_GROUP=block_n, BLOCK_M=block_m, BLOCK_N=block_n2,
-        SPAN=span_down, DECODE_ASM=decode_asm, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SPAN=span_down, DECODE_ASM=decode_asm, SHIFT=shift_down, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if fused_io and (out is None or out.is_contiguous()):
         res = torch.empty((t, h), dtype=x.dtype, device=dev) if out is None else out
