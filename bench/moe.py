@@ -47,6 +47,14 @@ def peaks(torch):
 # W4A8 alternatives timed with --variants (config keys of w4a8_moe): the default is the PTX table decoder
 # with per-group scaling and default_config's tiles.
 VARIANTS = {
+    # the shift path (int32 accumulation for columns whose exponents span <= 3 binades) against the
+    # per-group loop; "eref 0" passes all-zero shift maps: the shift kernel's per-tile check, then the
+    # per-group fallback everywhere (what the check and the bigger kernel cost)
+    "shift off": {"shift": False},
+    "shift, eref 0 (fallback)": {"shift": True, "_eref0": True},
+    "shift, tile 64x128, warps 4": {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4},
+    "shift, tile 32x128, warps 4": {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 4},
+    "shift, decode block_n 64": {"block_n": 64},  # the down kernel's activation group 64: shift there too
     "fused io": {"fused_io": True},  # one-launch activation quantizer and top-k combine (~12 + 3 launches fewer)
     "alu-decode": {"decode": "alu"},
     "span-merge": {"merge": True},
@@ -65,6 +73,18 @@ VARIANTS = {
 }
 
 
+def mxfp4_like_scales(torch, e, n, k, gen):
+    """E8M0 bytes [e, n, k/32] as MXFP4 quantization of Gaussian rows gives them: each group's exponent is
+    floor(log2(amax of its 32 values)) (minus a constant), so a row's groups share its scale and differ by
+    how the amax of 32 normal samples varies: spreads of 1-3 binades within a row of 16-128 groups (so all
+    columns shiftable; the shiftable fraction is printed; a real checkpoint's is printed at start-up by
+    dsv4_sm80/moe.py). Rows get their own base exponent (118..125) as real weight rows have different norms."""
+    base = torch.randint(118, 126, (e, n, 1), generator=gen, device=gen.device, dtype=torch.int32)
+    amax = torch.randn(e, n, k // 32, 32, generator=gen, device=gen.device).abs().amax(dim=-1)
+    off = torch.floor(torch.log2(amax)).to(torch.int32)  # about -1..2 for 32 samples
+    return (base + off - off.amin(dim=-1, keepdim=True)).clamp(1, 254).to(torch.uint8)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -79,7 +99,7 @@ def main(argv=None) -> int:
     from sglang.srt.layers.quantization.marlin_utils import marlin_make_workspace
     from sglang.srt.layers.quantization.marlin_utils_fp4 import prepare_moe_mxfp4_layer_for_marlin
 
-    from dsv4_sm80.kernels.w4a8_moe import repack_mxfp4_for_w4a8, w4a8_moe
+    from dsv4_sm80.kernels.w4a8_moe import repack_mxfp4_for_w4a8, shift_refs, w4a8_moe
 
     e = args.experts
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -87,12 +107,16 @@ def main(argv=None) -> int:
 
     def experts(n, k):
         w = torch.randint(0, 256, (e, n, k // 2), generator=gen, device=dev, dtype=torch.int32).to(torch.int8)
-        s = torch.randint(120, 125, (e, n, k // 32), generator=gen, device=dev, dtype=torch.int32)
-        return w, s.to(torch.uint8).view(torch.float8_e8m0fnu)
+        return w, mxfp4_like_scales(torch, e, n, k, gen).view(torch.float8_e8m0fnu)
 
     w13, s13 = experts(2 * I_PP, H)
     w2, s2 = experts(H, I_PP)
     ours = [repack_mxfp4_for_w4a8(w13.clone()), s13, repack_mxfp4_for_w4a8(w2.clone()), s2]
+    erefs = {"w13_eref": shift_refs(s13), "w2_eref": shift_refs(s2)}
+    no_shift = {"w13_eref": torch.zeros_like(erefs["w13_eref"]), "w2_eref": torch.zeros_like(erefs["w2_eref"])}
+    shiftable = [float((m > 0).float().mean()) for m in erefs.values()]
+    print(f"shiftable columns (exponent spread <= 3 binades): gate-up {100 * shiftable[0]:.1f} %, "
+          f"down {100 * shiftable[1]:.1f} %")
     layer = torch.nn.Module()
     for name, t in (("w13_weight", w13), ("w2_weight", w2), ("w13_weight_scale_inv", s13), ("w2_weight_scale_inv", s2)):
         layer.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
@@ -117,8 +141,9 @@ def main(argv=None) -> int:
         ids = ids.to(torch.int32)
         logits = scores.to(torch.bfloat16)
 
-        def run_int8(config=None):
-            return w4a8_moe(x, *ours, tw, ids, swiglu_limit=10.0, routed_scaling_factor=1.0, config=config)
+        def run_int8(config=None, maps=None):
+            return w4a8_moe(x, *ours, tw, ids, swiglu_limit=10.0, routed_scaling_factor=1.0, config=config,
+                            **(erefs if maps is None else maps))
 
         def run_marlin():
             return fused_marlin_moe(x, layer.w13_weight, layer.w2_weight, layer.w13_weight_scale,
@@ -162,8 +187,10 @@ def main(argv=None) -> int:
         if args.variants:
             row["variants"] = {}
             for name, cfg in VARIANTS.items():
+                cfg = dict(cfg)
+                maps = no_shift if cfg.pop("_eref0", False) else None
                 try:
-                    row["variants"][name] = timed(lambda: run_int8(cfg)) * 1e6
+                    row["variants"][name] = timed(lambda: run_int8(cfg, maps)) * 1e6
                 except Exception as err:
                     row["variants"][name] = f"{type(err).__name__}: {err}"[:200]
             print("        variants (us):", "  ".join(

@@ -96,22 +96,28 @@ def census(shift_modes=(0, 1)):
             for shift in (shift_modes if has_shift else (0,)):
                 if has_shift:
                     consts["SHIFT"] = bool(shift)
+                    if shift and not gated:  # the shift path needs an activation group of 64 (block_n 64)
+                        consts["A_GROUP"] = max(64, bn)
                 r = loops(sass(consts, warps, gated=gated))
+                # with SHIFT the kernel has two K loops: the shift loop (no I2F when A_GROUP = 0), then the
+                # per-group fallback
                 for i, cnt in enumerate(r["loops"]):
                     n, imma = sum(cnt.values()), cnt["IMMA"]
                     rows.append({"tile": tile, "kernel": "gate-up" if gated else "down", "shift": bool(shift),
+                                 "a_group": consts["A_GROUP"],
                                  "loop": i, "instrs": n, "imma": imma, "per_imma": round(n / imma, 1),
-                                 "I2F": cnt["I2F"], "PRMT": cnt["PRMT"], "LDL": r["LDL"], "STL": r["STL"]})
+                                 "I2F": cnt["I2F"], "PRMT": cnt["PRMT"], "LDL_loop": cnt["LDL"], "LDL": r["LDL"],
+                                 "STL": r["STL"]})
     return rows
 
 
 if __name__ == "__main__":
     rows = census()
     print(f"{'tile':20s} {'kernel':8s} {'shift':5s} {'loop':4s} {'instrs':>6s} {'IMMA':>4s} {'/IMMA':>6s} "
-          f"{'I2F':>4s} {'PRMT':>4s} {'LDL':>4s} {'STL':>4s}")
+          f"{'I2F':>4s} {'PRMT':>4s} {'LDL/loop':>8s} {'LDL':>4s} {'STL':>4s}")
     for r in rows:
         print(f"{r['tile']:20s} {r['kernel']:8s} {str(r['shift']):5s} {r['loop']:4d} {r['instrs']:6d} {r['imma']:4d} "
-              f"{r['per_imma']:6.1f} {r['I2F']:4d} {r['PRMT']:4d} {r['LDL']:4d} {r['STL']:4d}")
+              f"{r['per_imma']:6.1f} {r['I2F']:4d} {r['PRMT']:4d} {r['LDL_loop']:8d} {r['LDL']:4d} {r['STL']:4d}")
     if "--json" in sys.argv:
         with open(sys.argv[sys.argv.index("--json") + 1], "w") as f:
             json.dump(rows, f, indent=1)

@@ -101,6 +101,9 @@ def _method_class():
             t0 = time.perf_counter()
             w4a8_moe.repack_mxfp4_for_w4a8(layer.w13_weight.data)
             w4a8_moe.repack_mxfp4_for_w4a8(layer.w2_weight.data)
+            # the shift maps (1 byte per output row per expert): which columns accumulate in int32
+            layer._dsv4_w13_eref = w4a8_moe.shift_refs(layer.w13_weight_scale_inv.data)
+            layer._dsv4_w2_eref = w4a8_moe.shift_refs(layer.w2_weight_scale_inv.data)
             layer._dsv4_mxfp4_backend = "mxfp4_int8"
             _moe_stats["seconds"] += time.perf_counter() - t0
 
@@ -120,6 +123,7 @@ def _method_class():
                 topk_output.topk_weights, topk_output.topk_ids,
                 swiglu_limit=float(cfg.swiglu_limit or 0.0),
                 routed_scaling_factor=float(cfg.routed_scaling_factor or 1.0),
+                w13_eref=getattr(layer, "_dsv4_w13_eref", None), w2_eref=getattr(layer, "_dsv4_w2_eref", None),
             )
             if self.hidden_pad:
                 out = out[:, : x.shape[1] - self.hidden_pad]
@@ -145,8 +149,11 @@ _moe_stats = {"seconds": 0.0}
 
 
 def expert_footprint(model) -> dict:
-    """Bytes resident in the routed-expert layers and what 4 bits + one E8M0 byte per 32 weights is."""
+    """Bytes resident in the routed-expert layers and what 4 bits + one E8M0 byte per 32 weights is, plus
+    the mxfp4_int8 shift maps (one byte per expert and output row; `eref_bytes`, included in `bytes`) and
+    the fraction of their columns that are shiftable."""
     layers, resident, weights, backends = 0, 0, 0, set()
+    eref_bytes, eref_cols, shiftable = 0, 0, 0
     for _, mod in model.named_modules():
         backend = getattr(mod, "_dsv4_mxfp4_backend", None)
         if backend is None:
@@ -154,11 +161,18 @@ def expert_footprint(model) -> dict:
         layers += 1
         backends.add(backend)
         resident += sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
+        for name in ("_dsv4_w13_eref", "_dsv4_w2_eref"):
+            t = getattr(mod, name, None)
+            if t is not None:
+                eref_bytes += t.numel() * t.element_size()
+                eref_cols += t.numel()
+                shiftable += int((t > 0).sum())
         e, two_i = mod.w13_weight.shape[0], 2 * mod.intermediate_size_per_partition
         hidden = mod.hidden_size
         weights += e * (two_i * hidden + hidden * two_i // 2)
-    return {"layers": layers, "bytes": resident, "weights": weights, "expected": weights // 2 + weights // 32,
-            "backends": sorted(backends)}
+    return {"layers": layers, "bytes": resident + eref_bytes, "weights": weights,
+            "expected": weights // 2 + weights // 32 + eref_bytes, "eref_bytes": eref_bytes,
+            "shiftable": shiftable / eref_cols if eref_cols else None, "backends": sorted(backends)}
 
 
 def log_expert_footprint(result, model, *args, **kwargs):
@@ -170,7 +184,9 @@ def log_expert_footprint(result, model, *args, **kwargs):
     bits = 8 * f["bytes"] / f["weights"]
     line = (f"[rank {rank}] dsv4-sm80 moe ({'/'.join(f['backends'])}): {f['layers']} expert layers, "
             f"{f['bytes'] / 2**30:.3f} GiB resident = {bits:.3f} bits/weight "
-            f"(4-bit codes + E8M0 per 32 = 4.250); repack {_moe_stats['seconds']:.2f} s")
+            f"(4-bit codes + E8M0 per 32 = 4.250"
+            + (f", + shift maps {8 * f['eref_bytes'] / f['weights']:.4f}; {100 * f['shiftable']:.1f} % of columns "
+               f"shiftable" if f["eref_bytes"] else "") + f"); repack {_moe_stats['seconds']:.2f} s")
     if f["bytes"] != f["expected"]:
         line += f"; MISMATCH: expected {f['expected']} bytes"
     print(line, file=sys.stderr, flush=True)
