@@ -22,9 +22,19 @@ The math (reference: `w4a8_moe_ref.py`):
   binades. Session 4's H200 bench measured the per-group form faster at every size (8-16 %), so merging
   is an option, not the default. Only the activation rounding to INT8 is lossy (measured in the tests and
   the benchmark).
-- The codes are widened to INT8 four per 32-bit register by inline PTX (two PRMT table lookups and a
-  sign blend, `_DECODE_ASM`); Triton's CPU interpreter cannot run inline PTX, so there (and with
-  config decode="alu") the same mapping is computed with integer arithmetic.
+- The codes are widened to INT8 four per 32-bit register by inline PTX (`_DECODE_ASM`: per 32-bit word =
+  8 codes, three PRMTs and one LOP3 per four codes, 11 instructions); Triton's CPU interpreter cannot run
+  inline PTX, so there (and with config decode="alu") the same mapping is computed elementwise.
+- Shift path (config shift, default on, given the shift maps `w13_eref` / `w2_eref` from `shift_refs`,
+  computed once at load: 1 byte per expert and output row, ~0.003 bits/weight): UE8M0 scales are powers of
+  two, so for a column whose group exponents span at most 3 binades (and none is 0) the decoder emits
+  q * 2^(e - e_ref) (|q * 2^s| <= 96, still exact INT8), the INT8 dots accumulate in int32 over the whole K
+  (gate-up: one activation scale per token) or over each activation group (down: A_GROUP = the gate-up
+  block_n, a multiple of 64; block_n 32 keeps that launch per group), and one int32 -> fp32 conversion
+  times 2^(e_ref - 127) replaces one per 32-deep dot (|sum| <= 127 * 96 * K < 2^31 for K < 176k; the
+  conversion rounds like one fp32 accumulation once |sum| > 2^24). Each program checks its tile's columns
+  (gate and up rows) once and runs either the shift loop or the exact per-group loop, so non-shiftable
+  experts stay exact; a map that does not belong to the scales (a shift outside 0..3) gives NaN.
 - Sorting the (token, expert) pairs by expert uses SGLang's own `moe_align_block_size` kernel on a GPU
   (`align_by_expert` is the same contract in torch, for the CPU).
 - Gate-up computes the gate (rows [0, I)) and up (rows [I, 2I)) tiles of the same columns together, applies
@@ -32,9 +42,10 @@ The math (reference: `w4a8_moe_ref.py`):
   kernel multiplies by the router weight; the sum over top-k and the routed scaling factor (once) follow.
 
 Weight layout the kernels read (`repack_mxfp4_for_w4a8`, done on the GPU at load, in place, 4 bits per
-weight): per expert [N, K/2] bytes where, in each 64-wide K chunk, byte j holds the code of k = j in its
-low nibble and of k = 32 + j in its high nibble, so one byte tile feeds two 32-deep INT8 dots. Scales stay
-the checkpoint's E8M0 bytes [N, K/32].
+weight): per expert [N, K/2] bytes where, in each 64-wide K chunk (32 bytes), the little-endian 32-bit word
+q holds as nibbles 0..3 the codes of k = 4q..4q+3 and as nibbles 4..7 those of k = 32+4q..32+4q+3 (byte
+4q+b: nibbles 2b, 2b+1), so one byte tile feeds two 32-deep INT8 dots and one word gives four operands of
+each. Scales stay the checkpoint's E8M0 bytes [N, K/32].
 """
 
 from __future__ import annotations
