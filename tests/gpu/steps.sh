@@ -73,6 +73,11 @@ rc=0
 pins() {  # NAME=VALUE of every SGLang option the SM80 bootstrap pins at import (dsv4_sm80/env.py)
   python -c "from dsv4_sm80.env import IMPORT_TIME_DEFAULTS as D; print(' '.join(f'{d.name}={d.value}' for d in D))"
 }
+native_pins() {  # pins() that native can run: SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 selects SGLang's torch
+  # fallback for the paged MQA logits, which asserts at batch 16 on native (session 7: fp8_paged_mqa_logits_torch
+  # `assert seq_lens.shape == (batch_size,)`); with the patch on our INT8 indexer replaces that function anyway
+  pins | tr ' ' '\n' | grep -v '^SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=' | tr '\n' ' '
+}
 floors() {  # the floors a native16-based comparison is held to: batch composition, and another machine if run
   echo "--floor $F16"
   [ -f "$OUT/native16-prev.json" ] && echo "--floor $OUT/native16-prev.json"
@@ -161,7 +166,7 @@ case ${1:?step} in
     # IMPORT_TIME_DEFAULTS; session 6 ran it with three of them spelled here), against default native: how far
     # native's own options move it. parity-pinned holds the SM80 path to this run.
     N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}
-    run native16-ours env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(pins) timeout 280 python tests/gpu/engine_bed.py \
+    run native16-ours env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(native_pins) timeout 280 python tests/gpu/engine_bed.py \
       --out "$OUT/native16-ours.json" --lengths 20,300,3000,20000 --batch 16 --teacher-from "$N16"
     python tests/gpu/compare.py "$N16" "$OUT/native16-ours.json" $(floors) | tee -a "$OUT/native16-ours.log" ;;
   floor-pins)
@@ -181,11 +186,11 @@ case ${1:?step} in
     N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}; need "$F16"
     B16="--lengths 20,300,3000,20000 --batch 16"; P=$OUT/native16-ours.json
     [ -f "$P" ] || OUT=$OUT N16=$N16 F16=$F16 NO_JIT_TAR=1 "$0" floor-ours  # that run (with its figure against native)
-    run native16-pinned-b env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(pins) timeout 280 python tests/gpu/engine_bed.py \
+    run native16-pinned-b env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(native_pins) timeout 280 python tests/gpu/engine_bed.py \
       --out "$OUT/native16-pinned-b.json" $B16 --teacher-from "$P" --teacher-mode alone
     python tests/gpu/compare.py "$P" "$OUT/native16-pinned-b.json" | tee -a "$OUT/native16-pinned-b.log"
     # dense:experts:roundings; the issue's combination first, then the other backend and dense mode as is
-    for c in bf16:marlin:0 bf16:marlin:act bf16:marlin:kv,act bf16:mxfp4_int8:0 fp8_marlin:marlin:0; do
+    for c in ${PINNED_COMBOS:-bf16:marlin:0 bf16:marlin:act bf16:marlin:kv,act bf16:mxfp4_int8:0 fp8_marlin:marlin:0}; do
       IFS=: read -r d b nr <<< "$c"; n="parity-pinned-$d-$b-${nr//,/-}"
       run "$n" env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=$nr SGLANG_DSV4_A100_DENSE=$d \
         SGLANG_DSV4_MXFP4_MOE_BACKEND=$b timeout 250 python tests/gpu/engine_bed.py \
