@@ -70,6 +70,9 @@ VARIANTS = {
     "tile 64x128, warps 4": {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4},
     "tile 32x128, warps 4": {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 4},
     "tile 32x128, warps 8": {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 8},
+    "tile 64x128, warps 4, shift off": {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4, "shift": False},
+    "tile 32x128, warps 4, shift off": {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 4, "shift": False},
+    "tile 16x32, warps 4, shift off": {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "shift": False},
 }
 
 
@@ -90,6 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", default=",".join(map(str, DECODE + PREFILL)))
     ap.add_argument("--experts", type=int, default=E)
+    ap.add_argument("--only", default="", help="with --variants: only the variants whose name contains this")
     ap.add_argument("--variants", action="store_true",
                     help="also time the W4A8 kernel's alternatives per size (decoder, span merge, tiles)")
     args = ap.parse_args(argv)
@@ -187,6 +191,8 @@ def main(argv=None) -> int:
         if args.variants:
             row["variants"] = {}
             for name, cfg in VARIANTS.items():
+                if args.only not in name:
+                    continue
                 cfg = dict(cfg)
                 maps = no_shift if cfg.pop("_eref0", False) else None
                 try:
