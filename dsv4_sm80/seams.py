@@ -384,6 +384,38 @@ SEAMS: tuple[Seam, ...] = (
         overlay="vision",
     ),
     Seam(
+        name="vision.whole_block_unchunks",
+        target="sglang.srt.managers.schedule_policy:PrefillAdder.add_one_req",
+        kind="around",
+        replacement="vision_backport.scheduling:add_req_unchunked_when_whole",
+        reason=("When vision.whole_image_blocks moves a chunk's cut to the prompt's end, the request is no longer "
+                "chunked; SGLang flagged it from its own cut and would schedule an empty extend next round."),
+        upstream="srt/managers/schedule_policy.py:1001-1185",
+        when=("DSV4_SM80_VISION=1",),
+        overlay="vision",
+    ),
+    Seam(
+        name="vision.whole_block_unchunks_ignore_eos",
+        target="sglang.srt.managers.schedule_policy:PrefillAdder.add_one_req_ignore_eos",
+        kind="around",
+        replacement="vision_backport.scheduling:add_req_unchunked_when_whole",
+        reason="The same for SGLang's ignore_eos admission path.",
+        upstream="srt/managers/schedule_policy.py:887-999",
+        when=("DSV4_SM80_VISION=1",),
+        overlay="vision",
+    ),
+    Seam(
+        name="vision.whole_block_ends_chunking",
+        target="sglang.srt.managers.schedule_policy:PrefillAdder.add_chunked_req",
+        kind="around",
+        replacement="vision_backport.scheduling:add_chunked_req_unchunked_when_whole",
+        reason=("The same for a later chunk: a chunk moved to the prompt's end is the last one, whatever SGLang's "
+                "own cut said."),
+        upstream="srt/managers/schedule_policy.py:830-870",
+        when=("DSV4_SM80_VISION=1",),
+        overlay="vision",
+    ),
+    Seam(
         name="vision.native_window",
         target="sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend.forward",
         kind="around",

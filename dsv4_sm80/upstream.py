@@ -44,6 +44,7 @@ FINGERPRINTS = {
     "srt/layers/quantization/mxfp4_marlin_moe.py": "w9uHsqUAuVALQFbXaO4q5ORUzktr5Y00k5swfRjXL8s",
     "srt/managers/multimodal_processor.py": "q2x9N76GFGH0tXdxudJK0eHmFs0fBXVEi2M8LI8S43o",
     "srt/managers/schedule_batch.py": "J-IJCClMnXbQqK4RmeysQ3kjJTKHgBNASotPsIhCrEM",
+    "srt/managers/schedule_policy.py": "2KXMlDXvXpRu9vBQ11uwHi3VDgWpEqxjZrtBNL9m6as",
     "srt/managers/scheduler.py": "FZg3aT7CRNLftILVeIuPT6k0x4BQVgnJCnKJOavomBU",
     "srt/managers/tokenizer_manager.py": "RkaQTw2gDUgQ2z4IuQ0N7kHY7PMXxo6ZrYynJ_qW3rg",
     "srt/mem_cache/deepseek_v4_memory_pool.py": "zaLjn_U49b7WVP3wOMIknduVwT5cR4S-nqTexD3UqjE",

@@ -90,3 +90,65 @@ def test_sglang_req_chunks_keep_blocks_whole(chunk, with_args, unit_ckpt):
     assert on["text"] == [0, 150]  # a request without images: SGLang's cut as it was
     off = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_VISION="0"))
     assert [c for _, c in off["cuts"]] == list(range(chunk, 1000, chunk)) + [1000]  # the native cuts
+
+
+UNCHUNK = r"""
+import json
+from array import array
+from types import SimpleNamespace
+from sglang.srt.managers.schedule_batch import MultimodalDataItem, MultimodalInputs, Modality, Req
+from sglang.srt.sampling.sampling_params import SamplingParams
+from vision_backport.scheduling import add_chunked_req_unchunked_when_whole, add_req_unchunked_when_whole
+from sglang.srt.server_args import ServerArgs, get_global_server_args, set_global_server_args_for_scheduler
+set_global_server_args_for_scheduler(ServerArgs(model_path=CKPT, device="cpu", skip_tokenizer_init=True))
+assert get_global_server_args().page_size == 256  # DSV4's KV page: the rule's cuts are page edges
+
+def req_with_block(n, block):
+    req = Req("r", "", array("i", [7] * n), SamplingParams(max_new_tokens=4))
+    req.full_untruncated_fill_ids = req.origin_input_ids
+    item = MultimodalDataItem(modality=Modality.IMAGE, offsets=[block], model_specific_data={"types": [0]})
+    req.multimodal_inputs = MultimodalInputs(mm_items=[item])
+    return req
+
+def sglang_chunked_branch(adder, req, has_chunked_req, truncation_align_size):
+    # what PrefillAdder.add_one_req does when the prompt is longer than the chunk (schedule_policy.py:1167-1174)
+    req.set_extend_range(0, 256)
+    adder.new_chunked_req = req
+
+def sglang_later_chunk(adder, req):
+    # PrefillAdder.add_chunked_req with SGLang's own cut short of the end (schedule_policy.py:848-870)
+    start = int(req.extend_range.end)
+    req.set_extend_range(start, start + 256)
+    return req
+
+out = {}
+for name, n, block in (("moved_to_end", 300, (200, 290)), ("moved_not_to_end", 900, (200, 290)), ("not_moved", 900, (10, 20))):
+    req, adder = req_with_block(n, block), SimpleNamespace(new_chunked_req=None)
+    add_req_unchunked_when_whole(sglang_chunked_branch, adder, req, False, None)
+    out[name] = [req.extend_range.end, adder.new_chunked_req is req]
+req = req_with_block(700, (500, 690))
+req.set_extend_range(0, 256)
+out["later_moved_to_end"] = [add_chunked_req_unchunked_when_whole(sglang_later_chunk, SimpleNamespace(), req) is req,
+                             req.extend_range.end]
+req = req_with_block(1200, (500, 690))
+req.set_extend_range(0, 256)
+out["later_short"] = [add_chunked_req_unchunked_when_whole(sglang_later_chunk, SimpleNamespace(), req) is req,
+                      req.extend_range.end]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.sglang
+def test_a_chunk_moved_to_the_prompt_end_is_not_chunked_any_more(unit_ckpt):
+    """Session 7 (H200, --chunked-prefill-size 256): an image block across SGLang's 256-token cut moved the cut to
+    the prompt's end, but SGLang had already flagged the request chunked and scheduled an empty extend next round
+    (its compressor plan refused it: c_plan.cuh:507). The wrappers around PrefillAdder's admission clear the flag
+    exactly when the moved cut reached the prompt's end, on SGLang's real Req with the whole-block seam applied."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16")
+    got = last_json(run_python(UNCHUNK.replace("CKPT", repr(unit_ckpt)), ENABLE_SGLANG_DSV4_A100_PATCH="1",
+                               DSV4_SM80_VISION="1"))
+    assert got["moved_to_end"] == [300, False]  # block [200, 290] across 256, prompt 300: whole, not chunked
+    assert got["moved_not_to_end"] == [512, True]  # moved to the next page edge past the block: still chunked
+    assert got["not_moved"] == [256, True]  # SGLang's own cut: still chunked
+    assert got["later_moved_to_end"] == [False, 700]  # the last chunk, whatever SGLang's cut said
+    assert got["later_short"] == [True, 768]

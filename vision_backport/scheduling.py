@@ -79,3 +79,30 @@ def set_extend_range_whole_blocks(original, req, start: int, end: int):
     if spans:
         end = whole_block_end(int(start), int(end), len(req.full_untruncated_fill_ids), spans, _page_size())
     return original(req, start, end)
+
+
+def _prefilled_whole(req) -> bool:
+    """Whether the request's extend range, as the whole-block rule may have moved it, reaches its prompt's end."""
+    return int(req.extend_range.end) >= len(req.full_untruncated_fill_ids)
+
+
+def add_req_unchunked_when_whole(original, adder, req, *args, **kwargs):
+    """Around PrefillAdder.add_one_req / add_one_req_ignore_eos (schedule_policy.py:1001, 887). SGLang marks a
+    request chunked (`new_chunked_req`) from its own cut before `set_extend_range`; when the whole-block rule
+    moved that cut forward to the prompt's end (an image block across the cut and past it), the request is
+    prefilled whole this round and must not stay the chunked request: the next round would schedule it again
+    with an empty extend, which SGLang's compressor plan refuses (`c_plan.cuh:507 batch_size <= num_q_tokens`;
+    session 7's chunked vision run died there)."""
+    res = original(adder, req, *args, **kwargs)
+    if adder.new_chunked_req is req and _prefilled_whole(req):
+        adder.new_chunked_req = None
+    return res
+
+
+def add_chunked_req_unchunked_when_whole(original, adder, req):
+    """Around PrefillAdder.add_chunked_req (schedule_policy.py:830): the same for a later chunk, which SGLang
+    returns as still chunked when its own cut fell short of the prompt's end."""
+    res = original(adder, req)
+    if res is req and _prefilled_whole(req):
+        return None
+    return res
