@@ -191,7 +191,7 @@ def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=Non
     """o [T, Hpad, 512] (BF16) for q [T, Hpad, 512]; caches [slots, 512] BF16; ids [T, W] int32 slots;
     lens [T] int32; sink [>= heads] fp32. Only the first `heads` heads are computed (default all).
     splits=None picks `default_splits` from the static shapes. prefetch: the next list step's loads are issued
-    before this step's math (off: not yet measured faster; `bench/attention.py --variants`)."""
+    before this step's math (off: session 7 measured it no faster at batch 1-8 and slower at batch 64 on the H200)."""
     t_total, hpad, dim = q.shape
     if dim != HEAD_DIM or swa_cache.shape[-1] != HEAD_DIM:
         raise ValueError(f"head dim must be {HEAD_DIM}, got q {dim}, cache {swa_cache.shape[-1]}")

@@ -25,7 +25,8 @@ The math (reference: `w4a8_moe_ref.py`):
 - The codes are widened to INT8 four per 32-bit register by inline PTX (`_DECODE_ASM`: per 32-bit word =
   8 codes, three PRMTs and one LOP3 per four codes, 11 instructions); Triton's CPU interpreter cannot run
   inline PTX, so there (and with config decode="alu") the same mapping is computed elementwise.
-- Shift path (config shift, default on, given the shift maps `w13_eref` / `w2_eref` from `shift_refs`,
+- Shift path (config shift; `default_config` turns it on for prefill, > 4096 pairs, and off at decode,
+  where session 7's H200 bench measured it slower; given the shift maps `w13_eref` / `w2_eref` from `shift_refs`,
   computed once at load: 1 byte per expert and output row, ~0.003 bits/weight): UE8M0 scales are powers of
   two, so for a column whose group exponents span at most 3 binades (and none is 0) the decoder emits
   q * 2^(e - e_ref) (|q * 2^s| <= 96, still exact INT8), the INT8 dots accumulate in int32 over the whole K
@@ -629,7 +630,7 @@ def w4a8_moe(
     if shift_up and w13_eref.shape != (e, two_i) or shift_down and w2_eref.shape != (e, h):
         raise ValueError("w13_eref / w2_eref must be shift_refs of w13_scale / w2_scale: [E, 2I], [E, H]")
     decode_asm = cfg.get("decode", "asm" if x.is_cuda and not _INTERPRETED else "alu") == "asm"
-    fused_io = cfg.get("fused_io", False)  # one-launch quantize and combine; off until measured (bench --variants)
+    fused_io = cfg.get("fused_io", False)  # one-launch quantize and combine; off: no gain on the H200 (session 7)
     xq, xs = (quantize_rows_int8_fused if fused_io else quantize_rows_int8)(x, input_group)
     hq = torch.empty((pairs, inter), dtype=torch.int8, device=dev)
     groups = inter // block_n

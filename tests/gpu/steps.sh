@@ -121,7 +121,13 @@ case ${1:?step} in
     for b in marlin mxfp4_int8; do
       run "moe-$b" env $LAB SGLANG_DSV4_MXFP4_MOE_BACKEND=$b timeout 200 \
         python -u tests/gpu/moe_check.py --out "$OUT/moe-$b.pt" --compare "$OUT/moe-native.pt"
-    done ;;
+    done
+    # 1024 tokens x top-6 = 6144 pairs: default_config's prefill tile, where the W4A8 shift path runs
+    run moe-native-1024 env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 200 python -u tests/gpu/moe_check.py \
+      --tokens 1024 --out "$OUT/moe-native-1024.pt"
+    run moe-mxfp4_int8-1024 env $LAB SGLANG_DSV4_MXFP4_MOE_BACKEND=mxfp4_int8 timeout 200 \
+      python -u tests/gpu/moe_check.py --tokens 1024 --out "$OUT/moe-mxfp4_int8-1024.pt" \
+      --compare "$OUT/moe-native-1024.pt" ;;
   moe-engine)
     for b in mxfp4_int8 marlin; do
       run "engine-moe-$b" env $LAB SGLANG_DSV4_MXFP4_MOE_BACKEND=$b timeout 280 \
