@@ -249,16 +249,25 @@ def _load_codes(b_ptrs, n_ok, mul, DECODE_ASM: tl.constexpr, SHIFT: tl.constexpr
 
 
 @triton.jit
+def _group_scales(s_ptrs, n_ok):
+    """A 64-deep K step's two E8M0 scales per column (groups k0/32 and k0/32 + 1: adjacent bytes, the pair
+    2-aligned as K/32 is even) in one 16-bit load, as fp32 powers of two (byte 0 flushes to 0, as `_e8m0`)."""
+    v = tl.load(s_ptrs.to(tl.pointer_type(tl.uint16)), mask=n_ok, other=0).to(tl.int32)
+    s0 = ((v & 0xFF) << 23).to(tl.float32, bitcast=True)
+    s1 = ((v << 15) & 0x7F800000).to(tl.float32, bitcast=True)
+    return s0, s1
+
+
+@triton.jit
 def _w4_dots(a0, a1, b_ptrs, s_ptrs, n_ok, DECODE_ASM: tl.constexpr):
-    """One 64-deep K step against one byte tile, per group (activation scale per 32 columns): the two
-    32-deep INT8 dots (low nibbles = k0..k0+31, high = k0+32..k0+63), each scaled by its own group's
-    E8M0 weight scale, in fp32."""
-    s0 = _e8m0(tl.load(s_ptrs, mask=n_ok, other=0).to(tl.int32) & 0xFF)
-    s1 = _e8m0(tl.load(s_ptrs + 1, mask=n_ok, other=0).to(tl.int32) & 0xFF)
+    """One 64-deep K step against one byte tile, per group: the two 32-deep INT8 dots (k0..k0+31 and
+    k0+32..k0+63) as exact fp32 values, and their groups' E8M0 weight scales; the caller multiplies and
+    accumulates (one FFMA per group and element)."""
+    s0, s1 = _group_scales(s_ptrs, n_ok)
     lo, hi = _load_codes(b_ptrs, n_ok, 0, DECODE_ASM, False)
-    d0 = tl.dot(a0, lo, out_dtype=tl.int32).to(tl.float32) * s0[None, :]
-    d1 = tl.dot(a1, hi, out_dtype=tl.int32).to(tl.float32) * s1[None, :]
-    return d0, d1
+    d0 = tl.dot(a0, lo, out_dtype=tl.int32).to(tl.float32)
+    d1 = tl.dot(a1, hi, out_dtype=tl.int32).to(tl.float32)
+    return d0, d1, s0, s1
 
 
 @triton.jit
@@ -414,17 +423,19 @@ def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b
                 sa1 = tl.load(a_scale_ptr + a_rows * a_scale_groups + (k0 + 32) // A_GROUP, mask=row_ok, other=0.0)
             b_ptrs = b_base + offs_n[None, :] * stride_bn + (k0 // 2 + offs_j)[:, None]
             s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
-            d0, d1 = _w4_dots(a0, a1, b_ptrs, s_ptrs, n_ok, DECODE_ASM)
+            d0, d1, s0, s1 = _w4_dots(a0, a1, b_ptrs, s_ptrs, n_ok, DECODE_ASM)
             if A_GROUP:
-                acc += d0 * sa0[:, None] + d1 * sa1[:, None]
+                acc += (d0 * s0[None, :]) * sa0[:, None] + (d1 * s1[None, :]) * sa1[:, None]
             else:
-                acc += d0 + d1
+                acc += d0 * s0[None, :]
+                acc += d1 * s1[None, :]
             if GATED:  # the up rows of the same columns sit N rows further
-                d0, d1 = _w4_dots(a0, a1, b_ptrs + N * stride_bn, s_ptrs + N * stride_bsn, n_ok, DECODE_ASM)
+                d0, d1, s0, s1 = _w4_dots(a0, a1, b_ptrs + N * stride_bn, s_ptrs + N * stride_bsn, n_ok, DECODE_ASM)
                 if A_GROUP:
-                    acc_up += d0 * sa0[:, None] + d1 * sa1[:, None]
+                    acc_up += (d0 * s0[None, :]) * sa0[:, None] + (d1 * s1[None, :]) * sa1[:, None]
                 else:
-                    acc_up += d0 + d1
+                    acc_up += d0 * s0[None, :]
+                    acc_up += d1 * s1[None, :]
     else:
         for k0 in range(0, K, SPAN):
             a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
