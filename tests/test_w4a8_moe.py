@@ -494,3 +494,31 @@ def test_shift_path_is_taken_and_a_wrong_map_is_loud(k, cfg):
     shifted = run_shift(k, x, w13, s13, w2, s2, tw, ids, config=dict(cfg, shift=True))
     off = run_shift(k, x, w13, s13, w2, s2, tw, ids, config=dict(cfg, shift=False))
     assert torch.equal(off, per_group) and rel(shifted, per_group) < 1e-2
+
+
+CENSUS = r"""
+import json, sys
+sys.path.insert(0, "bench")
+import sass_census as sc
+out = {}
+for name, shift in (("shift", True), ("per_group", False)):
+    consts = {"GATED": True, "MUL_WEIGHT": False, "A_GROUP": 0, "BLOCK_M": 64, "BLOCK_N": 128, "SPAN": 32,
+              "DECODE_ASM": True, "SHIFT": shift}
+    loops = sc.loops(sc.sass(consts, 4))["loops"]
+    out[name] = [{"IMMA": c["IMMA"], "I2F": c["I2F"]} for c in loops]
+print(json.dumps(out))
+"""
+
+
+def test_shift_loop_has_no_per_group_conversion_in_sm80_sass():
+    """The structural point of the shift path, read from the sm_80 machine code (no GPU: Triton's own ptxas
+    and nvdisasm): in the prefill gate-up tile the per-group loop converts every 32-deep INT8 dot (4 I2F per
+    IMMA, a quarter-rate instruction on SM80), while the shift loop's INT8 dots accumulate in int32 with no
+    I2F inside the K loop. A static property of the code, not a timing."""
+    from conftest import last_json, run_python
+
+    res = last_json(run_python(CENSUS, TRITON_INTERPRET="0"))
+    per_group = max(res["per_group"], key=lambda c: c["IMMA"])
+    assert per_group["IMMA"] > 0 and per_group["I2F"] == 4 * per_group["IMMA"], res
+    shift_loops = [c for c in res["shift"] if c["I2F"] == 0 and c["IMMA"] > 0]
+    assert shift_loops, res  # the kernel holds both loops; one of them has no conversion at all
