@@ -57,23 +57,34 @@ def rel(a, b):
 
 
 def test_repack_keeps_every_code_and_4_bits(k):
-    w, _ = experts(3, 5, 128, 1)
+    w, _ = experts(3, 64, 128, 1)  # 64 rows: two 32-row tiles
     out = k.repack_mxfp4_for_w4a8(dev(w.clone())).cpu()
     assert out.dtype == torch.uint8 and out.shape == w.shape  # same bytes: 4 bits per weight
     codes = torch.stack((w & 0xF, w >> 4), dim=-1).flatten(-2)  # checkpoint: low nibble = even k
-    # kernel layout, written from its definition: in each 64-wide chunk, word q (bytes 4q..4q+3) holds as
-    # nibbles 0..3 the codes of k = 4q..4q+3 and as nibbles 4..7 those of k = 32+4q..32+4q+3
-    for chunk in range(2):
-        for q in range(8):
-            word = sum(out[..., 32 * chunk + 4 * q + b].to(torch.int64) << (8 * b) for b in range(4))
-            for nib in range(8):
-                kk = 64 * chunk + 32 * (nib // 4) + 4 * q + nib % 4
-                assert torch.equal((word >> (4 * nib)) & 0xF, codes[..., kk].to(torch.int64)), (chunk, q, nib)
+    flat = out.reshape(3, -1)
+    # kernel layout, written from its definition: tile-major [N/32, K/64, 32 rows, 32 bytes] per expert; in
+    # each row's 32-byte chunk, word q (bytes 4q..4q+3) holds as nibbles 0..3 the codes of k = 4q..4q+3 and
+    # as nibbles 4..7 those of k = 32+4q..32+4q+3
+    half_k = 64
+    for n in (0, 1, 31, 32, 45, 63):
+        for chunk in range(2):
+            base = (n // 32) * (32 * half_k) + chunk * 1024 + (n % 32) * 32
+            for q in range(8):
+                word = sum(flat[:, base + 4 * q + b].to(torch.int64) << (8 * b) for b in range(4))
+                for nib in range(8):
+                    kk = 64 * chunk + 32 * (nib // 4) + 4 * q + nib % 4
+                    assert torch.equal((word >> (4 * nib)) & 0xF, codes[:, n, kk].to(torch.int64)), (n, chunk, q, nib)
+
+
+def test_repack_refuses_rows_not_a_multiple_of_the_tile(k):
+    w, _ = experts(1, 40, 128, 1)
+    with pytest.raises(ValueError, match="N=40"):
+        k.repack_mxfp4_for_w4a8(dev(w.clone()))
 
 
 def test_repack_is_in_place(k):
     """The parameter object and its storage survive the repack: no second copy of the experts."""
-    p = torch.nn.Parameter(dev(torch.randint(-128, 127, (4, 8, 64), dtype=torch.int8)), requires_grad=False)
+    p = torch.nn.Parameter(dev(torch.randint(-128, 127, (4, 32, 64), dtype=torch.int8)), requires_grad=False)
     ptr = p.data_ptr()
     k.repack_mxfp4_for_w4a8(p.data)
     assert p.data_ptr() == ptr and p.dtype == torch.int8

@@ -46,7 +46,9 @@ Weight layout the kernels read (`repack_mxfp4_for_w4a8`, done on the GPU at load
 weight): per expert [N, K/2] bytes where, in each 64-wide K chunk (32 bytes), the little-endian 32-bit word
 q holds as nibbles 0..3 the codes of k = 4q..4q+3 and as nibbles 4..7 those of k = 32+4q..32+4q+3 (byte
 4q+b: nibbles 2b, 2b+1), so one byte tile feeds two 32-deep INT8 dots and one word gives four operands of
-each. Scales stay the checkpoint's E8M0 bytes [N, K/32].
+each. The chunks are stored tile-major, [N/32, K/64, 32 rows, 32 bytes] per expert, so one K step of a
+32-row column tile is one contiguous 1 KiB block (row-major rows would put its 32-byte pieces K/2 bytes
+apart); N must be a multiple of 32. Scales stay the checkpoint's E8M0 bytes [N, K/32].
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # inline PTX does
 
 GROUP = 32  # MXFP4 scale group along K
 CHUNK = 64  # K per byte tile: two groups, low and high nibbles
+TILE_COLS = 32  # output rows whose chunks sit side by side: one 1 KiB block per 32 rows and K chunk
 
 
 def repack_mxfp4_for_w4a8(packed: torch.Tensor, experts_per_step: int = 16) -> torch.Tensor:
@@ -72,18 +75,23 @@ def repack_mxfp4_for_w4a8(packed: torch.Tensor, experts_per_step: int = 16) -> t
     nibbles 0..3, the codes of k = 4q..4q+3 (the chunk's first scale group) and, as nibbles 4..7, those of
     k = 32+4q..32+4q+3 (its second), i.e. byte 4q+b holds nibbles 2b (low) and 2b+1 (high). One word then
     decodes to four INT8 operands of each group's dot with a single PRMT selector per group.
+    Chunks are stored tile-major: per expert [N/32, K/64, 32 rows, 32 bytes], so the 32 rows' bytes of one
+    K chunk are one contiguous 1 KiB block (a K step of a 32-wide column tile reads it whole, instead of 32
+    bytes from each of 32 rows K/2 bytes apart). Byte (n, chunk c, j) is at
+    (n // 32) * 16K + c * 1024 + (n % 32) * 32 + j (`_col_base`).
     Works expert slice by expert slice so the transient is a few experts' codes, not the layer's."""
     e_total, n, half_k = packed.shape
     k = half_k * 2
-    if k % CHUNK:
-        raise ValueError(f"K={k} must be a multiple of {CHUNK}")
+    if k % CHUNK or n % TILE_COLS:
+        raise ValueError(f"K={k} must be a multiple of {CHUNK} and N={n} of {TILE_COLS}")
     raw = packed.view(torch.uint8)
     for e0 in range(0, e_total, experts_per_step):
         b = raw[e0:e0 + experts_per_step]
         # [.., chunk, group, q, i]: k = 64*chunk + 32*group + 4*q + i
         codes = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(b.shape[0], n, k // CHUNK, 2, 8, 4)
         nib = codes.permute(0, 1, 2, 4, 3, 5).reshape(b.shape[0], n, k // CHUNK, 8, 4, 2)  # [q, b, nibble]
-        b.copy_((nib[..., 0] | (nib[..., 1] << 4)).reshape(b.shape))
+        words = (nib[..., 0] | (nib[..., 1] << 4)).reshape(b.shape[0], n // TILE_COLS, TILE_COLS, k // CHUNK, 32)
+        b.copy_(words.permute(0, 1, 3, 2, 4).reshape(b.shape))  # tile-major: [N/32, K/64, 32 rows, 32 B]
     return packed
 
 
@@ -219,6 +227,14 @@ _DECODE_SHIFT_ASM_C = tl.constexpr(_DECODE_SHIFT_ASM)
 
 
 @triton.jit
+def _col_base(offs_n, stride_bn):
+    """Byte offset of column (output row) n's first K chunk in the tile-major layout (stride_bn = K/2, the
+    bytes of one row): 32-row tiles of 16K bytes, each row's chunk 32 bytes into its tile's 1 KiB block.
+    Chunk c of the row is 1024 * c further."""
+    return (offs_n // 32) * (stride_bn * 32) + (offs_n % 32) * 32
+
+
+@triton.jit
 def _load_codes(b_ptrs, n_ok, mul, DECODE_ASM: tl.constexpr, SHIFT: tl.constexpr):
     """b_ptrs [32, BLOCK_N]: the 32 bytes of one 64-wide K chunk per column (row j = byte j). Returns
     (lo, hi) INT8 [32, BLOCK_N]: lo[j] = twice the E2M1 value of code k0+j, hi[j] = of code k0+32+j; with
@@ -294,7 +310,7 @@ def _shift_chunk(k0, a_ptr, a_rows, row_ok, stride_am, b_base, bs_base, offs_n, 
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
     a0 = tl.load(a_ptrs, mask=row_ok[:, None], other=0)
     a1 = tl.load(a_ptrs + 32, mask=row_ok[:, None], other=0)
-    b_ptrs = b_base + offs_n[None, :] * stride_bn + (k0 // 2 + offs_j)[:, None]
+    b_ptrs = b_base + _col_base(offs_n, stride_bn)[None, :] + (k0 * 16 + offs_j)[:, None]
     s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
     iacc, bad = _shift_step(a0, a1, b_ptrs, s_ptrs, er, n_ok, iacc, bad, DECODE_ASM)
     if GATED:  # the up rows of the same columns sit N rows further
@@ -388,11 +404,11 @@ def _w4_span(a_ptrs, row_ok, b_ptrs, s_ptrs, n_ok, up_b, up_s,
     for c in tl.static_range(SPAN // 64):
         a0 = tl.load(a_ptrs + c * 64, mask=row_ok[:, None], other=0)
         a1 = tl.load(a_ptrs + c * 64 + 32, mask=row_ok[:, None], other=0)
-        lo, hi = _load_codes(b_ptrs + c * 32, n_ok, 0, DECODE_ASM, False)
+        lo, hi = _load_codes(b_ptrs + c * 1024, n_ok, 0, DECODE_ASM, False)
         iacc += _shifted(tl.dot(a0, lo, out_dtype=tl.int32), _group_shift(sh, 2 * c, G))
         iacc += _shifted(tl.dot(a1, hi, out_dtype=tl.int32), _group_shift(sh, 2 * c + 1, G))
         if GATED:
-            lo, hi = _load_codes(b_ptrs + up_b + c * 32, n_ok, 0, DECODE_ASM, False)
+            lo, hi = _load_codes(b_ptrs + up_b + c * 1024, n_ok, 0, DECODE_ASM, False)
             iacc_up += _shifted(tl.dot(a0, lo, out_dtype=tl.int32), _group_shift(sh_up, 2 * c, G))
             iacc_up += _shifted(tl.dot(a1, hi, out_dtype=tl.int32), _group_shift(sh_up, 2 * c + 1, G))
     gate = iacc.to(tl.float32) * _e8m0(e_ref)[None, :]
@@ -421,7 +437,7 @@ def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b
             if A_GROUP:  # activation scale per (row, group of A_GROUP columns of K; a multiple of 32)
                 sa0 = tl.load(a_scale_ptr + a_rows * a_scale_groups + k0 // A_GROUP, mask=row_ok, other=0.0)
                 sa1 = tl.load(a_scale_ptr + a_rows * a_scale_groups + (k0 + 32) // A_GROUP, mask=row_ok, other=0.0)
-            b_ptrs = b_base + offs_n[None, :] * stride_bn + (k0 // 2 + offs_j)[:, None]
+            b_ptrs = b_base + _col_base(offs_n, stride_bn)[None, :] + (k0 * 16 + offs_j)[:, None]
             s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
             d0, d1, s0, s1 = _w4_dots(a0, a1, b_ptrs, s_ptrs, n_ok, DECODE_ASM)
             if A_GROUP:
@@ -439,7 +455,7 @@ def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b
     else:
         for k0 in range(0, K, SPAN):
             a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
-            b_ptrs = b_base + offs_n[None, :] * stride_bn + (k0 // 2 + offs_j)[:, None]
+            b_ptrs = b_base + _col_base(offs_n, stride_bn)[None, :] + (k0 * 16 + offs_j)[:, None]
             s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
             gate, up = _w4_span(a_ptrs, row_ok, b_ptrs, s_ptrs, n_ok, N * stride_bn, N * stride_bsn,
                                 GATED, BLOCK_M, BLOCK_N, SPAN, 13, DECODE_ASM)
