@@ -44,35 +44,32 @@ def peaks(torch):
     return out
 
 
-# W4A8 alternatives timed with --variants (config keys of w4a8_moe): the default is the PTX table decoder
-# with per-group scaling and default_config's tiles.
+# W4A8 alternatives timed with --variants (config keys of w4a8_moe), each against the default: the PTX
+# table decoder with default_config's tiles and its per-size choice of the shift path (per group at decode,
+# shift above 4096 pairs). Every variant names its shift setting, so the rows compare like with like.
 VARIANTS = {
     # the shift path (int32 accumulation for columns whose exponents span <= 3 binades) against the
     # per-group loop; "eref 0" passes all-zero shift maps: the shift kernel's per-tile check, then the
     # per-group fallback everywhere (what the check and the bigger kernel cost)
+    "shift on": {"shift": True},
     "shift off": {"shift": False},
     "shift, eref 0 (fallback)": {"shift": True, "_eref0": True},
-    "shift, tile 64x128, warps 4": {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4},
-    "shift, tile 32x128, warps 4": {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 4},
-    "shift, decode block_n 64": {"block_n": 64},  # the down kernel's activation group 64: shift there too
+    "shift, decode block_n 64": {"block_n": 64, "shift": True},  # the down kernel's activation group 64
     "fused io": {"fused_io": True},  # one-launch activation quantizer and top-k combine (~12 + 3 launches fewer)
     "alu-decode": {"decode": "alu"},
-    "span-merge": {"merge": True},
-    "session-3 kernel (alu, per-group)": {"decode": "alu", "merge": False},
-    "block_n 64": {"block_n": 64},
+    "span-merge": {"merge": True, "shift": False},
     "block_n2 128": {"block_n2": 128},
-    "block_m 64, warps 8": {"block_m": 64, "num_warps": 8},
-    # prefill: a taller M tile decodes each weight tile for more rows (decode is per weight, per M tile)
-    "block_m 128, warps 8": {"block_m": 128, "num_warps": 8},
-    "span-merge, block_m 128, warps 8": {"merge": True, "block_m": 128, "num_warps": 8},
-    # tiles chosen from the sm_80 SASS of the loop (instructions per IMMA: 64x64/8 warps 48, 64x128/4 warps
-    # 20, 32x128/4 warps 27): fewer warps sharing one weight tile decode it fewer times
-    "tile 64x128, warps 4": {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4},
-    "tile 32x128, warps 4": {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 4},
-    "tile 32x128, warps 8": {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 8},
-    "tile 64x128, warps 4, shift off": {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4, "shift": False},
-    "tile 32x128, warps 4, shift off": {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 4, "shift": False},
-    "tile 16x32, warps 4, shift off": {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "shift": False},
+    "block_m 128, warps 8, shift off": {"block_m": 128, "num_warps": 8, "shift": False},
+    # tiles ranked by the sm_80 SASS census (bench/sass_census.py; instructions per IMMA): fewer warps
+    # sharing one weight tile decode it fewer times
+    "shift, tile 64x128, warps 4": {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4, "shift": True},
+    "shift, tile 32x128, warps 4": {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 4, "shift": True},
+    "shift, tile 64x64, warps 8": {"block_m": 64, "block_n": 64, "block_n2": 128, "num_warps": 8, "shift": True},
+    "shift off, tile 64x128, warps 4": {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4,
+                                        "shift": False},
+    "shift off, tile 32x128, warps 4": {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 4,
+                                        "shift": False},
+    "shift off, tile 16x32, warps 4": {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "shift": False},
 }
 
 
