@@ -214,6 +214,18 @@ def test_bad_shapes_refused(k):
         k.w4a8_moe(x, w13, s13, w2, s2, tw, ids)
 
 
+def test_non_contiguous_weights_refused(k):
+    """The tile-major weights and the scale pairs are addressed from the shape: a strided view would be read
+    as the wrong bytes, so it is refused, naming the tensor."""
+    x, w13, s13, w2, s2, tw, ids = case()
+    w13_wide = torch.cat([w13, w13], dim=-1)[..., : w13.shape[-1]]  # same shape, rows K bytes apart
+    with pytest.raises(ValueError, match="w13 must be contiguous"):
+        k.w4a8_moe(x, w13_wide, s13, w2, s2, tw, ids)
+    s2_t = s2.transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(ValueError, match="w2_scale must be contiguous"):
+        k.w4a8_moe(x, w13, s13, w2, s2_t, tw, ids)
+
+
 
 COMPILE = """
 import json, re

@@ -639,6 +639,10 @@ def w4a8_moe(
     if h % CHUNK or inter % CHUNK or inter % block_n or block_n % GROUP:
         raise ValueError(f"hidden {h} and intermediate {inter} must be multiples of {CHUNK}, intermediate "
                          f"of block_n={block_n}, and block_n of {GROUP}")
+    for name, w in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
+        if not w.is_contiguous():  # the kernels address the repacked tiles and scale pairs by shape alone
+            raise ValueError(f"{name} must be contiguous (shape {tuple(w.shape)}, strides {tuple(w.stride())}): "
+                             "the kernel layout is addressed from its shape")
     pairs = t * top_k
     dev = x.device
     sorted_ids, block_expert, num_padded = _align(topk_ids, e, block_m)
