@@ -265,13 +265,11 @@ def _load_codes(b_ptrs, n_ok, mul, DECODE_ASM: tl.constexpr, SHIFT: tl.constexpr
 
 
 @triton.jit
-def _group_scales(s_ptrs, n_ok):
-    """A 64-deep K step's two E8M0 scales per column (groups k0/32 and k0/32 + 1: adjacent bytes, the pair
-    2-aligned as K/32 is even) in one 16-bit load, as fp32 powers of two (byte 0 flushes to 0, as `_e8m0`)."""
+def _scale_bytes(s_ptrs, n_ok):
+    """A 64-deep K step's two E8M0 bytes per column (groups k0/32 and k0/32 + 1: adjacent, the pair 2-aligned
+    as K/32 is even) in one 16-bit load, as int32 (e0, e1); 0 where n_ok is false."""
     v = tl.load(s_ptrs.to(tl.pointer_type(tl.uint16)), mask=n_ok, other=0).to(tl.int32)
-    s0 = ((v & 0xFF) << 23).to(tl.float32, bitcast=True)
-    s1 = ((v << 15) & 0x7F800000).to(tl.float32, bitcast=True)
-    return s0, s1
+    return v & 0xFF, v >> 8
 
 
 @triton.jit
@@ -279,7 +277,8 @@ def _w4_dots(a0, a1, b_ptrs, s_ptrs, n_ok, DECODE_ASM: tl.constexpr):
     """One 64-deep K step against one byte tile, per group: the two 32-deep INT8 dots (k0..k0+31 and
     k0+32..k0+63) as exact fp32 values, and their groups' E8M0 weight scales; the caller multiplies and
     accumulates (one FFMA per group and element)."""
-    s0, s1 = _group_scales(s_ptrs, n_ok)
+    e0, e1 = _scale_bytes(s_ptrs, n_ok)
+    s0, s1 = _e8m0(e0), _e8m0(e1)
     lo, hi = _load_codes(b_ptrs, n_ok, 0, DECODE_ASM, False)
     d0 = tl.dot(a0, lo, out_dtype=tl.int32).to(tl.float32)
     d1 = tl.dot(a1, hi, out_dtype=tl.int32).to(tl.float32)
@@ -292,8 +291,9 @@ def _shift_step(a0, a1, b_ptrs, s_ptrs, eref, n_ok, iacc, bad, DECODE_ASM: tl.co
     exponent), INT8 dots accumulated straight into the int32 `iacc`. `bad` collects, per column, any
     shift outside 0..3 (a map that does not belong to these scales): the result is made NaN there,
     never silently wrong."""
-    d0 = (tl.load(s_ptrs, mask=n_ok, other=0).to(tl.int32) & 0xFF) - eref
-    d1 = (tl.load(s_ptrs + 1, mask=n_ok, other=0).to(tl.int32) & 0xFF) - eref
+    e0, e1 = _scale_bytes(s_ptrs, n_ok)
+    d0 = e0 - eref
+    d1 = e1 - eref
     bad = bad | tl.where(n_ok, (d0 | d1) & ~3, 0)
     mul = (1 << (d0 & 3)) | ((1 << (d1 & 3)) << 4)
     lo, hi = _load_codes(b_ptrs, n_ok, mul, DECODE_ASM, True)
@@ -627,7 +627,8 @@ def w4a8_moe(
     w13 [E, 2I, H/2] and w2 [E, H, I/2]: MXFP4 bytes in the kernel layout (repack_mxfp4_for_w4a8);
     scales [E, 2I, H/32], [E, H, I/32]: E8M0 (float8_e8m0fnu or uint8). topk_* [T, top_k].
     w13_eref [E, 2I], w2_eref [E, H]: the shift maps of those scales (`shift_refs`, computed once at load);
-    with them and config shift (default on), tiles whose columns are all shiftable accumulate in int32
+    with them and config shift (`default_config` sets it for prefill only), tiles whose columns are all
+    shiftable accumulate in int32
     (`_shift_loop`); without them, or for a launch whose activation group is not a multiple of 64 (the
     down kernel when block_n is 32), every tile runs the per-group loop."""
     t, h = x.shape
