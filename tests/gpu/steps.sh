@@ -18,9 +18,9 @@
 #                                  noise floor compare.py --floor calibrates on
 #   tests/gpu/steps.sh parity      patched (tripwire on) bf16+marlin, bf16+mxfp4_int8, fp8_marlin+marlin on the
 #                                  batch-16 sequences, each against native with the floor beside it
-#   tests/gpu/steps.sh floor-ours  native with every SGLang option the SM80 bootstrap pins against default native,
-#                                  floor beside it
-#   tests/gpu/steps.sh floor-pins  native with each SGLang option the bootstrap pins, one at a time, vs default native
+#   tests/gpu/steps.sh floor-ours  native with the SGLang options the SM80 bootstrap pins that native can run
+#                                  (native_pins) against default native, floor beside it
+#   tests/gpu/steps.sh floor-pins  native with each of those options (native_pins), one at a time, vs default native
 #                                  (floor beside it): which of SGLang's own choices moves native (waits for $F16)
 #   tests/gpu/steps.sh parity-pinned floor-ours's run (made first if absent) as the oracle, its one-at-a-time floor, then patched
 #                                  against it: bf16+marlin (roundings 0 / act / kv,act), bf16+mxfp4_int8,
@@ -168,9 +168,9 @@ case ${1:?step} in
       python tests/gpu/compare.py "$N16" "$OUT/parity-$d-$b.json" $(floors) | tee -a "$OUT/parity-$d-$b.log"
     done ;;
   floor-ours)
-    # native itself with every SGLang option the SM80 bootstrap pins (pins(): dsv4_sm80/env.py
-    # IMPORT_TIME_DEFAULTS; session 6 ran it with three of them spelled here), against default native: how far
-    # native's own options move it. parity-pinned holds the SM80 path to this run.
+    # native itself with the SGLang options the SM80 bootstrap pins that native can run (native_pins(); session 6
+    # ran it with three of them spelled here), against default native: how far native's own options move it.
+    # parity-pinned holds the SM80 path to this run.
     N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}
     run native16-ours env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(native_pins) timeout 280 python tests/gpu/engine_bed.py \
       --out "$OUT/native16-ours.json" --lengths 20,300,3000,20000 --batch 16 --teacher-from "$N16"
@@ -179,14 +179,14 @@ case ${1:?step} in
     # native with each SGLang option the SM80 bootstrap pins (dsv4_sm80/env.py IMPORT_TIME_DEFAULTS), one at a
     # time, against default native with the floor beside it: how far each of SGLang's own choices moves native
     N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}; need "$F16"
-    for kv in $(pins); do
+    for kv in $(native_pins); do  # the torch paged-MQA fallback alone crashes native (native_pins)
       n=${kv%%=*}
       run "pin-$n" env ENABLE_SGLANG_DSV4_A100_PATCH=0 $kv timeout 280 python tests/gpu/engine_bed.py \
         --out "$OUT/pin-$n.json" --lengths 20,300,3000,20000 --batch 16 --teacher-from "$N16"
       python tests/gpu/compare.py "$N16" "$OUT/pin-$n.json" $(floors) | tee -a "$OUT/pin-$n.log" | grep verdict
     done ;;
   parity-pinned)
-    # the oracle the SM80 path can be held to: native with every pin (SGLang's own options an SM80 run must
+    # the oracle the SM80 path can be held to: native with every pin it can run (SGLang's own options an SM80 run must
     # take), its floor (one sequence at a time), then patched with marlin experts, as is and with native's
     # FP8 roundings replayed, against it
     N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}; need "$F16"
