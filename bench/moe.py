@@ -71,6 +71,92 @@ VARIANTS = {
                                         "shift": False},
     "shift off, tile 16x32, warps 4": {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "shift": False},
 }
+# The decode sweep (--only decode-): which tile, warp count and pipeline depth reach HBM bandwidth at 1-64 tokens
+# on this GPU (session 7's decode tile moved 35-45 % of the copy peak on the H200, Marlin 70-78 %); each entry is
+# that tile (pinned here, shift off) with the keys it names changed. Session 8's H200 sweep put 2 warps, the
+# 128-wide down tile and 4 stages into default_config from 5 tokens on; to be re-run on an A800.
+DECODE_TILE = {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3, "shift": False}
+VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
+    "16x32x64, warps 4, stages 3 (session 7 default)": {},
+    "stages 2": {"num_stages": 2},
+    "stages 4": {"num_stages": 4},
+    "stages 5": {"num_stages": 5},
+    "stages 6": {"num_stages": 6},
+    "warps 2, stages 3": {"num_warps": 2, "num_stages": 3},
+    "warps 2, stages 4": {"num_warps": 2, "num_stages": 4},
+    "warps 2, stages 6": {"num_warps": 2, "num_stages": 6},
+    "warps 8, stages 3": {"num_warps": 8, "num_stages": 3},
+    "block_n 64, stages 4": {"block_n": 64, "num_stages": 4},
+    "block_n 64, warps 2, stages 4": {"block_n": 64, "num_warps": 2, "num_stages": 4},
+    "block_n2 32": {"block_n2": 32},
+    "block_n2 128": {"block_n2": 128},
+    "block_n2 128, warps 2, stages 4": {"block_n2": 128, "num_warps": 2, "num_stages": 4},
+    "16x32x128, warps 2, stages 5": {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 2,
+                                     "num_stages": 5},
+    # session 8's profile: ~25-40 us per call of small torch kernels around the two GEMMs (the activation
+    # quantizer, the top-k combine); fused_io makes them one Triton launch each
+    "fused io": {"fused_io": True},
+    "warps 2, stages 4, fused io": {"num_warps": 2, "num_stages": 4, "fused_io": True},
+    "block_n2 128, warps 2, stages 4, fused io": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
+                                                  "fused_io": True},
+}.items()})
+PROFILE_CALLS = 10
+
+
+def kernel_profile(torch, fn, calls: int = PROFILE_CALLS) -> dict:
+    """Device microseconds per call of each CUDA kernel fn launches (torch.profiler over `calls` eager calls),
+    largest first. A kernel launched more than once per call (the W4A8 gate-up and down launches share one
+    Triton kernel) is split by launch order into "name #1", "name #2", ...; names are shortened to ~40 chars."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+
+    def dev_total(ev):
+        t = getattr(ev, "device_time_total", None)
+        return float(t if t is not None else getattr(ev, "cuda_time_total", 0) or 0)
+
+    def is_kernel(ev):
+        kind = str(getattr(ev, "device_type", ""))
+        if kind:  # DeviceType.CUDA for kernels, memsets and memcpys
+            return kind.endswith("CUDA")
+        return not ev.key.startswith(("aten::", "cuda", "cuLaunch", "ProfilerStep"))  # an older event type
+
+    totals = {}  # full name -> (device us over all calls, launches)
+    for ev in prof.key_averages():
+        if dev_total(ev) > 0 and is_kernel(ev):
+            totals[ev.key] = (dev_total(ev), ev.count)
+    split = {}
+    try:  # the per-launch split of kernels launched several times per call
+        events = sorted((ev for ev in prof.events() if ev.name in totals and is_kernel(ev)),
+                        key=lambda ev: ev.time_range.start)
+        for name, (_, count) in totals.items():
+            per_call = count // calls
+            if per_call > 1 and count % calls == 0:
+                mine = [dev_total(ev) for ev in events if ev.name == name]
+                if len(mine) == count:
+                    split[name] = [sum(mine[i::per_call]) for i in range(per_call)]
+    except Exception as err:
+        print(f"  profile: per-launch split failed ({type(err).__name__}: {err})"[:200])
+
+    def short(name):
+        name = name[5:] if name.startswith("void ") else name
+        cut = min([i for i in (name.find("<"), name.find("(")) if i > 0] or [len(name)])
+        return name[:cut][:40]
+
+    out = {}
+    for name, (total, _) in totals.items():
+        parts = split.get(name, [total])
+        for i, part in enumerate(parts):
+            key = short(name) + (f" #{i + 1}" if len(parts) > 1 else "")
+            while key in out:  # two template instances with one short name
+                key += "'"
+            out[key] = part / calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def mxfp4_like_scales(torch, e, n, k, gen):
@@ -93,6 +179,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="with --variants: only the variants whose name contains this")
     ap.add_argument("--variants", action="store_true",
                     help="also time the W4A8 kernel's alternatives per size (decoder, span merge, tiles)")
+    ap.add_argument("--profile", action="store_true",
+                    help=f"per size, also each CUDA kernel's device time per call (torch.profiler, {PROFILE_CALLS} "
+                         "eager calls) for the W4A8 default and Marlin")
     args = ap.parse_args(argv)
 
     import torch
@@ -198,6 +287,17 @@ def main(argv=None) -> int:
                     row["variants"][name] = f"{type(err).__name__}: {err}"[:200]
             print("        variants (us):", "  ".join(
                 f"{n} {v:.1f}" if isinstance(v, float) else f"{n} ERR" for n, v in row["variants"].items()))
+        if args.profile:
+            # eager calls (timed() replays a CUDA graph): the sum is device time only, launch gaps excluded
+            row["profile"] = {}
+            for backend, fn in (("int8", run_int8), ("marlin", run_marlin)):
+                try:
+                    prof = row["profile"][backend] = kernel_profile(torch, fn)
+                    print(f"  profile {backend} (us/call, sum {sum(prof.values()):.1f}):", "  ".join(
+                        f"{n} {us:.1f}" for n, us in prof.items()))
+                except Exception as err:
+                    row["profile"][backend] = f"{type(err).__name__}: {err}"[:300]
+                    print(f"  profile {backend} failed: {row['profile'][backend]}")
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
     return 0

@@ -9,6 +9,7 @@
 #   tests/gpu/steps.sh moe         moe_check: native, patched marlin, patched mxfp4_int8 on the same inputs
 #   tests/gpu/steps.sh moe-engine  engine_bed patched with each MoE backend vs the native oracle
 #   tests/gpu/steps.sh moe-bench   bench/moe.py
+#   tests/gpu/steps.sh moe-sweep   bench/moe.py at decode sizes: the decode tile sweep and a per-kernel profile
 #   tests/gpu/steps.sh attention   SGLang's DSV4 attention test kit on the patched backend + BF16 pool (tripwire on)
 #   tests/gpu/steps.sh e2e         engine_bed with the whole SM80 datapath (tripwire on) vs the native oracle
 #   tests/gpu/steps.sh attn-bench  bench/attention.py
@@ -343,6 +344,9 @@ case ${1:?step} in
       tests/test_w4a8_moe.py tests/test_sparse_attn.py tests/test_indexer_kv_store.py ;;
   moe-bench)
     run moe-bench timeout 540 python bench/moe.py --variants --out "$OUT/moe.json" ;;
+  moe-sweep)
+    run moe-sweep timeout 540 python bench/moe.py --tokens 1,4,16,64 --variants --only decode- --profile \
+      --out "$OUT/moe-sweep.json" ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac
 # keep the JIT caches this step built (restore with: cat jit.tar.xz* | tar -C ~ -xJf -)
