@@ -104,12 +104,13 @@ def test_align_by_expert(k):
 
 
 DECODE = {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3}
+DECODE2 = {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 2, "num_stages": 4}  # 5-64 tokens
 PREFILL = {"block_m": 32, "block_n": 64, "block_n2": 128, "num_warps": 4, "num_stages": 3}
 
 
 @pytest.mark.parametrize("seed,t,top_k,input_group,cfg", [
     (0, 5, 3, 0, DECODE), (4, 1, 2, 0, DECODE), (9, 19, 6, 0, PREFILL), (5, 6, 2, 64, PREFILL),
-    (6, 3, 4, 32, DECODE)])
+    (6, 3, 4, 32, DECODE), (7, 9, 6, 0, DECODE2)])
 def test_kernel_equals_int8_emulation(k, seed, t, top_k, input_group, cfg):
     """Weight side exact: with scale groups 12 binades apart, the kernel equals the reference that
     rounds only the activations to INT8, at the same points (the intermediate per pair and block_n
@@ -170,7 +171,7 @@ def test_fused_io_moe_equals_the_torch_io(k, cfg):
 
 
 def test_default_configs_are_valid(k):
-    for pairs in (1, 64, 65, 4096, 4097, 100000):
+    for pairs in (1, 24, 25, 64, 384, 385, 4096, 4097, 100000):
         cfg = k.default_config(pairs)
         assert cfg["block_n"] % 32 == 0 and 512 % cfg["block_n"] == 0 and 4096 % cfg["block_n2"] == 0, cfg
 
@@ -299,10 +300,10 @@ def test_compiles_for_sm80_with_int8_mma():
     MMA B-operand layout (what their word layout assumes), no FP8 type anywhere."""
     from conftest import last_json, run_python
 
-    code = COMPILE.replace("CONFIGS", repr({"decode": DECODE, "prefill": PREFILL}))
+    code = COMPILE.replace("CONFIGS", repr({"decode": DECODE, "decode2": DECODE2, "prefill": PREFILL}))
     res = last_json(run_python(code, TRITON_INTERPRET="0"))
     out = res["gemm"]
-    assert len(out) == 22  # decode down has only span 32 (block_n 32); shift: 2 per kernel and config
+    assert len(out) == 32  # decode tiles' down has only span 32 (block_n 32); shift: 2 per kernel and config
     for name, r in out.items():
         asm = name.endswith("-asm")
         assert r == {"sm80": True, "int8_mma": True, "prmt": asm, "prmt_shift": asm and "-shift-" in name,

@@ -604,13 +604,18 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def default_config(pairs: int) -> dict:
-    """Tile sizes and the shift path by the number of (token, expert) pairs, from session 7's H200 bench
-    (docs/moe.md; to be re-tuned on an A800). block_n is also the intermediate's INT8 group (a multiple of 32).
-    Decode (up to 64 tokens at top-6): the 16x32 tile, per-group scaling (the shift path was 1.4x slower
-    there: 84 vs 60 us at one token); up to 4096 pairs: 32x128 per group; beyond: 64x128 with 4 warps and the
-    shift path (1.7x faster than per-group in that tile, 3x faster than session 4's 64x64 tile)."""
-    if pairs <= 384:  # decode: few rows per expert, parallelism must come from N
+    """Tile sizes and the shift path by the number of (token, expert) pairs, from the H200 benches of sessions
+    7 and 8 (docs/moe.md; to be re-tuned on an A800). block_n is also the intermediate's INT8 group (a multiple
+    of 32). Decode (up to 64 tokens at top-6): the 16x32 tile, per-group scaling (the shift path was 1.4x
+    slower there: 84 vs 60 us at one token); from 5 tokens on, 2 warps, a 128-wide down tile and 4 stages
+    (session 8's decode sweep: 199 / 353 us at 16 / 64 tokens against 219 / 419 with 4 warps and the 64-wide
+    down tile; at one token 4 warps stay faster, 55 against 61 us; between 1 and 16 tokens the switch point
+    is not measured); up to 4096 pairs: 32x128 per group; beyond: 64x128 with 4 warps and the shift path
+    (1.7x faster than per-group in that tile, 3x faster than session 4's 64x64 tile)."""
+    if pairs <= 24:  # up to 4 tokens: 4 warps per 16x32 tile
         return {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3, "shift": False}
+    if pairs <= 384:  # decode: few rows per expert, parallelism must come from N
+        return {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 2, "num_stages": 4, "shift": False}
     if pairs <= 4096:
         return {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": False}
     return {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": True}
