@@ -28,6 +28,8 @@
 #                                  fp8_marlin+marlin (waits for $F16)
 #   tests/gpu/steps.sh parity-replay  parity's bf16+marlin with native's FP8 roundings replayed
 #                                  (DSV4_SM80_LAB_NATIVE_ROUNDING=kv, kv,act, kv,act,idx): their share of the gap
+#   tests/gpu/steps.sh trace       one prompt's prefill module by module (TRACE_LEN ids, 300): native, native pinned,
+#                                  patched, patched with native's roundings replayed; names where they part ways
 #   tests/gpu/steps.sh graphs      patched with CUDA graphs vs patched eager (decode outputs)
 #   tests/gpu/steps.sh spec        patched DSPARK vs patched without speculation (greedy tokens, acceptance), and
 #                                  native DSPARK vs native without speculation beside it (the floor)
@@ -96,7 +98,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
   ( eval "$@" ) >"$OUT/$name.log" 2>&1 || { echo "=== $name: exit $?"; rc=1; }
-  grep -E "^(  A/B|fault_kill|hygiene|soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|Error|passed|failed" \
+  grep -E "^(  A/B|fault_kill|hygiene|soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|layer_trace|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|Error|passed|failed" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
 }
 case ${1:?step} in
@@ -213,6 +215,20 @@ case ${1:?step} in
         --out "$OUT/parity-replay-${nr//,/-}.json" --lengths 20,300,3000,20000 --batch 16 --teacher-from "$N16"
       python tests/gpu/compare.py "$N16" "$OUT/parity-replay-${nr//,/-}.json" $(floors) \
         | tee -a "$OUT/parity-replay-${nr//,/-}.log"
+    done ;;
+  trace)
+    # one prompt's prefill module by module (dsv4_sm80/lab_trace.py): native, native with its pins (what SGLang's
+    # own options change, per module), patched as is and with native's FP8 roundings replayed; the compare names
+    # the first module whose output differs much more than its input
+    L=${TRACE_LEN:-300}; T="python tests/gpu/layer_trace.py --length $L --out-dir $OUT/trace"
+    run trace-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 200 $T-native
+    run trace-pinned env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(native_pins) timeout 200 $T-pinned
+    run trace-patched env $LAB DSV4_SM80_TRIPWIRE=1 SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 200 $T-patched
+    run trace-replay env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=kv,act,idx \
+      SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 $T-replay
+    for t in pinned patched replay; do
+      python -m dsv4_sm80.lab_trace "$OUT/trace-native" "$OUT/trace-$t" $([ $t = pinned ] || echo --floor "$OUT/trace-pinned") \
+        | tee -a "$OUT/trace-$t.log"
     done ;;
   graphs)
     for g in eager graph; do

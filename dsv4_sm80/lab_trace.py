@@ -1,0 +1,208 @@
+"""Lab: every module's inputs and outputs in one forward, recorded through SGLang's own forward hooks, to find
+where the SM80 path and native part ways.
+
+Why: with native's FP8 roundings replayed (lab_rounding kv,act,idx) the patched path still agrees with native
+on only 95-98 % of confident positions against native's 99 % with itself (docs/gpu-runs.md, sessions 6-8),
+and the end-to-end logprobs cannot say which module adds the difference. Two traces of the same prompt (native,
+patched) compared module by module can: a module whose output differs much more than its input is where the
+arithmetic differs.
+
+How: SGLang 0.5.16 registers `ServerArgs.forward_hooks` specs on the matching modules after CUDA-graph capture
+(model_executor/hook_manager.py:11-55, called from model_runner_components/cuda_graph_setup.py:118-121), so hooks
+fire on eager forwards only, in the scheduler process, on every TP rank. `trace_spec` is such a spec; the hook
+keeps, for the first forward whose input holds `rows` tokens (a prefill of that prompt), every floating tensor
+with `rows` leading rows in each module's inputs and outputs, copied to the CPU in call order, and saves them when
+the top model module (the one with `layers` and `embed_tokens`) returns: `forward-0-rank0.pt`.
+
+    engine = sglang.Engine(..., forward_hooks=trace_spec(out_dir, rows=len(prompt)), disable_cuda_graph=True)
+    python -m dsv4_sm80.lab_trace native_dir patched_dir [--floor other_native_dir]
+
+Lab only: never a default, never for serving (a device-to-host copy per module and forward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+FACTORY = "dsv4_sm80.lab_trace:factory"
+TARGETS = ("model", "model.*")  # fnmatch: every module under the model (lm_head and the logits processor aside)
+
+
+def trace_spec(out_dir: str, rows: int, forwards: int = 1, targets=TARGETS) -> list:
+    """The `forward_hooks` server argument that records the first `forwards` forwards of `rows` tokens."""
+    if rows < 2:
+        raise ValueError(f"rows={rows}: a traced forward needs at least 2 tokens (decode steps of one request "
+                         "have 1 and would be recorded too)")
+    return [{"name": "dsv4-sm80-trace", "target_modules": list(targets), "hook_factory": FACTORY,
+             "config": {"dir": out_dir, "rows": int(rows), "forwards": int(forwards)}}]
+
+
+def _tensors(obj, rows: int, depth: int = 0) -> list:
+    """The floating tensors with `rows` leading rows in obj (a tensor, or tuples / lists of them, two levels)."""
+    import torch
+
+    if torch.is_tensor(obj):
+        if obj.is_floating_point() and obj.dim() >= 1 and obj.shape[0] == rows:
+            return [obj.detach().to("cpu", copy=True)]
+        return []
+    if isinstance(obj, (tuple, list)) and depth < 2:
+        return [t for x in obj for t in _tensors(x, rows, depth + 1)]
+    return []
+
+
+def _rank() -> int:
+    import torch
+
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def factory(config: dict):
+    """SGLang's hook factory contract (hook_manager.py:31): config -> hook(module, inputs, output).
+
+    SGLang registers only post-forward hooks, which see positional inputs, and DSV4 calls its decoder layers and
+    attention with keyword arguments. So when the model module first returns (a forward of another length: the
+    driver sends a short request first), the hook also puts a pre-forward hook with keyword arguments on every
+    module under it; from then on a module's inputs are what that pre-hook saw, for forwards whose input holds
+    `rows` tokens only (nothing is copied for the others). Without that first forward, positional inputs only."""
+    out_dir, rows = config["dir"], int(config["rows"])
+    keep = int(config.get("forwards", 1))
+    state = {"pending": [], "saved": 0, "armed": False, "active": None, "stack": {}}
+
+    def is_model(module) -> bool:
+        return hasattr(module, "layers") and hasattr(module, "embed_tokens")
+
+    def pre(module, args, kwargs):
+        if is_model(module):
+            ids = args[0] if args else kwargs.get("input_ids")
+            state["active"] = hasattr(ids, "shape") and ids.shape[0] == rows and state["saved"] < keep
+            state["pending"].clear()
+            state["stack"].clear()
+        elif state["active"]:
+            state["stack"].setdefault(id(module), []).append(_tensors(list(args) + list(kwargs.values()), rows))
+
+    def arm(model) -> None:
+        for _, m in model.named_modules():
+            m.register_forward_pre_hook(pre, with_kwargs=True)
+        state["armed"] = True
+
+    def hook(module, inputs, output):
+        if state["saved"] >= keep:
+            return
+        if is_model(module):  # its forward is over
+            if not state["armed"]:
+                arm(module)
+                ids = inputs[0] if inputs else None
+                if not (hasattr(ids, "shape") and ids.shape[0] == rows):
+                    state["pending"].clear()
+                    return
+            elif not state["active"]:
+                return
+            names = {id(m): "model" + (f".{n}" if n else "") for n, m in module.named_modules()}
+            seen, records = {}, []
+            for mid, ins, outs in state["pending"] + [(id(module), _tensors(inputs, rows), _tensors(output, rows))]:
+                name = names.get(mid, "<unnamed>")
+                seen[name] = seen.get(name, 0) + 1
+                records.append({"name": name if seen[name] == 1 else f"{name}#{seen[name]}", "in": ins, "out": outs})
+            import torch
+
+            os.makedirs(out_dir, exist_ok=True)
+            torch.save(records, os.path.join(out_dir, f"forward-{state['saved']}-rank{_rank()}.pt"))
+            state["saved"] += 1
+            state["pending"].clear()
+            state["active"] = False
+            return
+        if state["armed"]:
+            if not state["active"]:
+                return
+            saved = state["stack"].get(id(module))
+            ins = saved.pop() if saved else _tensors(inputs, rows)
+        else:
+            ins = _tensors(inputs, rows)
+        outs = _tensors(output, rows)
+        if ins or outs:
+            state["pending"].append((id(module), ins, outs))
+
+    return hook
+
+
+def rel(a, b) -> float:
+    """||a - b|| / ||a|| in float64 (0 when both are zero; inf when only b is nonzero or shapes differ)."""
+    if a.shape != b.shape:
+        return math.inf
+    a, b = a.double(), b.double()
+    na = float(a.norm())
+    nd = float((a - b).norm())
+    if na == 0.0:
+        return 0.0 if nd == 0.0 else math.inf
+    return nd / na
+
+
+def compare(a: list, b: list, floor: list | None = None, jump: float = 3.0, min_rel: float = 1e-2) -> list:
+    """Per module present in both traces (by name and call count), in a's call order: the relative difference of
+    its first input and first output tensor (b against a), the floor's (floor against a) beside them, and
+    `suspect` where the output differs at least `min_rel` and `jump` times more than the input does (the
+    module itself adds the difference; modules without a traced input compare their output alone)."""
+    bmap = {r["name"]: r for r in b}
+    fmap = {r["name"]: r for r in floor or []}
+    rows = []
+    for r in a:
+        o = bmap.get(r["name"])
+        if o is None or not r["out"] or not o["out"]:
+            continue
+        d_out = rel(r["out"][0], o["out"][0])
+        d_in = rel(r["in"][0], o["in"][0]) if r["in"] and o["in"] else None
+        f = fmap.get(r["name"])
+        f_out = rel(r["out"][0], f["out"][0]) if f and f["out"] else None
+        suspect = d_out >= min_rel and (d_in is None or d_out >= jump * max(d_in, 1e-12))
+        rows.append({"name": r["name"], "in": d_in, "out": d_out, "floor_out": f_out, "suspect": suspect})
+    return rows
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else ("inf" if x == math.inf else f"{x:.2e}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Compare two forward traces module by module (lab_trace).")
+    ap.add_argument("a", help="trace directory (or .pt) taken as the reference, e.g. native")
+    ap.add_argument("b", help="trace directory (or .pt) compared with it, e.g. patched")
+    ap.add_argument("--floor", help="a second reference trace, e.g. native with its pinned options")
+    ap.add_argument("--forward", type=int, default=0)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--all", action="store_true", help="print every module, not only layers and suspects")
+    args = ap.parse_args(argv)
+    import torch
+
+    def load(p):
+        if p is None:
+            return None
+        if os.path.isdir(p):
+            p = os.path.join(p, f"forward-{args.forward}-rank{args.rank}.pt")
+        return torch.load(p, weights_only=False)
+
+    a, b, fl = load(args.a), load(args.b), load(args.floor)
+    rows = compare(a, b, fl)
+    only_a = sorted({r["name"] for r in a} - {r["name"] for r in b})
+    only_b = sorted({r["name"] for r in b} - {r["name"] for r in a})
+    print(f"lab_trace: {len(rows)} modules compared; only in {args.a}: {len(only_a)}, only in {args.b}: {len(only_b)}")
+    for n in (only_a[:10] + only_b[:10]):
+        print(f"  unmatched: {n}")
+    print(f"  {'module':58s} {'in':>9s} {'out':>9s} {'floor out':>9s}")
+    first = None
+    for r in rows:
+        layer_level = r["name"].count(".") <= 2  # model, model.embed_tokens, model.layers.N
+        if r["suspect"] and first is None:
+            first = r["name"]
+        if args.all or layer_level or r["suspect"]:
+            flag = "  <- adds the difference" if r["suspect"] else ""
+            print(f"  {r['name'][:58]:58s} {_fmt(r['in']):>9s} {_fmt(r['out']):>9s} {_fmt(r['floor_out']):>9s}{flag}")
+    print(f"lab_trace: first module adding the difference: {first or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

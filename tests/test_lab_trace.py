@@ -1,0 +1,125 @@
+"""The lab's module-by-module forward trace (dsv4_sm80/lab_trace.py), attached through SGLang 0.5.16's own
+forward-hook mechanism (sglang.srt.model_executor.hook_manager.register_forward_hooks) to a small torch model
+shaped like DSV4's (a top module whose `model` has `embed_tokens` and `layers`, layers called with keyword
+arguments): what it records, when, and that the comparison names the module that adds a difference."""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from dsv4_sm80 import lab_trace
+
+ROWS = 5
+
+
+class Layer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.self_attn = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, *, hidden_states, positions):  # DSV4's decoder layers take keywords only
+        h = hidden_states + self.self_attn(hidden_states)
+        return h + self.mlp(h), positions
+
+
+class Model(nn.Module):
+    def __init__(self, d=8, n=3, vocab=32):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(Layer(d) for _ in range(n))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, input_ids, positions):
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h, _ = layer(hidden_states=h, positions=positions)
+        return self.norm(h)
+
+
+class Top(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = Model()
+        self.lm_head = nn.Linear(8, 32)
+
+
+def traced(tmp, perturb=None, warm=True):
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+
+    torch.manual_seed(0)
+    top = Top()
+    if perturb:
+        perturb(top)
+    register_forward_hooks(top, lab_trace.trace_spec(str(tmp), rows=ROWS))
+    with torch.no_grad():
+        if warm:  # another length first: arms the keyword-argument pre-hooks, records nothing
+            top.model(torch.arange(3), torch.arange(3))
+        ids = torch.arange(ROWS) % 7
+        top.model(ids, torch.arange(ROWS))
+        top.model(ids[:1], torch.arange(1))  # a decode step of one token: not recorded
+        top.model(ids, torch.arange(ROWS))  # a second prefill of that length: forwards=1 keeps the first only
+    return torch.load(os.path.join(tmp, "forward-0-rank0.pt"), weights_only=False)
+
+
+def test_records_every_module_in_call_order_with_keyword_inputs(tmp_path):
+    rec = traced(tmp_path)
+    names = [r["name"] for r in rec]
+    assert names == ["model.embed_tokens", "model.layers.0.self_attn", "model.layers.0.mlp", "model.layers.0",
+                     "model.layers.1.self_attn", "model.layers.1.mlp", "model.layers.1",
+                     "model.layers.2.self_attn", "model.layers.2.mlp", "model.layers.2", "model.norm", "model"]
+    assert sorted(os.listdir(tmp_path)) == ["forward-0-rank0.pt"]
+    layer0 = rec[names.index("model.layers.0")]
+    # the layer's input came as a keyword argument; positions are not floating tensors and are not kept
+    assert len(layer0["in"]) == 1 and layer0["in"][0].shape == (ROWS, 8)
+    assert torch.equal(layer0["in"][0], rec[0]["out"][0])  # the embedding's output is layer 0's input
+    assert torch.equal(rec[names.index("model.layers.1")]["in"][0], layer0["out"][0])
+    assert rec[-1]["in"] == [] and rec[-1]["out"][0].shape == (ROWS, 8)  # input_ids are not floating
+
+
+def test_without_a_first_forward_only_positional_inputs(tmp_path):
+    rec = traced(tmp_path, warm=False)
+    by = {r["name"]: r for r in rec}
+    assert by["model.layers.0"]["in"] == [] and by["model.layers.0"]["out"]  # keywords unseen, outputs kept
+    assert by["model.layers.0.mlp"]["in"][0].shape == (ROWS, 8)  # called positionally
+
+
+def test_compare_names_the_module_that_adds_the_difference(tmp_path):
+    ref = traced(tmp_path / "a")
+
+    def bump(top):  # layer 1's MLP computes something else; everything before it is identical
+        with torch.no_grad():
+            top.model.layers[1].mlp.weight.mul_(1.5)
+
+    other = traced(tmp_path / "b", perturb=bump)
+    rows = lab_trace.compare(ref, other)
+    by = {r["name"]: r for r in rows}
+    assert by["model.layers.0"]["out"] == 0.0 and by["model.layers.1.self_attn"]["out"] == 0.0
+    assert by["model.layers.1.mlp"]["suspect"] and by["model.layers.1.mlp"]["in"] == 0.0
+    assert [r["name"] for r in rows if r["suspect"]][0] == "model.layers.1.mlp"
+    # downstream modules inherit the difference without adding much: not suspects
+    assert not by["model.layers.2.self_attn"]["suspect"] and by["model.layers.2"]["out"] > 0
+    same = lab_trace.compare(ref, ref, floor=other)
+    assert not any(r["suspect"] for r in same) and by["model"]["out"] == same[-1]["floor_out"]
+
+
+def test_cli_prints_the_first_suspect(tmp_path, capsys):
+    traced(tmp_path / "a")
+
+    def bump(top):
+        with torch.no_grad():
+            top.model.layers[2].self_attn.bias.add_(1.0)
+
+    traced(tmp_path / "b", perturb=bump)
+    assert lab_trace.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "first module adding the difference: model.layers.2.self_attn" in out
+
+
+def test_spec_refuses_a_one_token_trace():
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        lab_trace.trace_spec("/tmp/x", rows=1)
+    spec = lab_trace.trace_spec("/tmp/x", rows=300)
+    assert spec[0]["hook_factory"] == "dsv4_sm80.lab_trace:factory" and spec[0]["config"]["rows"] == 300
