@@ -151,8 +151,11 @@ def main(argv=None) -> int:
             "top": [_pairs(x) if x else [] for x in mi["input_top_logprobs"]],
         })
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    # written whole, then renamed: another GPU lane waiting for this file (steps.sh need) must never read it half
+    # written (session 8: a floor compare read the one-at-a-time record while it was being written)
+    with open(args.out + ".tmp", "w") as f:
         json.dump(record, f)
+    os.replace(args.out + ".tmp", args.out)
 
     print(f"engine_bed: patch={'on' if patch else 'off'} gpu={record['gpu']} sm{''.join(map(str, record['capability']))} "
           f"sglang {record['sglang']} timings={record['timings']}")

@@ -149,6 +149,10 @@ case ${1:?step} in
     # N16_FROM=an earlier machine's native16.json(.xz): this machine's native run teacher-forces its sequences in
     # the same batch, so that pair is the across-machines floor (kept as $OUT/native16-prev.json; floors() adds it)
     B16="--lengths 20,300,3000,20000 --batch 16"; TF=""
+    if [ -n "${N16_FROM:-}" ] && [ ! -s "$N16_FROM" ]; then  # session 8: staged into /tmp/stage, which setup.sh removes
+      echo "=== floor: N16_FROM=$N16_FROM is missing or empty: no across-machines floor (stage it outside /tmp/stage)"
+      N16_FROM=""
+    fi
     if [ -n "${N16_FROM:-}" ]; then
       case $N16_FROM in *.xz) xz -dc "$N16_FROM" > "$OUT/native16-prev.json" ;; *) cp "$N16_FROM" "$OUT/native16-prev.json" ;; esac
       TF="--teacher-from $OUT/native16-prev.json"
