@@ -10,9 +10,9 @@ arithmetic differs.
 How: SGLang 0.5.16 registers `ServerArgs.forward_hooks` specs on the matching modules after CUDA-graph capture
 (model_executor/hook_manager.py:11-55, called from model_runner_components/cuda_graph_setup.py:118-121), so hooks
 fire on eager forwards only, in the scheduler process, on every TP rank. `trace_spec` is such a spec; the hook
-keeps, for the first forward whose input holds `rows` tokens (a prefill of that prompt), every floating tensor
-with `rows` leading rows in each module's inputs and outputs, copied to the CPU in call order, and saves them when
-the top model module (the one with `layers` and `embed_tokens`) returns: `forward-0-rank0.pt`.
+keeps, for the first forward whose `embed_tokens` receives `rows` token ids (a prefill of that prompt), every
+floating tensor with `rows` leading rows in each module's inputs and outputs, copied to the CPU in call order,
+and saves them when the model's `norm` returns: `forward-0-rank0.pt` (see `factory` for why it works that way).
 
     engine = sglang.Engine(..., forward_hooks=trace_spec(out_dir, rows=len(prompt)), disable_cuda_graph=True)
     python -m dsv4_sm80.lab_trace native_dir patched_dir [--floor other_native_dir]
@@ -28,7 +28,7 @@ import os
 import sys
 
 FACTORY = "dsv4_sm80.lab_trace:factory"
-TARGETS = ("model", "model.*")  # fnmatch: every module under the model (lm_head and the logits processor aside)
+TARGETS = ("model.*",)  # fnmatch: every module under the model (lm_head and the logits processor aside)
 
 
 def trace_spec(out_dir: str, rows: int, forwards: int = 1, targets=TARGETS) -> list:
@@ -60,71 +60,83 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _find_model(module):
+    """The DSV4 model module (`layers` and `embed_tokens`) that holds `module`. SGLang's DeepseekV4ForCausalLM
+    calls it through `self.model.forward(...)` (deepseek_v4.py:2519), so its own hooks never fire and it cannot
+    name itself; it is found once, among the live modules (lab only: a scan of the garbage collector's objects)."""
+    import gc
+
+    from torch import nn
+
+    for obj in gc.get_objects():
+        if isinstance(obj, nn.Module) and hasattr(obj, "layers") and hasattr(obj, "embed_tokens"):
+            if any(m is module for m in obj.modules()):
+                return obj
+    return None
+
+
 def factory(config: dict):
     """SGLang's hook factory contract (hook_manager.py:31): config -> hook(module, inputs, output).
 
-    SGLang registers only post-forward hooks, which see positional inputs, and DSV4 calls its decoder layers and
-    attention with keyword arguments. So when the model module first returns (a forward of another length: the
-    driver sends a short request first), the hook also puts a pre-forward hook with keyword arguments on every
-    module under it; from then on a module's inputs are what that pre-hook saw, for forwards whose input holds
-    `rows` tokens only (nothing is copied for the others). Without that first forward, positional inputs only."""
+    SGLang registers only post-forward hooks, which see positional inputs; DSV4 calls its decoder layers and
+    attention with keyword arguments, and its model module through `.forward` (no hooks of its own). So the
+    first time the hook fires (a forward of another length: the driver sends a short request first), it finds
+    the model module, names every module under it, and puts a pre-forward hook with keyword arguments on each:
+    from then on a forward is traced when `embed_tokens` receives `rows` token ids, each module's inputs are
+    what its pre-hook saw, and the record is saved when `norm` (the model's last module) returns. That first
+    forward is not recorded."""
     out_dir, rows = config["dir"], int(config["rows"])
     keep = int(config.get("forwards", 1))
-    state = {"pending": [], "saved": 0, "armed": False, "active": None, "stack": {}}
-
-    def is_model(module) -> bool:
-        return hasattr(module, "layers") and hasattr(module, "embed_tokens")
+    state = {"pending": [], "saved": 0, "armed": False, "active": False, "stack": {}, "names": {},
+             "embed": None, "norm": None}
 
     def pre(module, args, kwargs):
-        if is_model(module):
-            ids = args[0] if args else kwargs.get("input_ids")
+        if module is state["embed"]:
+            ids = args[0] if args else kwargs.get("input_ids", kwargs.get("input_"))
             state["active"] = hasattr(ids, "shape") and ids.shape[0] == rows and state["saved"] < keep
             state["pending"].clear()
             state["stack"].clear()
-        elif state["active"]:
+        if state["active"]:
             state["stack"].setdefault(id(module), []).append(_tensors(list(args) + list(kwargs.values()), rows))
 
     def arm(model) -> None:
+        state["names"] = {id(m): "model" + (f".{n}" if n else "") for n, m in model.named_modules()}
         for _, m in model.named_modules():
             m.register_forward_pre_hook(pre, with_kwargs=True)
+        state["embed"], state["norm"] = model.embed_tokens, getattr(model, "norm", None)
         state["armed"] = True
+
+    def save() -> None:
+        import torch
+
+        seen, records = {}, []
+        for mid, ins, outs in state["pending"]:
+            name = state["names"].get(mid, "<unnamed>")
+            seen[name] = seen.get(name, 0) + 1
+            records.append({"name": name if seen[name] == 1 else f"{name}#{seen[name]}", "in": ins, "out": outs})
+        os.makedirs(out_dir, exist_ok=True)
+        torch.save(records, os.path.join(out_dir, f"forward-{state['saved']}-rank{_rank()}.pt"))
+        state["saved"] += 1
+        state["pending"].clear()
+        state["active"] = False
 
     def hook(module, inputs, output):
         if state["saved"] >= keep:
             return
-        if is_model(module):  # its forward is over
-            if not state["armed"]:
-                arm(module)
-                ids = inputs[0] if inputs else None
-                if not (hasattr(ids, "shape") and ids.shape[0] == rows):
-                    state["pending"].clear()
-                    return
-            elif not state["active"]:
-                return
-            names = {id(m): "model" + (f".{n}" if n else "") for n, m in module.named_modules()}
-            seen, records = {}, []
-            for mid, ins, outs in state["pending"] + [(id(module), _tensors(inputs, rows), _tensors(output, rows))]:
-                name = names.get(mid, "<unnamed>")
-                seen[name] = seen.get(name, 0) + 1
-                records.append({"name": name if seen[name] == 1 else f"{name}#{seen[name]}", "in": ins, "out": outs})
-            import torch
-
-            os.makedirs(out_dir, exist_ok=True)
-            torch.save(records, os.path.join(out_dir, f"forward-{state['saved']}-rank{_rank()}.pt"))
-            state["saved"] += 1
-            state["pending"].clear()
-            state["active"] = False
+        if not state["armed"]:
+            model = _find_model(module)
+            if model is not None:
+                arm(model)
             return
-        if state["armed"]:
-            if not state["active"]:
-                return
-            saved = state["stack"].get(id(module))
-            ins = saved.pop() if saved else _tensors(inputs, rows)
-        else:
-            ins = _tensors(inputs, rows)
+        if not state["active"]:
+            return
+        saved = state["stack"].get(id(module))
+        ins = saved.pop() if saved else _tensors(inputs, rows)
         outs = _tensors(output, rows)
         if ins or outs:
             state["pending"].append((id(module), ins, outs))
+        if module is state["norm"]:
+            save()
 
     return hook
 
@@ -194,7 +206,7 @@ def main(argv=None) -> int:
     print(f"  {'module':58s} {'in':>9s} {'out':>9s} {'floor out':>9s}")
     first = None
     for r in rows:
-        layer_level = r["name"].count(".") <= 2  # model, model.embed_tokens, model.layers.N
+        layer_level = r["name"].count(".") <= 2  # model.embed_tokens, model.layers.N, model.norm
         if r["suspect"] and first is None:
             first = r["name"]
         if args.all or layer_level or r["suspect"]:

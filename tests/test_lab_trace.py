@@ -1,7 +1,8 @@
 """The lab's module-by-module forward trace (dsv4_sm80/lab_trace.py), attached through SGLang 0.5.16's own
 forward-hook mechanism (sglang.srt.model_executor.hook_manager.register_forward_hooks) to a small torch model
 shaped like DSV4's (a top module whose `model` has `embed_tokens` and `layers`, layers called with keyword
-arguments): what it records, when, and that the comparison names the module that adds a difference."""
+arguments, the model module called through `.forward` as DeepseekV4ForCausalLM does): what it records, when,
+and that the comparison names the module that adds a difference."""
 
 import os
 
@@ -45,6 +46,9 @@ class Top(nn.Module):
         self.model = Model()
         self.lm_head = nn.Linear(8, 32)
 
+    def forward(self, input_ids, positions):  # as DeepseekV4ForCausalLM: the model through .forward, no hooks
+        return self.lm_head(self.model.forward(input_ids, positions))
+
 
 def traced(tmp, perturb=None, warm=True):
     from sglang.srt.model_executor.hook_manager import register_forward_hooks
@@ -56,11 +60,11 @@ def traced(tmp, perturb=None, warm=True):
     register_forward_hooks(top, lab_trace.trace_spec(str(tmp), rows=ROWS))
     with torch.no_grad():
         if warm:  # another length first: arms the keyword-argument pre-hooks, records nothing
-            top.model(torch.arange(3), torch.arange(3))
+            top(torch.arange(3), torch.arange(3))
         ids = torch.arange(ROWS) % 7
-        top.model(ids, torch.arange(ROWS))
-        top.model(ids[:1], torch.arange(1))  # a decode step of one token: not recorded
-        top.model(ids, torch.arange(ROWS))  # a second prefill of that length: forwards=1 keeps the first only
+        top(ids, torch.arange(ROWS))
+        top(ids[:1], torch.arange(1))  # a decode step of one token: not recorded
+        top(ids, torch.arange(ROWS))  # a second prefill of that length: forwards=1 keeps the first only
     return torch.load(os.path.join(tmp, "forward-0-rank0.pt"), weights_only=False)
 
 
@@ -69,21 +73,20 @@ def test_records_every_module_in_call_order_with_keyword_inputs(tmp_path):
     names = [r["name"] for r in rec]
     assert names == ["model.embed_tokens", "model.layers.0.self_attn", "model.layers.0.mlp", "model.layers.0",
                      "model.layers.1.self_attn", "model.layers.1.mlp", "model.layers.1",
-                     "model.layers.2.self_attn", "model.layers.2.mlp", "model.layers.2", "model.norm", "model"]
+                     "model.layers.2.self_attn", "model.layers.2.mlp", "model.layers.2", "model.norm"]
     assert sorted(os.listdir(tmp_path)) == ["forward-0-rank0.pt"]
     layer0 = rec[names.index("model.layers.0")]
     # the layer's input came as a keyword argument; positions are not floating tensors and are not kept
     assert len(layer0["in"]) == 1 and layer0["in"][0].shape == (ROWS, 8)
     assert torch.equal(layer0["in"][0], rec[0]["out"][0])  # the embedding's output is layer 0's input
     assert torch.equal(rec[names.index("model.layers.1")]["in"][0], layer0["out"][0])
-    assert rec[-1]["in"] == [] and rec[-1]["out"][0].shape == (ROWS, 8)  # input_ids are not floating
+    assert rec[0]["in"] == [] and rec[-1]["out"][0].shape == (ROWS, 8)  # input_ids are not floating
 
 
-def test_without_a_first_forward_only_positional_inputs(tmp_path):
-    rec = traced(tmp_path, warm=False)
-    by = {r["name"]: r for r in rec}
-    assert by["model.layers.0"]["in"] == [] and by["model.layers.0"]["out"]  # keywords unseen, outputs kept
-    assert by["model.layers.0.mlp"]["in"][0].shape == (ROWS, 8)  # called positionally
+def test_the_first_forward_arms_and_is_not_recorded(tmp_path):
+    rec = traced(tmp_path, warm=False)  # the prompt's first prefill arms; its second one is recorded
+    assert [r["name"] for r in rec][:2] == ["model.embed_tokens", "model.layers.0.self_attn"]
+    assert rec[3]["name"] == "model.layers.0" and rec[3]["in"][0].shape == (ROWS, 8)
 
 
 def test_compare_names_the_module_that_adds_the_difference(tmp_path):
@@ -102,7 +105,7 @@ def test_compare_names_the_module_that_adds_the_difference(tmp_path):
     # downstream modules inherit the difference without adding much: not suspects
     assert not by["model.layers.2.self_attn"]["suspect"] and by["model.layers.2"]["out"] > 0
     same = lab_trace.compare(ref, ref, floor=other)
-    assert not any(r["suspect"] for r in same) and by["model"]["out"] == same[-1]["floor_out"]
+    assert not any(r["suspect"] for r in same) and by["model.norm"]["out"] == same[-1]["floor_out"]
 
 
 def test_cli_prints_the_first_suspect(tmp_path, capsys):
