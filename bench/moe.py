@@ -99,6 +99,10 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
     "warps 2, stages 4, fused io": {"num_warps": 2, "num_stages": 4, "fused_io": True},
     "block_n2 128, warps 2, stages 4, fused io": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
                                                   "fused_io": True},
+    # the down kernel moved 57 % of copy bandwidth at 64 tokens against gate-up's 70 % (session 8's profile):
+    # 8 K steps per program at K = 512, so a wider tile spreads each program's fixed cost over more bytes
+    "block_n2 256, warps 2, stages 4": {"block_n2": 256, "num_warps": 2, "num_stages": 4},
+    "block_n2 256, warps 4, stages 4": {"block_n2": 256, "num_warps": 4, "num_stages": 4},
 }.items()})
 PROFILE_CALLS = 10
 
