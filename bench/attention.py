@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", default="8192,32768")
     ap.add_argument("--no-native", action="store_true")
     ap.add_argument("--variants", action="store_true",
-                    help="also time split counts x0.5 / x2, BLOCK_N 64, 8 warps and the prefetching loop per decode shape")
+                    help="also time split counts x0.5 / x2, BLOCK_N 64, 8 warps, the prefetching loop and BF16 split partials per decode shape")
     args = ap.parse_args(argv)
 
     import torch
@@ -130,7 +130,13 @@ def main(argv=None) -> int:
                             "block_n 64": dict(splits=splits, block_n=64),
                             "8 warps": dict(splits=splits, num_warps=8),
                             "prefetch": dict(splits=splits, prefetch=True),
-                            "prefetch 8 warps": dict(splits=splits, prefetch=True, num_warps=8)}
+                            "prefetch 8 warps": dict(splits=splits, prefetch=True, num_warps=8),
+                            # split partials normalised in BF16: half the workspace bytes (at batch 64 and
+                            # 640 keys, 5 splits of fp32 [16, 512] partials are half as many bytes again as
+                            # the keys: written by the main kernel, read back by the combine)
+                            "bf16 partials": dict(splits=splits, partial_dtype=torch.bfloat16),
+                            f"bf16 partials, splits {min(64, splits * 2)}": dict(splits=min(64, splits * 2),
+                                                                                 partial_dtype=torch.bfloat16)}
                     row["variants_us"] = {}
                     for name, kw in alts.items():
                         try:

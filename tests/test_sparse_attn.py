@@ -44,11 +44,11 @@ def setup(t=5, hpad=32, slots=300, swa_w=128, ext_w=0, seed=0, lens=None, ext_le
     return q, swa, swa_ids, swa_lens, extra, (ext_ids if ext_w else None), (ext_lens if ext_w else None), sink
 
 
-def check(k, args, heads, use_sink, splits, block_n=32, prefetch=False):
+def check(k, args, heads, use_sink, splits, block_n=32, prefetch=False, **kw):
     q, swa, swa_ids, swa_lens, extra, ext_ids, ext_lens, sink = args
     out = dev(torch.full_like(q, 7.0))  # rows past `heads` must stay untouched
     k.sparse_attn(*dev(q, swa, swa_ids, swa_lens, extra, ext_ids, ext_lens, sink if use_sink else None),
-                  heads=heads, splits=splits, block_n=block_n, prefetch=prefetch, out=out)
+                  heads=heads, splits=splits, block_n=block_n, prefetch=prefetch, out=out, **kw)
     out = out.cpu()
     want = sparse_attn_ref(q[:, :heads], swa, swa_ids, swa_lens, extra, ext_ids, ext_lens,
                            sink[:heads] if use_sink else None)
@@ -74,6 +74,20 @@ def test_prefetch_variant_matches_reference(k, ext_w, splits):
     args = setup(t=3, ext_w=16, lens=[0, 5, 0], ext_lens=[0, 0, 3], seed=3)
     out, _ = check(k, args, heads=16, use_sink=False, splits=splits, prefetch=True)
     assert (out[0, :16] == 0).all()
+
+
+@pytest.mark.parametrize("ext_w", [0, 40, 77], ids=["ratio0-swa-only", "c4-topk", "c128-all"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_bf16_partials_variant_matches_reference(k, ext_w, splits):
+    """The bench variant that keeps each split's partial normalised in BF16 (half the workspace bytes): the
+    same tolerance as the fp32 partials, with the sink, odd and empty lists; one split never uses it."""
+    check(k, setup(t=4, ext_w=ext_w, seed=21 + ext_w + splits), heads=20, use_sink=True, splits=splits,
+          partial_dtype=torch.bfloat16)
+    args = setup(t=3, ext_w=16, lens=[0, 5, 0], ext_lens=[0, 0, 3], seed=3)
+    out, _ = check(k, args, heads=16, use_sink=False, splits=splits, partial_dtype=torch.bfloat16)
+    assert (out[0, :16] == 0).all()  # an empty key set: zeros, not NaN from 0 / 0
+    with pytest.raises(ValueError, match="partial_dtype"):
+        check(k, args, heads=16, use_sink=False, splits=splits, partial_dtype=torch.float16)
 
 
 def test_empty_key_sets_give_zero(k):
@@ -111,24 +125,28 @@ main_sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32",
             "sink_ptr": "*fp32", "o_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32", "ws_acc_ptr": "*fp32",
             "ws_ml_ptr": "*fp32", "heads": "i32", "scale": "fp32", "HAS_EXTRA": "constexpr", "HAS_SINK": "constexpr",
             "SPLITS": "constexpr", "D": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "DOT_F32": "constexpr",
-            "PREFETCH": "constexpr"}
+            "PREFETCH": "constexpr", "NORM_PARTIAL": "constexpr"}
 comb_sig = {"ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32", "sink_ptr": "*fp32", "o_ptr": "*bf16", "stride_ot": "i32",
             "stride_oh": "i32", "heads": "i32", "HAS_SINK": "constexpr", "SPLITS": "constexpr", "D": "constexpr",
-            "BLOCK_H": "constexpr", "BLOCK_D": "constexpr"}
+            "BLOCK_H": "constexpr", "BLOCK_D": "constexpr", "NORM_PARTIAL": "constexpr"}
 out = {}
 target = GPUTarget("cuda", 80, 32)
-for splits, prefetch in ((1, False), (8, False), (8, True)):
+for splits, prefetch, norm in ((1, False, False), (8, False, False), (8, True, False), (8, False, True)):
     c = dict(HAS_EXTRA=True, HAS_SINK=True, SPLITS=splits, D=512, BLOCK_H=16, BLOCK_N=32, DOT_F32=False,
-             PREFETCH=prefetch)
-    r = triton.compile(ASTSource(fn=k._sparse_attn_kernel, signature=main_sig, constexprs=c), target=target,
+             PREFETCH=prefetch, NORM_PARTIAL=norm)
+    sig = dict(main_sig, ws_acc_ptr="*bf16") if norm else main_sig
+    r = triton.compile(ASTSource(fn=k._sparse_attn_kernel, signature=sig, constexprs=c), target=target,
                        options={"num_warps": 4, "num_stages": 2})
     ptx = r.asm["ptx"]
-    out[f"main-splits{splits}" + ("-prefetch" if prefetch else "")] = {"sm80": ".target sm_80" in ptx, "bf16_mma": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx,
+    out[f"main-splits{splits}" + ("-prefetch" if prefetch else "") + ("-bf16-partials" if norm else "")] = {"sm80": ".target sm_80" in ptx, "bf16_mma": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx,
                                     "fp8": "e4m3" in ptx or "e5m2" in ptx, "shared": r.metadata.shared}
-r = triton.compile(ASTSource(fn=k._combine_kernel, signature=comb_sig,
-                             constexprs=dict(HAS_SINK=True, SPLITS=8, D=512, BLOCK_H=16, BLOCK_D=k.COMBINE_D)), target=target,
-                   options={"num_warps": 4})
-out["combine"] = {"sm80": ".target sm_80" in r.asm["ptx"], "bf16_mma": True, "fp8": False, "shared": r.metadata.shared}
+for norm in (False, True):
+    r = triton.compile(ASTSource(fn=k._combine_kernel, signature=dict(comb_sig, ws_acc_ptr="*bf16") if norm else comb_sig,
+                                 constexprs=dict(HAS_SINK=True, SPLITS=8, D=512, BLOCK_H=16, BLOCK_D=k.COMBINE_D,
+                                                 NORM_PARTIAL=norm)), target=target,
+                       options={"num_warps": 4})
+    out["combine" + ("-bf16-partials" if norm else "")] = {"sm80": ".target sm_80" in r.asm["ptx"], "bf16_mma": True,
+                                                            "fp8": False, "shared": r.metadata.shared}
 print(json.dumps(out))
 """
 
@@ -139,7 +157,8 @@ def test_compiles_for_sm80():
     from conftest import last_json, run_python
 
     out = last_json(run_python(COMPILE, TRITON_INTERPRET="0"))
-    assert set(out) == {"main-splits1", "main-splits8", "main-splits8-prefetch", "combine"}
+    assert set(out) == {"main-splits1", "main-splits8", "main-splits8-prefetch", "main-splits8-bf16-partials",
+                        "combine", "combine-bf16-partials"}
     for name, r in out.items():
         assert r["sm80"] and r["bf16_mma"] and not r["fp8"], (name, r)
         assert r["shared"] <= 163 * 1024, (name, r)

@@ -88,7 +88,7 @@ def _sparse_attn_kernel(
     heads, scale,
     HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLITS: tl.constexpr,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, NORM_PARTIAL: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -121,7 +121,10 @@ def _sparse_attn_kernel(
                  mask=h_ok[:, None])
     else:
         base = (t * SPLITS + split) * heads
-        tl.store(ws_acc_ptr + (base + offs_h[:, None]) * D + offs_d[None, :], acc, mask=h_ok[:, None])
+        if NORM_PARTIAL:  # acc / l in the workspace's dtype (BF16: half the bytes); the combine scales by l
+            acc = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(ws_acc_ptr + (base + offs_h[:, None]) * D + offs_d[None, :], acc.to(ws_acc_ptr.dtype.element_ty),
+                 mask=h_ok[:, None])
         tl.store(ws_ml_ptr + (base + offs_h) * 2, m, mask=h_ok)
         tl.store(ws_ml_ptr + (base + offs_h) * 2 + 1, l, mask=h_ok)
 
@@ -129,7 +132,7 @@ def _sparse_attn_kernel(
 @triton.jit
 def _combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, o_ptr, stride_ot, stride_oh, heads,
                     HAS_SINK: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, NORM_PARTIAL: tl.constexpr = False):
     """One program per (query token, head block, BLOCK_D columns): at batch 1 the combine would
     otherwise be a handful of programs each reading SPLITS x [16, 512] fp32 partials serially."""
     t = tl.program_id(0).to(tl.int64)
@@ -152,8 +155,9 @@ def _combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, o_ptr, stride_ot, stride_oh
         ls = tl.load(ws_ml_ptr + (base + offs_h) * 2 + 1, mask=h_ok, other=0.0)
         w = tl.exp(ms - top)
         den += ls * w
-        num += tl.load(ws_acc_ptr + (base + offs_h[:, None]) * D + offs_d[None, :], mask=h_ok[:, None],
-                       other=0.0) * w[:, None]
+        part = tl.load(ws_acc_ptr + (base + offs_h[:, None]) * D + offs_d[None, :], mask=h_ok[:, None],
+                       other=0.0).to(tl.float32)
+        num += part * (ls * w if NORM_PARTIAL else w)[:, None]
     if HAS_SINK:
         den += tl.exp(sink - top)
     o = num / tl.where(den > 0, den, 1.0)[:, None]
@@ -186,12 +190,16 @@ def _sm_count(index: int) -> int:
 
 def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=None, extra_lens=None, sink=None,
                 *, scale: float = HEAD_DIM ** -0.5, heads: int | None = None, splits: int | None = 1,
-                block_n: int = 32, prefetch: bool = False,
+                block_n: int = 32, prefetch: bool = False, partial_dtype: torch.dtype = torch.float32,
                 out: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """o [T, Hpad, 512] (BF16) for q [T, Hpad, 512]; caches [slots, 512] BF16; ids [T, W] int32 slots;
     lens [T] int32; sink [>= heads] fp32. Only the first `heads` heads are computed (default all).
     splits=None picks `default_splits` from the static shapes. prefetch: the next list step's loads are issued
-    before this step's math (off: session 7 measured it no faster at batch 1-8 and slower at batch 64 on the H200)."""
+    before this step's math (off: session 7 measured it no faster at batch 1-8 and slower at batch 64 on the H200).
+    partial_dtype (splits > 1): the split partials' workspace dtype. float32 (default) keeps each split's
+    unnormalised sum; bfloat16 stores it normalised (acc / l, one BF16 rounding, about the output's own) and
+    halves the workspace traffic, which at batch 64 and 640 keys per query is half as many bytes again as the
+    keys themselves with 5 splits of fp32 [16, 512] partials (a bench variant, not a default)."""
     t_total, hpad, dim = q.shape
     if dim != HEAD_DIM or swa_cache.shape[-1] != HEAD_DIM:
         raise ValueError(f"head dim must be {HEAD_DIM}, got q {dim}, cache {swa_cache.shape[-1]}")
@@ -207,8 +215,11 @@ def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=Non
     if not has_extra:
         extra_cache, extra_ids, extra_lens = swa_cache, swa_ids, swa_lens  # never read
     ws_acc = ws_ml = out
+    if partial_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype}")
+    norm_partial = partial_dtype != torch.float32
     if splits > 1:
-        ws_acc = torch.empty((t_total, splits, heads, HEAD_DIM), dtype=torch.float32, device=q.device)
+        ws_acc = torch.empty((t_total, splits, heads, HEAD_DIM), dtype=partial_dtype, device=q.device)
         ws_ml = torch.empty((t_total, splits, heads, 2), dtype=torch.float32, device=q.device)
     sink_arg = sink if sink is not None else q
     grid = (t_total, triton.cdiv(heads, BLOCK_H), splits)
@@ -219,12 +230,13 @@ def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=Non
         sink_arg, out, out.stride(0), out.stride(1), ws_acc, ws_ml,
         heads, float(scale),
         HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLITS=splits, D=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_N=block_n,
-        DOT_F32=_INTERPRETED, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+        DOT_F32=_INTERPRETED, PREFETCH=prefetch, NORM_PARTIAL=norm_partial and splits > 1, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if splits > 1:
         _combine_kernel[(t_total, triton.cdiv(heads, BLOCK_H), HEAD_DIM // COMBINE_D)](
             ws_acc, ws_ml, sink_arg, out, out.stride(0), out.stride(1), heads,
             HAS_SINK=sink is not None, SPLITS=splits, D=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=COMBINE_D,
-            num_warps=4,
+            NORM_PARTIAL=norm_partial, num_warps=4,
         )
     return out
