@@ -129,3 +129,25 @@ def test_http_teacher_record_feeds_compare(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "top-1 disagree 50.0% (50.0% of 2 positions with margin > 0.5)" in out
     assert len(http_check.teacher_requests()) == 2 and all(r["logprob_start_len"] == 0 for r in http_check.teacher_requests())
+
+
+def test_agreement_curve_beside_the_verdict(tmp_path, capsys):
+    """Beside the verdict, the agreement at larger margins for both: whether the other record's shortfall at
+    the calibrated margin closes further out (here: it flips positions up to a margin of 3.0)."""
+    import json
+
+    margins = [i / 10 for i in range(100)]
+    a, floor = _run(margins, [m > 0.45 for m in margins])
+    _, patched = _run(margins, [not (1.0 <= m <= 3.0) for m in margins])  # flips margins 1.0..3.0
+    rows = compare.agreement_curve(a, patched, [floor], [1.0, 3.0])
+    # above 1.0: 89 positions (1.1..9.9); patched flips 1.1..3.0 (20 of them); the floor none
+    assert rows[0] == (1.0, 1.0, 89, 69 / 89, 89)
+    assert rows[1] == (3.0, 1.0, 69, 1.0, 69)
+    paths = {}
+    for name, rec in (("a", a), ("floor", floor), ("patched", patched)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(dict(rec, prompts=[])))
+    compare.main([str(paths["a"]), str(paths["patched"]), "--floor", str(paths["floor"])])
+    out = capsys.readouterr().out
+    assert "  at margin > 1.0: native vs native 100.00% of 89; this record 77.53% of 89" in out
+    assert "  at margin > 3.0: native vs native 100.00% of 69; this record 100.00% of 69" in out

@@ -105,6 +105,17 @@ def agreement_above(a: dict, b: dict, margin: float):
     return (sum(pts) / len(pts) if pts else float("nan")), len(pts)
 
 
+def agreement_curve(a: dict, b: dict, floors: list, margins) -> list[tuple]:
+    """(margin, floor agreement, floor positions, b's agreement, b's positions) at each margin: whether b's
+    shortfall at the calibrated margin closes at larger ones (read beside the verdict, never instead of it)."""
+    rows = []
+    for m in margins:
+        pts = [same for f in floors for mm, same in _margins_and_agreement(a, f) if mm > m]
+        ab, nb = agreement_above(a, b, m)
+        rows.append((m, sum(pts) / len(pts) if pts else float("nan"), len(pts), ab, nb))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("a")
@@ -128,6 +139,9 @@ def main(argv=None) -> int:
             agree_b, n_b = agreement_above(a, b, m)
             print(f"confident positions: margin > {m:.3f} nats (native vs native agree {100 * agree_floor:.2f}% "
                   f"of {n_floor}); this record agrees {100 * agree_b:.2f}% of {n_b}")
+            for mm, af, nf, ab, nb in agreement_curve(a, b, fl, [x for x in (1.0, 1.5, 2.0, 3.0) if x > m]):
+                print(f"  at margin > {mm:.1f}: native vs native {100 * af:.2f}% of {nf}; this record "
+                      f"{100 * ab:.2f}% of {nb}")
         ratios = []
         for r, f in zip(compare(a, b, args.margin), floor_rows(a, fl, args.margin)):
             ratios.append(r["kl_mean"] / f["kl_mean"] if f["kl_mean"] > 0 else float("inf") if r["kl_mean"] else 1.0)
