@@ -45,6 +45,9 @@ def sass(consts: dict, num_warps: int, num_stages: int = 3, gated: bool = True) 
     sig = {p: SIG.get(p, "constexpr") for p in params}
     sig["c_ptr"] = "*i8" if gated else "*fp32"
     consts = {p: v for p, v in consts.items() if p in sig and sig[p] == "constexpr"}
+    defaults = inspect.signature(fn.fn).parameters  # constexprs with a default (SPAN, SHIFT, SPLIT_K, ...)
+    consts.update({p: d.default for p, d in defaults.items()
+                   if sig[p] == "constexpr" and p not in consts and d.default is not inspect.Parameter.empty})
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p in DIV16}
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 80, 32), options={"num_warps": num_warps, "num_stages": num_stages})

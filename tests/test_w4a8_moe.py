@@ -110,7 +110,7 @@ PREFILL = {"block_m": 32, "block_n": 64, "block_n2": 128, "num_warps": 4, "num_s
 
 @pytest.mark.parametrize("seed,t,top_k,input_group,cfg", [
     (0, 5, 3, 0, DECODE), (4, 1, 2, 0, DECODE), (9, 19, 6, 0, PREFILL), (5, 6, 2, 64, PREFILL),
-    (6, 3, 4, 32, DECODE), (7, 9, 6, 0, DECODE2)])
+    (6, 3, 4, 32, DECODE), (7, 9, 6, 0, DECODE2), (8, 2, 6, 0, dict(DECODE, split_k=2))])
 def test_kernel_equals_int8_emulation(k, seed, t, top_k, input_group, cfg):
     """Weight side exact: with scale groups 12 binades apart, the kernel equals the reference that
     rounds only the activations to INT8, at the same points (the intermediate per pair and block_n
@@ -168,6 +168,23 @@ def test_fused_io_moe_equals_the_torch_io(k, cfg):
     k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(cfg, fused_io=True), out=into)
     k.w4a8_moe(*args, routed_scaling_factor=1.5, config=cfg, out=plain_into)
     assert rel(into.cpu(), plain_into.cpu()) < 1e-6  # fp32 out: only the summation order may differ
+
+
+def test_split_k_equals_the_unsplit_kernel_and_is_deterministic(k):
+    """Gate-up in 4 K shares (more programs at batch 1): the same output as one share up to fp32 summation
+    order (and the rare INT8 re-quantization flip that order can cause, as in the emulation test), bit-equal
+    from run to run (the shares are added in a fixed order, no atomics); a share count that does not divide
+    K into 64-wide steps, or with span merging, is refused."""
+    x, w13, s13, w2, s2, tw, ids = case(t=3, top_k=6, h=512, seed=41)
+    one = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=1)).float().cpu()
+    four = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=4)).float().cpu()
+    again = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=4)).float().cpu()
+    assert torch.equal(four, again)
+    per_token = (four - one).norm(dim=-1) / one.norm(dim=-1).clamp_min(1e-30)
+    assert int((per_token > 1e-5).sum()) <= 1 and float(per_token.max()) < 1e-2, per_token.tolist()
+    for bad in (dict(DECODE, split_k=3), dict(DECODE, split_k=2, merge=True), dict(DECODE, split_k=0)):
+        with pytest.raises(ValueError, match="split_k"):
+            run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=bad)
 
 
 def test_default_configs_are_valid(k):
@@ -242,7 +259,7 @@ SIG = {
     "limit": "fp32", "stride_am": "i32", "stride_be": "i32", "stride_bn": "i32", "stride_bse": "i32",
     "stride_bsn": "i32", "stride_cm": "i32", "c_scale_groups": "i32", "stride_ere": "i32",
     "GATED": "constexpr", "MUL_WEIGHT": "constexpr", "A_GROUP": "constexpr", "BLOCK_M": "constexpr",
-    "BLOCK_N": "constexpr", "SPAN": "constexpr", "DECODE_ASM": "constexpr", "SHIFT": "constexpr",
+    "BLOCK_N": "constexpr", "SPAN": "constexpr", "DECODE_ASM": "constexpr", "SHIFT": "constexpr", "SPLIT_K": "constexpr",
 }
 
 
@@ -265,7 +282,7 @@ for name, cfg in CONFIGS.items():
             sig = dict(SIG, c_ptr="*i8" if gated else "*fp32")
             consts = {"GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": a_group, "BLOCK_M": cfg["block_m"],
                       "BLOCK_N": cfg["block_n"] if gated else cfg["block_n2"], "SPAN": span, "DECODE_ASM": asm,
-                      "SHIFT": shift}
+                      "SHIFT": shift, "SPLIT_K": 1}
             c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 80, 32),
                                options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
             ptx = c.asm["ptx"]
@@ -278,13 +295,26 @@ for name, cfg in CONFIGS.items():
                 # the decoders' words must be 4 consecutive k of one column: the INT8 MMA B operand layout
                 "asm_in_mma_b_layout": bool(layouts) and all("dot_op<{opIdx = 1" in l for l in layouts),
                 "fp8": "e4m3" in ptx or "e5m2" in ptx}
+# split-K gate-up at the decode tile (fp32 partials out) and its finishing kernel
+c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, c_ptr="*fp32"), constexprs={
+        "GATED": True, "MUL_WEIGHT": False, "A_GROUP": 0, "BLOCK_M": 16, "BLOCK_N": 32, "SPAN": 32, "DECODE_ASM": True,
+        "SHIFT": False, "SPLIT_K": 4}), target=GPUTarget("cuda", 80, 32), options={"num_warps": 4, "num_stages": 3})
+ptx = c.asm["ptx"]
+out["decode-gate_up-split4-asm"] = {
+    "sm80": ".target sm_80" in ptx, "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
+    "prmt": "0xF4F8FAFC" in ptx, "prmt_shift": False,
+    "asm_in_mma_b_layout": all("dot_op<{opIdx = 1" in l for l in asm_layouts(c.asm["ttgir"])) and bool(asm_layouts(c.asm["ttgir"])),
+    "fp8": "e4m3" in ptx or "e5m2" in ptx}
 io = {}  # the fused_io kernels: plain sm_80 code, IEEE division in the quantizer
 for fn, sig, consts in (
         (k._quantize_rows_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "q_ptr": "*i8", "s_ptr": "*fp32", "cols": "i32",
                                    "groups": "i32", "GCOLS": "constexpr", "BLOCK": "constexpr"},
          {"GCOLS": 4096, "BLOCK": 4096}),
         (k._sum_pairs_kernel, {"y_ptr": "*fp32", "out_ptr": "*bf16", "h": "i32", "scale": "fp32",
-                               "TOP_K": "constexpr", "BLOCK": "constexpr"}, {"TOP_K": 6, "BLOCK": 1024})):
+                               "TOP_K": "constexpr", "BLOCK": "constexpr"}, {"TOP_K": 6, "BLOCK": 1024}),
+        (k._glu_finish_kernel, {"part_ptr": "*fp32", "q_ptr": "*i8", "s_ptr": "*fp32", "pairs": "i32", "N": "i32",
+                                "groups": "i32", "limit": "fp32", "SPLIT_K": "constexpr", "BLOCK_R": "constexpr",
+                                "BLOCK_N": "constexpr"}, {"SPLIT_K": 4, "BLOCK_R": 16, "BLOCK_N": 32})):
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 80, 32),
                          options={"num_warps": 8}).asm["ptx"]
     io[fn.__name__] = {"sm80": ".target sm_80" in ptx, "fp8": "e4m3" in ptx or "e5m2" in ptx,
@@ -303,13 +333,15 @@ def test_compiles_for_sm80_with_int8_mma():
     code = COMPILE.replace("CONFIGS", repr({"decode": DECODE, "decode2": DECODE2, "prefill": PREFILL}))
     res = last_json(run_python(code, TRITON_INTERPRET="0"))
     out = res["gemm"]
-    assert len(out) == 32  # decode tiles' down has only span 32 (block_n 32); shift: 2 per kernel and config
+    assert len(out) == 33  # decode tiles' down has only span 32 (block_n 32); shift: 2 per kernel and config;
+    # plus the split-K gate-up
     for name, r in out.items():
         asm = name.endswith("-asm")
         assert r == {"sm80": True, "int8_mma": True, "prmt": asm, "prmt_shift": asm and "-shift-" in name,
                      "asm_in_mma_b_layout": asm, "fp8": False}, (name, r)
     assert res["io"]["_quantize_rows_kernel"] == {"sm80": True, "fp8": False, "div_rn": True}, res["io"]
     assert res["io"]["_sum_pairs_kernel"]["sm80"] and not res["io"]["_sum_pairs_kernel"]["fp8"], res["io"]
+    assert res["io"]["_glu_finish_kernel"]["sm80"] and not res["io"]["_glu_finish_kernel"]["fp8"], res["io"]
 
 
 E2M1X2 = [0, 1, 2, 3, 4, 6, 8, 12]

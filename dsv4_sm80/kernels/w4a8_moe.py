@@ -421,16 +421,17 @@ def _w4_span(a_ptrs, row_ok, b_ptrs, s_ptrs, n_ok, up_b, up_s,
 
 @triton.jit
 def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base, offs_n, n_ok,
-                N, K, stride_bn, stride_bsn, GATED: tl.constexpr, A_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, SPAN: tl.constexpr, DECODE_ASM: tl.constexpr):
-    """The exact per-group K loop (SPAN = 32: each 32-deep dot converted to fp32 and scaled by its own
-    group's power of two; SPAN = 64/128: groups merged in int32 over the span, `_w4_span`). Returns fp32
-    (gate, up); the per-row activation scale for A_GROUP = 0 is still to be applied."""
+                N, k_lo, k_hi, stride_bn, stride_bsn, GATED: tl.constexpr, A_GROUP: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr, DECODE_ASM: tl.constexpr):
+    """The exact per-group loop over K in [k_lo, k_hi) (all of K, or one split-K share; SPAN = 32: each
+    32-deep dot converted to fp32 and scaled by its own group's power of two; SPAN = 64/128: groups merged in
+    int32 over the span, `_w4_span`). Returns fp32 (gate, up); the per-row activation scale for A_GROUP = 0 is
+    still to be applied."""
     offs_j = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SPAN == 32:
-        for k0 in range(0, K, 64):
+        for k0 in range(k_lo, k_hi, 64):
             a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
             a0 = tl.load(a_ptrs, mask=row_ok[:, None], other=0)
             a1 = tl.load(a_ptrs + 32, mask=row_ok[:, None], other=0)
@@ -453,7 +454,7 @@ def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b
                     acc_up += d0 * s0[None, :]
                     acc_up += d1 * s1[None, :]
     else:
-        for k0 in range(0, K, SPAN):
+        for k0 in range(k_lo, k_hi, SPAN):
             a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
             b_ptrs = b_base + _col_base(offs_n, stride_bn)[None, :] + (k0 * 16 + offs_j)[:, None]
             s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
@@ -471,6 +472,44 @@ def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b
 
 
 @triton.jit
+def _glu_quant(acc, acc_up, n_ok, limit, SHIFT: tl.constexpr):
+    """The gate-up epilogue: acc = the gate (already halved), acc_up = the up rows (still twice their value);
+    the clamped SiLU-GLU, then INT8 per row over these BLOCK_N columns (the scale the down kernel reads per K
+    group). Returns (q int8, s fp32 per row)."""
+    gate = tl.minimum(acc, limit)
+    up = tl.minimum(tl.maximum(acc_up * 0.5, -limit), limit)
+    h = gate * tl.sigmoid(gate) * up
+    h = tl.where(n_ok[None, :], h, 0.0)
+    s = tl.max(tl.abs(h), axis=1) / 127.0
+    s = tl.where(s > 0, s, 1.0)
+    if SHIFT:  # a NaN column (shift map not of these scales) must not vanish in the INT8 rounding
+        s = tl.where(tl.max(((acc != acc) | (acc_up != acc_up)).to(tl.int32), axis=1) > 0, float("nan"), s)
+    return round_int8(h / s[:, None]), s
+
+
+@triton.jit
+def _glu_finish_kernel(part_ptr, q_ptr, s_ptr, pairs, N, groups, limit,
+                       SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split-K gate-up: the SPLIT_K partial sums of BLOCK_R pair rows and one activation group of BLOCK_N
+    columns added in share order (the same order every run), then the epilogue of the unsplit kernel."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.program_id(1)
+    offs_n = g * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok = r < pairs
+    n_ok = offs_n < N
+    ok = r_ok[:, None] & n_ok[None, :]
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for sk in tl.static_range(SPLIT_K):
+        base = part_ptr + (sk * pairs + r[:, None].to(tl.int64)) * (2 * N) + offs_n[None, :]
+        acc += tl.load(base, mask=ok, other=0.0)
+        acc_up += tl.load(base + N, mask=ok, other=0.0)
+    q, s = _glu_quant(acc, acc_up, n_ok, limit, False)
+    tl.store(q_ptr + r[:, None].to(tl.int64) * N + offs_n[None, :], q, mask=ok)
+    tl.store(s_ptr + r.to(tl.int64) * groups + g, s, mask=r_ok)
+
+
+@triton.jit
 def _w4a8_moe_kernel(
     a_ptr, a_scale_ptr, b_ptr, bs_ptr, c_ptr, c_scale_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_w_ptr, eref_ptr,
@@ -478,14 +517,17 @@ def _w4a8_moe_kernel(
     stride_am, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, c_scale_groups, stride_ere,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr = 32, DECODE_ASM: tl.constexpr = False,
-    SHIFT: tl.constexpr = False,
+    SHIFT: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
 ):
     """SPAN = 32: every scale group converted to fp32 on its own (needed when the activation scale
     changes every 32 columns). SPAN = 64 or 128: groups merged in int32 over the span (`_w4_span`); the
     activation scale, if grouped, is constant over the span (A_GROUP == SPAN).
     SHIFT: eref_ptr is the shift map [E, N (x2 gated: gate rows, then up rows)] (`shift_refs`); a tile whose
     columns are all shiftable runs `_shift_loop` (A_GROUP must then be 0 or a multiple of 64), any other
-    the per-group loop."""
+    the per-group loop.
+    SPLIT_K > 1 (gate-up, per-group loop only): program_id(1) takes one of SPLIT_K equal shares of K (multiples
+    of 64) and c_ptr is an fp32 [SPLIT_K, pairs, 2, N] buffer of its (gate, up) partial sums; `_glu_finish_kernel`
+    adds the shares in a fixed order (deterministic) and runs the epilogue."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid_m = pid // n_tiles
@@ -517,11 +559,17 @@ def _w4a8_moe_kernel(
                                       GATED, A_GROUP, BLOCK_M, BLOCK_N, DECODE_ASM)
         else:
             acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
-                                      offs_n, n_ok, N, K, stride_bn, stride_bsn,
+                                      offs_n, n_ok, N, 0, K, stride_bn, stride_bsn,
                                       GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM)
+    elif SPLIT_K > 1:
+        k_share = tl.cdiv(K, SPLIT_K * 64) * 64
+        k_lo = tl.program_id(1) * k_share
+        acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
+                                  offs_n, n_ok, N, k_lo, tl.minimum(k_lo + k_share, K), stride_bn, stride_bsn,
+                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM)
     else:
         acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
-                                  offs_n, n_ok, N, K, stride_bn, stride_bsn,
+                                  offs_n, n_ok, N, 0, K, stride_bn, stride_bsn,
                                   GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM)
 
     if not A_GROUP:  # one activation scale per row
@@ -530,17 +578,12 @@ def _w4a8_moe_kernel(
         acc_up = acc_up * sa[:, None]
     acc = acc * 0.5  # the codes were twice the E2M1 values
     out_rows = tl.where(row_ok, ids, 0).to(tl.int64)
-    if GATED:
-        gate = tl.minimum(acc, limit)
-        up = tl.minimum(tl.maximum(acc_up * 0.5, -limit), limit)
-        h = gate * tl.sigmoid(gate) * up
-        h = tl.where(n_ok[None, :], h, 0.0)
-        # INT8 per (pair, this tile's columns): the scale the down kernel reads per K group
-        s = tl.max(tl.abs(h), axis=1) / 127.0
-        s = tl.where(s > 0, s, 1.0)
-        if SHIFT:  # a NaN column (shift map not of these scales) must not vanish in the INT8 rounding
-            s = tl.where(tl.max(((acc != acc) | (acc_up != acc_up)).to(tl.int32), axis=1) > 0, float("nan"), s)
-        q = round_int8(h / s[:, None])
+    if GATED and SPLIT_K > 1:  # this share's partial sums; _glu_finish_kernel adds the shares
+        part = c_ptr + (tl.program_id(1).to(tl.int64) * num_pairs + out_rows[:, None]) * (2 * N) + offs_n[None, :]
+        tl.store(part, acc, mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(part + N, acc_up, mask=row_ok[:, None] & n_ok[None, :])
+    elif GATED:
+        q, s = _glu_quant(acc, acc_up, n_ok, limit, SHIFT)
         tl.store(c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :], q,
                  mask=row_ok[:, None] & n_ok[None, :])
         tl.store(c_scale_ptr + out_rows * c_scale_groups + pid_n, s, mask=row_ok)
@@ -632,7 +675,10 @@ def w4a8_moe(
     w13 [E, 2I, H/2] and w2 [E, H, I/2]: MXFP4 bytes in the kernel layout (repack_mxfp4_for_w4a8);
     scales [E, 2I, H/32], [E, H, I/32]: E8M0 (float8_e8m0fnu or uint8). topk_* [T, top_k].
     w13_eref [E, 2I], w2_eref [E, H]: the shift maps of those scales (`shift_refs`, computed once at load);
-    with them and config shift (`default_config` sets it for prefill only), tiles whose columns are all
+    config split_k (gate-up, per-group loop; default 1): K in that many shares, each its own program, their
+    fp32 partial sums added in a fixed order by `_glu_finish_kernel` (deterministic): more programs when few
+    experts are active (one token: 6 experts x 16 column tiles = 96 programs for the whole GPU).
+    With the shift maps and config shift (`default_config` sets it for prefill only), tiles whose columns are all
     shiftable accumulate in int32
     (`_shift_loop`); without them, or for a launch whose activation group is not a multiple of 64 (the
     down kernel when block_n is 32), every tile runs the per-group loop."""
@@ -658,7 +704,11 @@ def w4a8_moe(
     span_up = _span(h, input_group, merge)
     span_down = _span(inter, block_n, merge)
     shift = cfg.get("shift", True)
-    shift_up = shift and w13_eref is not None and input_group % CHUNK == 0 and h * 127 * 96 < 2**31
+    split_k = int(cfg.get("split_k", 1))  # gate-up K shares: more programs when few experts are active
+    if split_k < 1 or split_k > 1 and (merge or h % (split_k * CHUNK)):
+        raise ValueError(f"split_k={split_k} needs merge off and hidden {h} a multiple of {CHUNK} x split_k")
+    shift_up = (split_k == 1 and shift and w13_eref is not None and input_group % CHUNK == 0
+                and h * 127 * 96 < 2**31)
     shift_down = shift and w2_eref is not None and block_n % CHUNK == 0 and inter * 127 * 96 < 2**31
     if shift_up:
         w13_eref = w13_eref.view(torch.uint8).contiguous()
@@ -675,14 +725,20 @@ def w4a8_moe(
     w13b, w13s = w13.view(torch.uint8), w13_scale.view(torch.uint8)
     w2b, w2s = w2.view(torch.uint8), w2_scale.view(torch.uint8)
     blocks = block_expert.numel()
-    _w4a8_moe_kernel[(blocks * triton.cdiv(inter, block_n),)](
-        xq, xs, w13b, w13s, hq, hs, sorted_ids, block_expert, num_padded, topk_weights,
+    part = torch.empty((split_k, pairs, 2, inter), dtype=torch.float32, device=dev) if split_k > 1 else hq
+    _w4a8_moe_kernel[(blocks * triton.cdiv(inter, block_n), split_k)](
+        xq, xs, w13b, w13s, part, hs, sorted_ids, block_expert, num_padded, topk_weights,
         w13_eref if shift_up else w13s, inter, h, pairs, top_k, xs.shape[1], float(swiglu_limit),
         xq.stride(0), w13b.stride(0), w13b.stride(1), w13s.stride(0), w13s.stride(1), hq.stride(0), groups,
         w13_eref.stride(0) if shift_up else 0,
         GATED=True, MUL_WEIGHT=False, A_GROUP=input_group, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPAN=span_up, DECODE_ASM=decode_asm, SHIFT=shift_up, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SPAN=span_up, DECODE_ASM=decode_asm, SHIFT=shift_up, SPLIT_K=split_k, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
+    if split_k > 1 and pairs:
+        _glu_finish_kernel[(triton.cdiv(pairs, 16), groups)](
+            part, hq, hs, pairs, inter, groups, float(swiglu_limit), SPLIT_K=split_k, BLOCK_R=16, BLOCK_N=block_n,
+            num_warps=4)
     y = torch.empty((pairs, h), dtype=torch.float32, device=dev)
     tw = topk_weights.reshape(-1).to(torch.float32)
     _w4a8_moe_kernel[(blocks * triton.cdiv(h, block_n2),)](
