@@ -274,6 +274,17 @@ SEAMS: tuple[Seam, ...] = (
         reason="FlashMLA sparse prefill over an FP8 workspace; unreachable with the SM80 forward, and kept so.",
         upstream="srt/layers/attention/deepseek_v4_backend.py:1757-1862",
     ),
+    # --- mHC (mhc.py): the hyper-connection pre-norm GEMM ---------------------------------------------
+    Seam(
+        name="mhc.hc_prenorm_gemm",
+        target="sglang.srt.layers.deep_gemm_wrapper.entrypoint:tf32_hc_prenorm_gemm",
+        kind="replace",
+        replacement="dsv4_sm80.mhc:hc_prenorm_gemm",
+        reason=("mhc_pre (every layer, and the load-time prewarm) calls DeepGEMM's TF32 hc pre-norm GEMM, built for "
+                "SM90/SM100 only (SGLANG_OPT_DEEPGEMM_HC_PRENORM defaults on): a Triton GEMM on SM80's TF32 "
+                "tensor cores with the same contract; its callers import this attribute when they run."),
+        upstream="srt/layers/deep_gemm_wrapper/entrypoint.py:214-223",
+    ),
     # --- tripwire (lab): SM90/SM100-only entry points raise (tripwire.py; only with DSV4_SM80_TRIPWIRE=1) --
     _tripwire("fp8_k_pack", "sglang.srt.layers.attention.deepseek_v4_backend:quant_to_nope_fp8_rope_bf16_pack_triton",
               "Triton float8e4nv K packer of the FP8 store path; never on the SM80 path.",
@@ -296,6 +307,17 @@ SEAMS: tuple[Seam, ...] = (
     _tripwire("mxfp4_marlin_prepare", "sglang.srt.layers.quantization.mxfp4_marlin_moe:Mxfp4MarlinMoEMethod.process_weights_after_loading",
               "Under mxfp4_int8 no expert layer may take SGLang's MXFP4 Marlin path or its SM check.",
               "srt/layers/quantization/mxfp4_marlin_moe.py:103", "SGLANG_DSV4_MXFP4_MOE_BACKEND=mxfp4_int8"),
+    Seam(
+        name="tripwire.deep_gemm",
+        target="sglang.srt.layers.deep_gemm_wrapper.configurer:ENABLE_JIT_DEEPGEMM",
+        kind="value",
+        replacement="dsv4_sm80.tripwire:arm_deep_gemm",
+        reason=("Every DeepGEMM kernel entry point (the deep_gemm package's own functions) raises, not only the "
+                "FP8 linear: a lab run once reached tf32_hc_prenorm_gemm with no wire on it. The flag is "
+                "returned unchanged; arming happens as SGLang first decides on DeepGEMM."),
+        upstream="srt/layers/deep_gemm_wrapper/configurer.py:35",
+        when=("DSV4_SM80_TRIPWIRE=1",),
+    ),
     # --- vision (vision_backport/), experimental: only with DSV4_SM80_VISION=1 ---------------------------
     Seam(
         name="vision.model_class",

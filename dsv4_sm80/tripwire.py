@@ -4,10 +4,15 @@ then proves the path it measured is the one an A800 can run: if anything still r
 workspace, DeepGEMM, the cluster top-k, a Triton float8e4nv kernel or the MXFP4 Marlin SM check (under
 mxfp4_int8), the run fails here instead of quietly using SM90 hardware.
 
-Each tripped entry point has its own function (the seam table gives each replacement one seam).
+Each tripped entry point has its own function (the seam table gives each replacement one seam), except
+DeepGEMM: after a DeepGEMM call was found that no per-function wire covered (`tf32_hc_prenorm_gemm`, in
+every layer's mHC; now seam `mhc.hc_prenorm_gemm`), `arm_deep_gemm` replaces every kernel entry point of
+the `deep_gemm` package at once, so an unlisted one cannot slip through a lab run again.
 """
 
 from __future__ import annotations
+
+import inspect
 
 
 class TripwireError(RuntimeError):
@@ -30,3 +35,38 @@ cutlass_linear = _wire("cutlass_w8a8_block_fp8_linear_with_fallback", "CUTLASS F
 triton_fp8_linear = _wire("triton_w8a8_block_fp8_linear", "Triton FP8 W8A8 GEMM, sm_89+")
 mxfp4_marlin_prepare = _wire("Mxfp4MarlinMoEMethod.process_weights_after_loading",
                              "the MXFP4 Marlin path and its SM check, with SGLANG_DSV4_MXFP4_MOE_BACKEND=mxfp4_int8")
+
+
+# The modules whose functions launch DeepGEMM kernels (built for SM90/SM100 only). Its `utils.*` helpers
+# (torch-level casts, layout arithmetic) and its tvm-ffi settings (get/set_num_sms, get/set_pdl, ...) stay.
+DEEP_GEMM_KERNEL_MODULES = ("deep_gemm", "deep_gemm.mega")
+
+
+def arm_deep_gemm(enable_jit_deepgemm):
+    """Value seam on SGLang's `ENABLE_JIT_DEEPGEMM` (computed once, early, by every DeepGEMM user's import):
+    returns it unchanged and, as a side effect, replaces in the `deep_gemm` package itself every public
+    function defined by DEEP_GEMM_KERNEL_MODULES with one that raises. SGLang's DSV4 path reaches DeepGEMM as
+    `deep_gemm.X` or `from deep_gemm import X` at call time, so both see the wire. Idempotent."""
+    try:
+        import deep_gemm
+    except ImportError:
+        return enable_jit_deepgemm
+    for name in sorted(dir(deep_gemm)):
+        obj = getattr(deep_gemm, name)
+        if (name.startswith("_") or not inspect.isfunction(obj) or getattr(obj, "dsv4_tripwire", False)
+                or obj.__module__ not in DEEP_GEMM_KERNEL_MODULES):
+            continue
+        wire = _wire(f"deep_gemm.{name}", "DeepGEMM, built for SM90/SM100 only")
+        wire.dsv4_tripwire = True
+        setattr(deep_gemm, name, wire)
+    return enable_jit_deepgemm
+
+
+def _deep_gemm_armed() -> bool:
+    import sys
+
+    dg = sys.modules.get("deep_gemm")
+    return bool(dg is not None and getattr(getattr(dg, "tf32_hc_prenorm_gemm", None), "dsv4_tripwire", False))
+
+
+arm_deep_gemm.applied = _deep_gemm_armed  # the seam's mark (its value is returned unchanged)

@@ -57,10 +57,14 @@ for s in SEAMS:
         owner = getattr(owner, part)
     raw = vars(owner)[s.attr_path[-1]]
     raw = getattr(raw, "__func__", raw)
-    # a value seam's mark is its value: the replacement applied to its own result changes nothing
+    # a value seam's mark is its value: the replacement applied to its own result changes nothing (one that
+    # returns its input unchanged and acts by a side effect says itself whether that happened: .applied())
     # callables: the seam's mark is on its wrapper, somewhere along the chain (stages may stack)
-    marks[s.name] = ((s.name if apply._resolve(s.replacement)(raw) == raw else None) if s.kind == "value"
-                     else (s.name if s.name in apply._marks(raw) else None))
+    rep = apply._resolve(s.replacement)
+    if s.kind == "value":
+        marks[s.name] = s.name if (rep.applied() if hasattr(rep, "applied") else rep(raw) == raw) else None
+    else:
+        marks[s.name] = s.name if s.name in apply._marks(raw) else None
 print(json.dumps({"status": apply.status(), "marks": marks}))
 """
 
@@ -206,3 +210,33 @@ print(json.dumps(out))
     assert "off" not in on["states"]  # applied, or pending until their module is imported
     assert on["call"].startswith("TripwireError: dsv4-sm80 tripwire: deepgemm_w8a8_block_fp8_linear_with_fallback "
                                  "was reached")
+
+
+def test_tripwire_arms_every_deep_gemm_kernel(sglang_dir):
+    """DeepGEMM as a whole: its kernel entry points raise with the tripwire on (the hc pre-norm GEMM a lab run
+    once reached unwired among them), its host-side settings and torch-level helpers do not; off, nothing
+    changes. The mHC seam routes SGLang's wrapper to the SM80 GEMM either way."""
+    code = """
+import json
+import sglang.srt.layers.deep_gemm_wrapper.entrypoint as ep
+import deep_gemm
+out = {"wrapper": ep.tf32_hc_prenorm_gemm.__module__}
+for name in ("tf32_hc_prenorm_gemm", "fp8_paged_mqa_logits", "get_paged_mqa_logits_metadata", "fp8_einsum",
+             "fp8_mega_moe", "get_num_sms", "per_token_cast_to_fp8"):
+    out[name] = bool(getattr(getattr(deep_gemm, name), "dsv4_tripwire", False))
+try:
+    deep_gemm.tf32_hc_prenorm_gemm(None, None, None, None, num_splits=None)
+except BaseException as e:
+    out["call"] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+    pytest.importorskip("deep_gemm")
+    on = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_TRIPWIRE="1"))
+    assert on["wrapper"] == "dsv4_sm80.mhc", on
+    assert [on[n] for n in ("tf32_hc_prenorm_gemm", "fp8_paged_mqa_logits", "get_paged_mqa_logits_metadata",
+                            "fp8_einsum", "fp8_mega_moe")] == [True] * 5, on
+    assert not on["get_num_sms"] and not on["per_token_cast_to_fp8"], on
+    assert on["call"].startswith("TripwireError: dsv4-sm80 tripwire: deep_gemm.tf32_hc_prenorm_gemm was reached"), on
+    off = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1"))
+    assert off["wrapper"] == "dsv4_sm80.mhc" and not any(v is True for v in off.values()), off
+    assert not off["call"].startswith("TripwireError"), off

@@ -13,6 +13,7 @@
 #   tests/gpu/steps.sh attention   SGLang's DSV4 attention test kit on the patched backend + BF16 pool (tripwire on)
 #   tests/gpu/steps.sh e2e         engine_bed with the whole SM80 datapath (tripwire on) vs the native oracle
 #   tests/gpu/steps.sh attn-bench  bench/attention.py
+#   tests/gpu/steps.sh mhc-bench   bench/mhc.py (the TF32 hc pre-norm GEMM vs DeepGEMM's)
 #   tests/gpu/steps.sh jit         SGLang's JIT modules on the SM80 path compiled for sm_80 (own cache dir)
 #   tests/gpu/steps.sh floor       native twice more on the oracle's sequences (another process, the second
 #                                  teacher-forcing them one at a time; batch 16 over 20/300/3000/20000 ids): the
@@ -361,7 +362,9 @@ case ${1:?step} in
     run jit env TVM_FFI_CACHE_DIR=/tmp/jit-sm80 timeout 560 python -u tests/gpu/jit_sm80.py --out "$OUT/jit_sm80.json" ;;
   kernels)
     run kernels env PYTHONPATH=$PWD/.dev/pyt:$PYTHONPATH timeout 400 python -m pytest -q -p no:cacheprovider \
-      tests/test_w4a8_moe.py tests/test_sparse_attn.py tests/test_indexer_kv_store.py ;;
+      tests/test_w4a8_moe.py tests/test_sparse_attn.py tests/test_indexer_kv_store.py tests/test_mhc.py ;;
+  mhc-bench)
+    run mhc-bench timeout 300 python bench/mhc.py --out "$OUT/mhc.json" ;;
   moe-bench)
     run moe-bench timeout 540 python bench/moe.py --variants --out "$OUT/moe.json" ;;
   moe-sweep)

@@ -1,0 +1,88 @@
+"""The hyper-connection pre-norm GEMM on SM80 (reference: `hc_prenorm_ref.py`).
+
+SGLang 0.5.16's DSV4 `mhc_pre` (every decoder layer, twice: before attention and before the MoE; also the
+load-time prewarm) computes the mixing logits of the hc_mult residual streams and their sum of squares with
+DeepGEMM's `tf32_hc_prenorm_gemm` whenever `SGLANG_OPT_DEEPGEMM_HC_PRENORM` is on (the default). DeepGEMM
+ships that kernel for SM90 (wgmma) and SM100 only, so on an A800 the first forward — the prewarm, at load —
+would fail. This kernel keeps the contract and the numerics class (TF32 products, fp32 accumulation) on what
+SM80 has: `mma.sync` TF32 tensor cores.
+
+    a [m, k] BF16, b [n, k] fp32 -> d [splits, m, n] fp32 partial products, sq [splits, m] fp32 partial
+    sums of a^2 (num_splits None: d [m, n], sq [m])
+
+One program per (64- or 16-row block, split); each split takes an equal share of K rounded to BLOCK_K (a
+split past K writes zeros: the consumer adds every split). b is truncated to TF32 in the kernel (the low 13
+mantissa bits cleared, as a TF32 instruction reads an fp32 operand), so `tl.dot`'s own TF32 input rounding
+is exact and the result does not depend on which TF32 conversion the compiler picks. No host logic depends
+on values: capture-safe.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_K = 64
+
+
+@triton.jit
+def _hc_prenorm_kernel(a_ptr, b_ptr, d_ptr, s_ptr, M, N, K, k_share, stride_am, stride_bn,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    k_lo = split * k_share
+    k_hi = tl.minimum(k_lo + k_share, K)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < k_hi
+        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols[None, :] * stride_bn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        b = (b.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # TF32: low 13 bits cleared
+        acc = tl.dot(a, b, acc, input_precision="tf32")
+        sq += tl.sum(a * a, axis=1)
+    out = (split * M + rows).to(tl.int64)
+    tl.store(d_ptr + out[:, None] * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(s_ptr + out, sq, mask=row_ok)
+
+
+def _check(cond: bool, what: str, found, expected):
+    if not cond:
+        raise ValueError(f"hc_prenorm: {what}: found {found}, expected {expected} "
+                         "(the contract of DeepGEMM's tf32_hc_prenorm_gemm as SGLang 0.5.16 calls it)")
+
+
+def hc_prenorm(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, sqrsum: torch.Tensor,
+               num_splits: Optional[int] = None) -> None:
+    """Fill d and sqrsum in place (shapes in the module docstring)."""
+    m, k = a.shape
+    n = b.shape[0]
+    splits = 1 if num_splits is None else int(num_splits)
+    _check(splits >= 1, "num_splits", num_splits, ">= 1 or None")
+    want_d = (m, n) if num_splits is None else (splits, m, n)
+    want_s = (m,) if num_splits is None else (splits, m)
+    _check(a.dtype == torch.bfloat16 and a.stride(-1) == 1, "a", f"{a.dtype} stride {a.stride()}",
+           "BF16, K contiguous")
+    _check(b.dtype == torch.float32 and b.shape[1] == k and b.is_contiguous(), "b", f"{b.dtype} {tuple(b.shape)}",
+           f"contiguous fp32 [n, {k}]")
+    _check(d.dtype == torch.float32 and tuple(d.shape) == want_d and d.is_contiguous(), "d",
+           f"{d.dtype} {tuple(d.shape)}", f"contiguous fp32 {want_d}")
+    _check(sqrsum.dtype == torch.float32 and tuple(sqrsum.shape) == want_s and sqrsum.is_contiguous(), "sqrsum",
+           f"{sqrsum.dtype} {tuple(sqrsum.shape)}", f"contiguous fp32 {want_s}")
+    if m == 0:
+        return
+    block_m = 16 if m <= 16 else 64
+    k_share = triton.cdiv(triton.cdiv(k, BLOCK_K), splits) * BLOCK_K
+    _hc_prenorm_kernel[(triton.cdiv(m, block_m), splits)](
+        a, b, d, sqrsum, m, n, k, k_share, a.stride(0), b.stride(0),
+        BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_K=BLOCK_K, num_warps=4, num_stages=3)

@@ -1,0 +1,238 @@
+"""The mHC stage on SM80 (dsv4_sm80/mhc.py): the TF32 hc pre-norm GEMM that replaces DeepGEMM's
+(kernels/hc_prenorm.py) against its plain-PyTorch reference in the Triton interpreter, its contract checks,
+its seam, its sm_80 build (TF32 mma.sync); and every other mHC kernel SGLang 0.5.16's DSV4 forward runs on
+this path — TileLang's fused pre-mix (+ norm) and post-mix, the Triton hc_head — built for sm_80 without a
+GPU (TileLang through nvcc; skipped, loudly, where no nvcc is installed)."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import DEV, dev, last_json, run_python
+from dsv4_sm80.kernels import hc_prenorm_ref as ref
+
+
+@pytest.fixture(scope="module")
+def kern():
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1")
+    from dsv4_sm80.kernels import hc_prenorm
+
+    return hc_prenorm
+
+
+def inputs(m, k, n=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, k, generator=g) * 0.02  # hc_fn scale; its low mantissa bits are not zero
+    return a, b
+
+
+def run(kern, a, b, splits):
+    m, n = a.shape[0], b.shape[0]
+    d = torch.full((m, n) if splits is None else (splits, m, n), float("nan"))
+    s = torch.full((m,) if splits is None else (splits, m), float("nan"))
+    d, s = dev(d, s)
+    kern.hc_prenorm(*dev(a, b), d, s, splits)
+    d, s = d.cpu().double(), s.cpu().double()
+    return (d, s) if splits is None else (d.sum(0), s.sum(0))
+
+
+# (m, k, splits): decode and prefill row counts, 16384 = hc_mult 4 x DSV4-Flash hidden 4096, 2048 = the tiny
+# checkpoint's, K not a multiple of 64, more splits than 64-wide K blocks (trailing splits write zeros),
+# the split counts mhc_pre asks for (min(SMs / row blocks, K blocks / 4)).
+CASES = [(1, 2048, None), (1, 16384, 64), (5, 2048, 8), (16, 1000, 3), (17, 2048, 1), (70, 16384, 16),
+         (3, 256, 7), (130, 2048, 2)]
+
+
+@pytest.mark.parametrize("m,k,splits", CASES)
+def test_hc_prenorm_against_reference(kern, m, k, splits):
+    a, b = inputs(m, k, seed=m + k)
+    d, s = run(kern, a, b, splits)
+    want_d, want_s = ref.hc_prenorm_ref(a, b)
+    scale = a.double().abs() @ ref.tf32_truncate(b).double().abs().t()  # fp32 accumulation error is relative to this
+    assert ((d - want_d).abs() / scale).max() < 5e-7
+    assert ((s - want_s).abs() / want_s).max() < 5e-7
+    # the reference's TF32 truncation of hc_fn is visible at this tolerance (not a vacuous check)
+    full = a.double() @ b.double().t()
+    assert ((full - want_d).abs() / scale).max() > 2e-6
+
+
+def test_every_split_is_written_and_rows_are_independent(kern):
+    a, b = inputs(9, 512)
+    d = dev(torch.full((16, 9, 24), float("nan")))
+    s = dev(torch.full((16, 9), float("nan")))
+    kern.hc_prenorm(*dev(a, b), d, s, 16)  # 8 K blocks for 16 splits: splits 8..15 are empty
+    d, s = d.cpu(), s.cpu()
+    assert torch.isfinite(d).all() and torch.isfinite(s).all()
+    assert (d[8:] == 0).all() and (s[8:] == 0).all()
+    one, _ = run(kern, a[4:5], b, None)
+    assert torch.allclose(d.double().sum(0)[4:5], one, rtol=1e-6, atol=1e-6)
+
+
+def test_no_rows_is_a_no_op(kern):
+    a, b = inputs(0, 512)
+    d, s = dev(torch.empty(4, 0, 24), torch.empty(4, 0))
+    kern.hc_prenorm(*dev(a, b), d, s, 4)
+
+
+@pytest.mark.parametrize("change,what", [
+    (dict(a=torch.zeros(3, 256)), "a"),                                 # fp32 residual, not BF16
+    (dict(b=torch.zeros(24, 128)), "b"),                                # K differs from a's
+    (dict(d=torch.zeros(3, 24)), "d"),                                  # split dim missing for num_splits=2
+    (dict(s=torch.zeros(2, 4)), "sqrsum"),
+    (dict(splits=0), "num_splits"),
+])
+def test_contract_violations_are_named(change, what):
+    from dsv4_sm80.kernels import hc_prenorm
+
+    args = dict(a=torch.zeros(3, 256, dtype=torch.bfloat16), b=torch.zeros(24, 256), d=torch.zeros(2, 3, 24),
+                s=torch.zeros(2, 3), splits=2)
+    args.update(change)
+    with pytest.raises(ValueError, match=rf"hc_prenorm: {what}: found .* expected"):
+        hc_prenorm.hc_prenorm(args["a"], args["b"], args["d"], args["s"], args["splits"])
+
+
+SEAM = """
+import json, os
+import sglang.srt.layers.deep_gemm_wrapper.entrypoint as ep
+from sglang.kernels.ops.layernorm import mhc
+f = ep.tf32_hc_prenorm_gemm
+print(json.dumps({"module": f.__module__, "name": f.__name__}))
+"""
+
+
+@pytest.mark.parametrize("patch,module", [("1", "dsv4_sm80.mhc"), ("0", "sglang.srt.layers.deep_gemm_wrapper.entrypoint")])
+def test_seam_routes_mhc_pre_to_the_sm80_gemm(patch, module):
+    pytest.importorskip("sglang")
+    out = last_json(run_python(SEAM, ENABLE_SGLANG_DSV4_A100_PATCH=patch))
+    assert out["module"] == module, out
+
+
+TRITON_SM80 = """
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dsv4_sm80.kernels import hc_prenorm as hp
+from sglang.kernels.ops.layernorm import mhc_head
+t = GPUTarget("cuda", 80, 32)
+def build(fn, sig, consts, warps=4):
+    r = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=t, options={"num_warps": warps})
+    p = r.asm["ptx"]
+    return {"sm80": ".target sm_80" in p, "fp8": "e4m3" in p or "e5m2" in p,
+            "tf32_mma": bool(re.search(r"mma[.]sync[.]aligned[.]m16n8k8[.]row[.]col[.]f32[.]tf32[.]tf32[.]f32", p)),
+            "shared": r.metadata.shared}
+out = {}
+for bm in (16, 64):
+    out[f"hc_prenorm BLOCK_M {bm}"] = build(hp._hc_prenorm_kernel, {"a_ptr": "*bf16", "b_ptr": "*fp32",
+        "d_ptr": "*fp32", "s_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "k_share": "i32", "stride_am": "i32",
+        "stride_bn": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+        {"BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": hp.BLOCK_K})
+out["sglang hc_head (Triton)"] = build(mhc_head._hc_head_kernel, {"x_ptr": "*bf16", "fn_ptr": "*fp32",
+    "scale_ptr": "*fp32", "base_ptr": "*fp32", "y_ptr": "*bf16", "hidden_size": "constexpr", "HC_MULT": "constexpr",
+    "K_TOTAL": "constexpr", "BLOCK_K": "constexpr", "BLOCK_D": "constexpr", "norm_eps": "constexpr",
+    "hc_eps": "constexpr"}, {"hidden_size": 4096, "HC_MULT": 4, "K_TOTAL": 16384, "BLOCK_K": 512, "BLOCK_D": 512,
+    "norm_eps": 1e-6, "hc_eps": 1e-6})
+print(json.dumps(out))
+"""
+
+
+def test_triton_kernels_compile_for_sm80():
+    pytest.importorskip("sglang")
+    out = last_json(run_python(TRITON_SM80, TRITON_INTERPRET="0"))
+    for name, r in out.items():
+        assert r["sm80"] and not r["fp8"] and r["shared"] <= 163 * 1024, (name, r)
+    assert out["hc_prenorm BLOCK_M 16"]["tf32_mma"] and out["hc_prenorm BLOCK_M 64"]["tf32_mma"], out
+
+
+def nvcc_home():
+    """A CUDA toolkit with nvcc: CUDA_HOME, the one on PATH, or the pip wheel SGLang's install brings."""
+    for home in (os.environ.get("CUDA_HOME"), os.path.dirname(os.path.dirname(shutil.which("nvcc") or "/x/x"))):
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
+            return home
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            for sub in sorted(os.listdir(base)):
+                if os.path.isfile(os.path.join(base, sub, "bin", "nvcc")):
+                    return os.path.join(base, sub)
+    except ImportError:
+        pass
+    return None
+
+
+# SGLang's own TileLang functions, jitted with their own pass configs and a fixed sm_80 target; shapes as
+# mhc_pre / mhc_post pass them (the split-K partials of the GEMM above: gemm_last_dim 24). is_arch_support_pdl
+# is resolved for sm_80 (no griddepcontrol). The pip nvcc may be newer than its runtime headers, hence the
+# CCCL flag (compile-only evidence; the GPU machine compiles with its own toolkit).
+TILELANG_SM80 = """
+import inspect, json, time
+import torch
+from sglang.jit_kernel.utils.arch import override_jit_cuda_arch
+from sglang.kernels.ops.layernorm import mhc
+real = mhc._load_tilelang()
+from tvm.target import Target
+
+def build(wrapper, *args):
+    cv = inspect.getclosurevars(wrapper).nonlocals
+    kw = dict(mhc._resolve_lazy_tilelang_value(cv.get("jit_kwargs", {})))
+    kw.update(target=Target({"kind": "cuda", "arch": "sm_80"}), compile_flags=["-DCCCL_DISABLE_CTK_COMPATIBILITY_CHECK"])
+    t0 = time.time()
+    k = real.jit(**kw)(cv["fn"]).compile(*args)
+    src = k.get_kernel_source()
+    return {"seconds": round(time.time() - t0, 1), "sm90_only": [w for w in ("wgmma", "griddepcontrol", "cp.async.bulk",
+            "setmaxnreg", "fence.proxy.async", "mbarrier.try_wait") if w in src]}
+
+f32, bf16 = torch.float32, torch.bfloat16
+out = {}
+with override_jit_cuda_arch(8, 0):
+    for hidden in (4096, 512):
+        n, hc, splits = 4, 4, 16
+        e = lambda *s, dt=f32: torch.empty(*s, dtype=dt)
+        pre = (e(splits, n, 24), e(splits, n), e(3), e(24), e(n, hc, hidden, dt=bf16), e(n, hc), e(n, hc * hc),
+               e(n, hidden, dt=bf16))
+        out[f"mhc_pre_big_fuse hidden {hidden}"] = build(mhc.mhc_pre_big_fuse_tilelang, *pre, hidden, 1e-6, 1e-6,
+                                                         1e-6, 2.0, 20, splits, hc, 24)
+        out[f"mhc_pre_big_fuse_with_norm hidden {hidden}"] = build(mhc.mhc_pre_big_fuse_with_norm_tilelang, *pre,
+            e(hidden, dt=bf16), hidden, 1e-6, 1e-6, 1e-6, 2.0, 20, 1e-6, splits, hc, 24)
+        out[f"mhc_post hidden {hidden}"] = build(mhc.mhc_post_tilelang, e(n, hc, hc), e(n, hc, hidden, dt=bf16),
+                                                 e(n, hc), e(n, hidden, dt=bf16), e(n, hc, hidden, dt=bf16), hc, hidden)
+print(json.dumps(out))
+"""
+
+
+def test_tilelang_mhc_kernels_compile_for_sm80():
+    pytest.importorskip("sglang")
+    pytest.importorskip("tilelang")
+    home = nvcc_home()
+    if home is None:
+        pytest.skip("!!! no nvcc (CUDA_HOME, PATH or the nvidia pip wheels): TileLang's sm_80 build NOT checked !!!")
+    out = last_json(run_python(TILELANG_SM80, CUDA_HOME=home, timeout=900))
+    assert len(out) == 6, out
+    for name, r in out.items():
+        assert not r["sm90_only"], (name, r)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="needs a GPU")
+def test_matches_deepgemm_on_sm90():
+    """On an H200 (lab): ours against DeepGEMM's own TF32 kernel, the one the native path runs. Agreement
+    at fp32-accumulation level also says DeepGEMM's wgmma reads hc_fn as truncated TF32, as the reference
+    assumes (rounding to nearest would differ by ~1e-5 relative)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("DeepGEMM's tf32_hc_prenorm_gemm is built for SM90/SM100; compared on SM90")
+    deep_gemm = pytest.importorskip("deep_gemm")
+    from dsv4_sm80.kernels import hc_prenorm
+
+    for m, splits in [(1, 16), (64, 16), (2048, 4), (8192, 1)]:
+        a, b = (t.cuda() for t in inputs(m, 16384, seed=m))
+        d0, s0 = torch.empty(splits, m, 24, device="cuda"), torch.empty(splits, m, device="cuda")
+        d1, s1 = torch.empty_like(d0), torch.empty_like(s0)
+        deep_gemm.tf32_hc_prenorm_gemm(a, b, d0, s0, num_splits=splits)
+        hc_prenorm.hc_prenorm(a, b, d1, s1, splits)
+        scale = a.double().abs() @ ref.tf32_truncate(b.cpu()).cuda().double().abs().t()
+        assert ((d0.double().sum(0) - d1.double().sum(0)).abs() / scale).max() < 2e-6, m
+        assert ((s0.double().sum(0) - s1.double().sum(0)).abs() / s0.double().sum(0)).max() < 2e-6, m
