@@ -158,6 +158,9 @@ class ImportTimeDefault:
     name: str
     value: str
     reason: str
+    # a guard: the value is SGLang's own default; pinned only so a user setting cannot put an SM90-only or
+    # bypassing kernel on the path (the gate refuses it). Native runs the same with or without it.
+    guard: bool = False
 
 
 # SGLang knobs that must hold before SGLang's modules are imported, set by `sitecustomize` only
@@ -186,7 +189,41 @@ IMPORT_TIME_DEFAULTS = (
     ),
     ImportTimeDefault(
         "SGLANG_OPT_USE_ONLINE_COMPRESS", "0",
-        "srt/environ.py:1015; pinned off: the SM80 compressor stores follow the offline path",
+        "srt/environ.py:1015; pinned off: the SM80 compressor stores follow the offline path", guard=True,
+    ),
+    # guards (SGLang's defaults), from a read of the whole forward (docs/attention.md, kernel status)
+    ImportTimeDefault(
+        "SGLANG_OPT_USE_TILELANG_MHC_PRE", "1",
+        "srt/environ.py:1003; mHC pre-mix through TileLang kernels built for sm_80 and the mhc.hc_prenorm_gemm "
+        "seam; off selects TileLang kernels not checked for sm_80", guard=True,
+    ),
+    ImportTimeDefault(
+        "SGLANG_OPT_USE_TILELANG_MHC_POST", "1",
+        "srt/environ.py:1004; mHC post-mix: the TileLang kernel built for sm_80", guard=True,
+    ),
+    ImportTimeDefault(
+        "SGLANG_OPT_DEEPGEMM_HC_PRENORM", "1",
+        "srt/environ.py:1002; routes mhc_pre's GEMM to deep_gemm_wrapper (seam mhc.hc_prenorm_gemm); off selects "
+        "TileLang GEMMs built only for hc x hidden 16384/28672", guard=True,
+    ),
+    ImportTimeDefault(
+        "SGLANG_OPT_FUSE_MHC_POST_PRE", "0",
+        "srt/environ.py:1007; on, kernels/ops/layernorm/mhc.py:1448 calls deep_gemm.tf32_hc_prenorm_gemm "
+        "itself (SM90+), past the mhc.hc_prenorm_gemm seam", guard=True,
+    ),
+    ImportTimeDefault(
+        "SGLANG_OPT_BF16_FP32_GEMM_ALGO", "cublas",
+        "srt/environ.py:1080; deep_gemm makes jit_kernel/dsv4/gemm.py (router, compressor scores) call DeepGEMM "
+        "(SM90+; below SM90 the wrapper has no deep_gemm: NameError)", guard=True,
+    ),
+    ImportTimeDefault(
+        "SGLANG_OPT_USE_TILELANG_INDEXER", "0",
+        "srt/environ.py:1008; on, indexer.py:634 takes TileLang's FP8 paged logits before the INT8 seam, reading "
+        "the INT8 index cache as FP8", guard=True,
+    ),
+    ImportTimeDefault(
+        "SGLANG_OPT_USE_AITER_INDEXER", "0",
+        "srt/environ.py:1009; on, indexer.py:637 takes AITER's logits (ROCm) before the INT8 seam", guard=True,
     ),
 )
 

@@ -25,3 +25,29 @@ def test_import_time_defaults_only_where_unset():
 
 def test_lab_overrides():
     assert env.lab_overrides({"DSV4_SM80_LAB_CC": " ", "DSV4_SM80_LAB_GPU_COUNT": "2"}) == {"DSV4_SM80_LAB_GPU_COUNT": "2"}
+
+
+GUARDS = """
+import json, os
+for k in [k for k in os.environ if k.startswith("SGLANG_")]:
+    del os.environ[k]
+from sglang.srt.environ import envs
+from dsv4_sm80.env import IMPORT_TIME_DEFAULTS
+out = {}
+for d in IMPORT_TIME_DEFAULTS:
+    v = getattr(envs, d.name).get()
+    out[d.name] = [str(int(v)) if isinstance(v, bool) else str(v), d.value, d.guard]
+print(json.dumps(out))
+"""
+
+
+def test_guards_are_sglang_defaults_and_pins_are_not():
+    """A pin marked guard holds SGLang 0.5.16's own default (native runs the same with it, so the native pin
+    sweeps leave it out); every other pin changes SGLang's default."""
+    pytest.importorskip("sglang")
+    from conftest import last_json, run_python
+
+    out = last_json(run_python(GUARDS))
+    assert set(out) == {d.name for d in env.IMPORT_TIME_DEFAULTS}
+    for name, (sglang_default, value, guard) in out.items():
+        assert (sglang_default == value) == guard, (name, sglang_default, value, guard)

@@ -21,7 +21,7 @@ import time
 def modules():
     import torch
 
-    from sglang.jit_kernel import gptq_marlin, gptq_marlin_repack, moe_fused_gate, moe_wna16_marlin
+    from sglang.jit_kernel import all_reduce, gptq_marlin, gptq_marlin_repack, moe_fused_gate, moe_wna16_marlin
     from sglang.jit_kernel.dsv4 import attn, compress, elementwise, moe, topk
 
     f32, bf16 = torch.float32, torch.bfloat16
@@ -42,6 +42,8 @@ def modules():
         ("gptq_marlin (dense FP8-Marlin W8A16)", lambda: gptq_marlin._jit_gptq_marlin_module(bf16)),
         ("gptq_marlin_repack", gptq_marlin_repack._jit_gptq_marlin_repack_module),
         ("moe_wna16_marlin (MXFP4 Marlin MoE)", lambda: moe_wna16_marlin._jit_moe_wna16_marlin_module(bf16)),
+        # every TP all-reduce with full NVLink (custom all-reduce v2); multimem / PDL code is Hopper-guarded
+        ("custom_all_reduce bf16 x4 (TP all-reduce)", lambda: all_reduce.get_all_reduce_module(bf16, 4)),
     ]
 
 

@@ -74,8 +74,9 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} SGLANG_JIT_DEEPGEMM_PRECOMPILE=0
 LAB="ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0"
 ORACLE=${ORACLE:-.dev/oracle/native.json}
 rc=0
-pins() {  # NAME=VALUE of every SGLang option the SM80 bootstrap pins at import (dsv4_sm80/env.py)
-  python -c "from dsv4_sm80.env import IMPORT_TIME_DEFAULTS as D; print(' '.join(f'{d.name}={d.value}' for d in D))"
+pins() {  # NAME=VALUE of every SGLang option the SM80 bootstrap pins at import to another value than SGLang's
+  # (dsv4_sm80/env.py; its guards hold SGLang's own defaults and change nothing for native)
+  python -c "from dsv4_sm80.env import IMPORT_TIME_DEFAULTS as D; print(' '.join(f'{d.name}={d.value}' for d in D if not d.guard))"
 }
 native_pins() {  # pins() that native can run: SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 selects SGLang's torch
   # fallback for the paged MQA logits, which asserts at batch 16 on native (session 7: fp8_paged_mqa_logits_torch
@@ -99,7 +100,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
   ( eval "$@" ) >"$OUT/$name.log" 2>&1 || { echo "=== $name: exit $?"; rc=1; }
-  grep -E "^(  A/B|fault_kill|hygiene|soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|layer_trace|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|Error|passed|failed" \
+  grep -E "^(  A/B|fault_kill|hygiene|mhc_check|mhc bench|soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|layer_trace|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|Error|passed|failed" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
 }
 case ${1:?step} in
@@ -362,7 +363,8 @@ case ${1:?step} in
     run jit env TVM_FFI_CACHE_DIR=/tmp/jit-sm80 timeout 560 python -u tests/gpu/jit_sm80.py --out "$OUT/jit_sm80.json" ;;
   kernels)
     run kernels env PYTHONPATH=$PWD/.dev/pyt:$PYTHONPATH timeout 400 python -m pytest -q -p no:cacheprovider \
-      tests/test_w4a8_moe.py tests/test_sparse_attn.py tests/test_indexer_kv_store.py tests/test_mhc.py ;;
+      tests/test_w4a8_moe.py tests/test_sparse_attn.py tests/test_indexer_kv_store.py tests/test_mhc.py
+    run mhc-check timeout 120 python tests/gpu/mhc_check.py --out "$OUT/mhc_check.json" ;;
   mhc-bench)
     run mhc-bench timeout 300 python bench/mhc.py --out "$OUT/mhc.json" ;;
   moe-bench)

@@ -1,0 +1,57 @@
+"""On an H200 (SM90): the SM80 hc pre-norm GEMM (dsv4_sm80/kernels/hc_prenorm.py) against DeepGEMM's own
+`tf32_hc_prenorm_gemm`, the kernel SGLang's native mhc_pre runs, on the same inputs at DSV4-Flash's shape
+(K = 4 x 4096) and the split counts SGLang asks for. Agreement at fp32-accumulation level (relative to
+sum |a| |tf32(b)|) also says DeepGEMM's wgmma reads hc_fn as truncated TF32, as the CPU reference assumes:
+rounding to nearest would differ by ~1e-5.
+
+    python tests/gpu/mhc_check.py [--out mhc_check.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+
+    import torch
+    import deep_gemm
+
+    from dsv4_sm80.kernels import hc_prenorm, hc_prenorm_ref as ref
+
+    assert torch.cuda.get_device_capability()[0] == 9, "DeepGEMM's hc pre-norm GEMM is compared on SM90"
+    k, rows, worst = 16384, [], 0.0
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b = torch.randn(24, k, device="cuda", generator=g) * 0.02
+    bt = ref.tf32_truncate(b.cpu()).cuda().double().abs()
+    for m, splits in [(1, 64), (16, 64), (100, 54), (130, 44), (2048, 4), (8192, 1)]:
+        a = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        d0, s0 = torch.empty(splits, m, 24, device="cuda"), torch.empty(splits, m, device="cuda")
+        d1, s1 = torch.empty_like(d0), torch.empty_like(s0)
+        deep_gemm.tf32_hc_prenorm_gemm(a, b, d0, s0, num_splits=splits)
+        hc_prenorm.hc_prenorm(a, b, d1, s1, splits)
+        scale = a.double().abs() @ bt.t()
+        dd = ((d0.double().sum(0) - d1.double().sum(0)).abs() / scale).max().item()
+        ds = ((s0.double().sum(0) - s1.double().sum(0)).abs() / s0.double().sum(0)).max().item()
+        rows.append(dict(tokens=m, splits=splits, mix_rel=dd, sqrsum_rel=ds))
+        worst = max(worst, dd, ds)
+        print(f"  tokens {m:5d} splits {splits:3d}: mix {dd:.2e}, sum of squares {ds:.2e} (relative)", flush=True)
+    ok = worst < 2e-6
+    print(f"mhc_check: {'OK' if ok else 'FAIL'} worst {worst:.2e} (bound 2e-6)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(rows=rows, worst=worst, ok=ok), f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
