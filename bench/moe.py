@@ -103,6 +103,12 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
     # 8 K steps per program at K = 512, so a wider tile spreads each program's fixed cost over more bytes
     "block_n2 256, warps 2, stages 4": {"block_n2": 256, "num_warps": 2, "num_stages": 4},
     "block_n2 256, warps 4, stages 4": {"block_n2": 256, "num_warps": 4, "num_stages": 4},
+    # at 1 token the gate-up launch has 6 experts x 16 column tiles = 96 programs for the whole GPU: split-K
+    # gives each K share its own program (fp32 partials, a deterministic finishing kernel)
+    "split_k 2": {"split_k": 2},
+    "split_k 4": {"split_k": 4},
+    "warps 2, stages 4, split_k 4": {"num_warps": 2, "num_stages": 4, "split_k": 4},
+    "block_n2 128, warps 2, stages 4, split_k 8": {"block_n2": 128, "num_warps": 2, "num_stages": 4, "split_k": 8},
 }.items()})
 PROFILE_CALLS = 10
 
