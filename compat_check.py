@@ -85,6 +85,7 @@ class Facts:
     lab: dict = field(default_factory=dict)
     jit: Optional[list] = None  # [jitcache.CacheDirFacts]; None: not collected
     knobs: Optional[dict] = None  # dsv4-sm80's own env knobs as the launch sees them; None: not collected
+    nvcc: Optional[object] = None  # jitcache.NvccFacts; None: not collected
 
 
 def collect_sglang(environ=None) -> SGLangFacts:
@@ -219,6 +220,7 @@ def collect(model_path: Optional[str] = None, patch_environ: Optional[dict] = No
         model=collect_model(model_path),
         lab=env.lab_overrides(),
         jit=jitcache.facts(patch_environ),
+        nvcc=jitcache.nvcc_facts(patch_environ),
         knobs={k.name: v for k in env.KNOBS
                if (v := (patch_environ if patch_environ is not None else os.environ).get(k.name)) is not None},
     )
@@ -368,6 +370,25 @@ def check_jit_cache(dirs: Optional[list]) -> list[Finding]:
         free = min((d.free_bytes for d in dirs if d.free_bytes is not None), default=None)
         out.append(_ok("jit.cache", f"{len(dirs)} cache directories writable, least free {jitcache.gib(free)}"))
     return out
+
+
+def check_jit_compiler(n) -> Finding:
+    """The nvcc SGLang's JIT builds run (jitcache.nvcc_facts): present and a release TileLang's C++20 builds
+    accept; otherwise the first build (the mHC prewarm, while loading) fails half-way into the start."""
+    if n is None:
+        return _skip("jit.compiler", "not collected")
+    want = (f"nvcc {MIN_NVCC_TEXT}+ (SGLang's JIT kernels, the TileLang mHC kernels and FlashInfer's sampling "
+            "compile for sm_80 at first use)")
+    if n.path is None or n.version is None:
+        return _fail("jit.compiler", f"{n.error} (looked up via {n.how})", want,
+                     "install the CUDA toolkit (SGLang's image has it at /usr/local/cuda) or set CUDA_HOME to it")
+    if tuple(int(x) for x in n.version.split(".")) < jitcache.MIN_NVCC:
+        return _fail("jit.compiler", f"nvcc {n.version} at {n.path} ({n.how})", want,
+                     f"point CUDA_HOME at a CUDA {MIN_NVCC_TEXT}+ toolkit")
+    return _ok("jit.compiler", f"nvcc {n.version} at {n.path} ({n.how})")
+
+
+MIN_NVCC_TEXT = ".".join(map(str, jitcache.MIN_NVCC))
 
 
 def check_patch(f: PatchFacts) -> Finding:
@@ -602,7 +623,7 @@ def _compare_inventory(specs, actual: dict, vision: bool) -> list[Finding]:
 def evaluate(facts: Facts) -> list[Finding]:
     """Every check, in the gate's order: compatibility first, then the model files."""
     return (check_sglang(facts.sglang) + check_gpus(facts.gpus, facts.lab) + [check_env_knobs(facts.knobs)]
-            + check_jit_cache(facts.jit)
+            + check_jit_cache(facts.jit) + [check_jit_compiler(facts.nvcc)]
             + check_model_config(facts.model) + [check_patch(facts.patch), check_sglang_knobs(facts.patch)]
             + check_model_files(facts.model))
 
@@ -628,6 +649,7 @@ def report(facts: Facts, findings, as_json=False) -> str:
                 "model": {"path": facts.model.path, "shards_read": len(facts.model.headers),
                           "architectures": (facts.model.config or {}).get("architectures")},
                 "jit_caches": [asdict(d) for d in facts.jit] if facts.jit is not None else None,
+                "nvcc": asdict(facts.nvcc) if facts.nvcc is not None else None,
             },
         }, indent=2)
     lines = [f.line() for f in findings]

@@ -10,6 +10,8 @@ disk that fills half-way through shows up deep in a compiler as a linker or ninj
 - `load_jit_clear_disk_error` (seam `jit.disk_full`, around SGLang's `load_jit`): a build that fails
   because the disk is full is re-raised as `JitCacheFull`, naming the module, the directory, what is
   free and what to do, instead of the compiler's output.
+- `nvcc_facts()` / `compat_check.check_jit_compiler`: before start, the nvcc those builds run must exist
+  and be a 12.x+ release, or the gate refuses (instead of the first build failing while the model loads).
 - `triton_cache.DiskFullClearCacheManager` (Triton's own `TRITON_CACHE_MANAGER` hook, set by the
   bootstrap): the same for a Triton kernel file that cannot be written.
 """
@@ -91,6 +93,51 @@ def probe(label: str, path: str) -> CacheDirFacts:
 
 def facts(environ: Optional[Mapping[str, str]] = None) -> list[CacheDirFacts]:
     return [probe(label, path) for label, path in cache_dirs(environ).items()]
+
+
+# --- the compiler the JIT builds need ---------------------------------------------------------------
+# SGLang's JIT modules (tvm-ffi `load_jit`: compressors, RoPE, top-k, metadata, Marlin, the all-reduce), the
+# TileLang mHC kernels and FlashInfer's sampling build with nvcc at first use (the mHC prewarm: while loading).
+# TileLang compiles with -std=c++20, which nvcc has from 12.0.
+MIN_NVCC = (12, 0)
+
+
+@dataclass
+class NvccFacts:
+    path: Optional[str] = None  # the nvcc SGLang's JIT would run, None: none found
+    how: str = ""  # how it was found (tvm-ffi's order: CUDA_HOME / CUDA_PATH, PATH, /usr/local/cuda)
+    version: Optional[str] = None  # "12.8"
+    error: Optional[str] = None
+
+
+def nvcc_facts(environ: Optional[Mapping[str, str]] = None) -> NvccFacts:
+    """Find nvcc as tvm-ffi's `_find_cuda_home` does (the strictest of SGLang's JIT paths; TileLang also
+    searches the nvidia-cuda-nvcc wheel) and ask it its release."""
+    import re
+    import subprocess
+
+    environ = os.environ if environ is None else environ
+    home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
+    if home:
+        f = NvccFacts(path=os.path.join(home, "bin", "nvcc"),
+                      how=f"{'CUDA_HOME' if environ.get('CUDA_HOME') else 'CUDA_PATH'}={home}")
+    elif shutil.which("nvcc", path=environ.get("PATH", "")):
+        f = NvccFacts(path=shutil.which("nvcc", path=environ.get("PATH", "")), how="PATH")
+    else:
+        f = NvccFacts(path="/usr/local/cuda/bin/nvcc", how="/usr/local/cuda (CUDA_HOME unset, no nvcc on PATH)")
+    if not os.path.isfile(f.path):
+        f.error, f.path = f"no nvcc at {f.path}", None
+        return f
+    try:
+        r = subprocess.run([f.path, "--version"], capture_output=True, text=True, timeout=60)
+        m = re.search(r"release (\d+)\.(\d+)", r.stdout)
+        if m:
+            f.version = f"{m.group(1)}.{m.group(2)}"
+        else:
+            f.error = f"`nvcc --version` exited {r.returncode} without a release: {(r.stdout + r.stderr).strip()[-200:]}"
+    except (OSError, subprocess.SubprocessError) as e:
+        f.error = f"{type(e).__name__}: {e}"
+    return f
 
 
 def gib(n: Optional[int]) -> str:

@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -95,3 +96,20 @@ def pytest_sessionstart(session):
     # CI sets this: there a missing SGLang is an error, never a quiet skip.
     if os.environ.get("DSV4_SM80_REQUIRE_SGLANG") == "1" and _sglang_version() != "0.5.16":
         pytest.exit(f"DSV4_SM80_REQUIRE_SGLANG=1 but sglang is {_sglang_version()!r}, not 0.5.16", returncode=3)
+
+
+def nvcc_home():
+    """A CUDA toolkit with nvcc: CUDA_HOME, the one on PATH, or the pip wheel SGLang's install brings."""
+    for home in (os.environ.get("CUDA_HOME"), os.path.dirname(os.path.dirname(shutil.which("nvcc") or "/x/x"))):
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
+            return home
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            for sub in sorted(os.listdir(base)):
+                if os.path.isfile(os.path.join(base, sub, "bin", "nvcc")):
+                    return os.path.join(base, sub)
+    except ImportError:
+        pass
+    return None

@@ -157,3 +157,51 @@ def test_triton_cache_write_on_a_full_disk_is_named(tmp_path):
     user = last_json(run_python(TRITON_FULL, TRITON_INTERPRET="0", ENABLE_SGLANG_DSV4_A100_PATCH="1", TRITON_CACHE_MANAGER=mine,
                                 TRITON_CACHE_DIR=str(tmp_path / "user")))
     assert user["manager"] == mine and user["out"].startswith("OSError: [Errno 28]"), user
+
+
+def with_nvcc(n):
+    f = facts()
+    f.nvcc = n
+    return f
+
+
+def test_jit_compiler_check():
+    ok = jitcache.NvccFacts(path="/usr/local/cuda/bin/nvcc", how="PATH", version="12.8")
+    found = {x.check: x for x in cc.evaluate(with_nvcc(ok))}["jit.compiler"]
+    assert found.status == "pass" and "nvcc 12.8 at /usr/local/cuda/bin/nvcc" in found.found
+    assert {x.check: x.status for x in cc.evaluate(facts())}["jit.compiler"] == "skip"
+    missing = jitcache.NvccFacts(how="/usr/local/cuda (CUDA_HOME unset, no nvcc on PATH)",
+                                 error="no nvcc at /usr/local/cuda/bin/nvcc")
+    line = failed(with_nvcc(missing))["jit.compiler"].line()
+    assert line.startswith("FAIL jit.compiler: found no nvcc at /usr/local/cuda/bin/nvcc (looked up via "
+                           "/usr/local/cuda (CUDA_HOME unset, no nvcc on PATH)); expected nvcc 12.0+")
+    assert "set CUDA_HOME" in line
+    old = jitcache.NvccFacts(path="/opt/cuda-11.8/bin/nvcc", how="CUDA_HOME=/opt/cuda-11.8", version="11.8")
+    line = failed(with_nvcc(old))["jit.compiler"].line()
+    assert "found nvcc 11.8 at /opt/cuda-11.8/bin/nvcc" in line and "CUDA 12.0+ toolkit" in line
+
+
+def fake_nvcc(home, text, rc=0):
+    os.makedirs(home / "bin", exist_ok=True)
+    p = home / "bin" / "nvcc"
+    p.write_text(f"#!/bin/sh\necho '{text}'\nexit {rc}\n")
+    p.chmod(0o755)
+    return str(p)
+
+
+def test_nvcc_is_found_as_sglangs_jit_finds_it(tmp_path):
+    """tvm-ffi's order: CUDA_HOME (or CUDA_PATH), then PATH, then /usr/local/cuda; the release read from
+    `nvcc --version` (a stand-in nvcc script here: the probe is what is tested)."""
+    on_path = fake_nvcc(tmp_path / "p", "Cuda compilation tools, release 12.4, V12.4.131")
+    f = jitcache.nvcc_facts({"PATH": str(tmp_path / "p" / "bin")})
+    assert (f.path, f.how, f.version, f.error) == (on_path, "PATH", "12.4", None)
+    home = tmp_path / "h"
+    fake_nvcc(home, "Cuda compilation tools, release 13.0, V13.0.48")
+    f = jitcache.nvcc_facts({"CUDA_HOME": str(home), "PATH": str(tmp_path / "p" / "bin")})
+    assert f.version == "13.0" and f.how == f"CUDA_HOME={home}"  # CUDA_HOME wins over PATH
+    f = jitcache.nvcc_facts({"CUDA_HOME": str(tmp_path / "none"), "PATH": str(tmp_path / "p" / "bin")})
+    assert f.path is None and f.error == f"no nvcc at {tmp_path / 'none' / 'bin' / 'nvcc'}"
+    fake_nvcc(tmp_path / "bad", "segmentation fault", rc=139)
+    f = jitcache.nvcc_facts({"CUDA_PATH": str(tmp_path / "bad")})
+    assert f.version is None and "exited 139 without a release: segmentation fault" in f.error
+    assert failed(with_nvcc(f))["jit.compiler"].status == "fail"

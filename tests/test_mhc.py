@@ -6,12 +6,11 @@ GPU (TileLang through nvcc; skipped, loudly, where no nvcc is installed). Agains
 an H200: tests/gpu/mhc_check.py."""
 
 import os
-import shutil
 
 import pytest
 import torch
 
-from conftest import dev, last_json, run_python
+from conftest import dev, last_json, nvcc_home, run_python
 from dsv4_sm80.kernels import hc_prenorm_ref as ref
 
 
@@ -148,23 +147,6 @@ def test_triton_kernels_compile_for_sm80():
     for name, r in out.items():
         assert r["sm80"] and not r["fp8"] and r["shared"] <= 163 * 1024, (name, r)
     assert out["hc_prenorm BLOCK_M 16"]["tf32_mma"] and out["hc_prenorm BLOCK_M 64"]["tf32_mma"], out
-
-
-def nvcc_home():
-    """A CUDA toolkit with nvcc: CUDA_HOME, the one on PATH, or the pip wheel SGLang's install brings."""
-    for home in (os.environ.get("CUDA_HOME"), os.path.dirname(os.path.dirname(shutil.which("nvcc") or "/x/x"))):
-        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
-            return home
-    try:
-        import nvidia
-
-        for base in nvidia.__path__:
-            for sub in sorted(os.listdir(base)):
-                if os.path.isfile(os.path.join(base, sub, "bin", "nvcc")):
-                    return os.path.join(base, sub)
-    except ImportError:
-        pass
-    return None
 
 
 # SGLang's own TileLang functions, jitted with their own pass configs and a fixed sm_80 target; shapes as
