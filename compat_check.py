@@ -85,7 +85,7 @@ class Facts:
     lab: dict = field(default_factory=dict)
     jit: Optional[list] = None  # [jitcache.CacheDirFacts]; None: not collected
     knobs: Optional[dict] = None  # dsv4-sm80's own env knobs as the launch sees them; None: not collected
-    nvcc: Optional[object] = None  # jitcache.NvccFacts; None: not collected
+    nvcc: Optional[jitcache.NvccFacts] = None  # None: not collected
 
 
 def collect_sglang(environ=None) -> SGLangFacts:
@@ -372,7 +372,10 @@ def check_jit_cache(dirs: Optional[list]) -> list[Finding]:
     return out
 
 
-def check_jit_compiler(n) -> Finding:
+MIN_NVCC_TEXT = ".".join(map(str, jitcache.MIN_NVCC))
+
+
+def check_jit_compiler(n: Optional[jitcache.NvccFacts]) -> Finding:
     """The nvcc SGLang's JIT builds run (jitcache.nvcc_facts): present and a release TileLang's C++20 builds
     accept; otherwise the first build (the mHC prewarm, while loading) fails half-way into the start."""
     if n is None:
@@ -386,9 +389,6 @@ def check_jit_compiler(n) -> Finding:
         return _fail("jit.compiler", f"nvcc {n.version} at {n.path} ({n.how})", want,
                      f"point CUDA_HOME at a CUDA {MIN_NVCC_TEXT}+ toolkit")
     return _ok("jit.compiler", f"nvcc {n.version} at {n.path} ({n.how})")
-
-
-MIN_NVCC_TEXT = ".".join(map(str, jitcache.MIN_NVCC))
 
 
 def check_patch(f: PatchFacts) -> Finding:

@@ -118,11 +118,12 @@ def nvcc_facts(environ: Optional[Mapping[str, str]] = None) -> NvccFacts:
 
     environ = os.environ if environ is None else environ
     home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
+    on_path = shutil.which("nvcc", path=environ.get("PATH", ""))
     if home:
         f = NvccFacts(path=os.path.join(home, "bin", "nvcc"),
                       how=f"{'CUDA_HOME' if environ.get('CUDA_HOME') else 'CUDA_PATH'}={home}")
-    elif shutil.which("nvcc", path=environ.get("PATH", "")):
-        f = NvccFacts(path=shutil.which("nvcc", path=environ.get("PATH", "")), how="PATH")
+    elif on_path:
+        f = NvccFacts(path=on_path, how="PATH")
     else:
         f = NvccFacts(path="/usr/local/cuda/bin/nvcc", how="/usr/local/cuda (CUDA_HOME unset, no nvcc on PATH)")
     if not os.path.isfile(f.path):
