@@ -13,6 +13,7 @@ the `deep_gemm` package at once, so an unlisted one cannot slip through a lab ru
 from __future__ import annotations
 
 import inspect
+import sys
 
 
 class TripwireError(RuntimeError):
@@ -63,8 +64,6 @@ def arm_deep_gemm(enable_jit_deepgemm):
 
 
 def _deep_gemm_armed() -> bool:
-    import sys
-
     dg = sys.modules.get("deep_gemm")
     return bool(dg is not None and getattr(getattr(dg, "tf32_hc_prenorm_gemm", None), "dsv4_tripwire", False))
 
