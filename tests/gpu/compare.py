@@ -100,20 +100,17 @@ def floor_rows(a: dict, floors: list, margin: float) -> list[dict]:
              for k in per_seq[0]} for per_seq in zip(*rows)]
 
 
-def agreement_above(a: dict, b: dict, margin: float):
-    pts = [same for m, same in _margins_and_agreement(a, b) if m > margin]
+def agreement_above(a: dict, b, margin: float):
+    """(top-1 agreement, positions) of a with b (a record, or a list of them, their positions pooled) where
+    a's margin exceeds `margin`."""
+    pts = [same for r in (b if isinstance(b, list) else [b]) for m, same in _margins_and_agreement(a, r) if m > margin]
     return (sum(pts) / len(pts) if pts else float("nan")), len(pts)
 
 
 def agreement_curve(a: dict, b: dict, floors: list, margins) -> list[tuple]:
     """(margin, floor agreement, floor positions, b's agreement, b's positions) at each margin: whether b's
     shortfall at the calibrated margin closes at larger ones (read beside the verdict, never instead of it)."""
-    rows = []
-    for m in margins:
-        pts = [same for f in floors for mm, same in _margins_and_agreement(a, f) if mm > m]
-        ab, nb = agreement_above(a, b, m)
-        rows.append((m, sum(pts) / len(pts) if pts else float("nan"), len(pts), ab, nb))
-    return rows
+    return [(m, *agreement_above(a, floors, m), *agreement_above(a, b, m)) for m in margins]
 
 
 def main(argv=None) -> int:
