@@ -11,6 +11,7 @@
 #   tests/gpu/steps.sh moe-bench   bench/moe.py
 #   tests/gpu/steps.sh moe-sweep   bench/moe.py at decode sizes: the decode tile sweep and a per-kernel profile
 #   tests/gpu/steps.sh attention   SGLang's DSV4 attention test kit on the patched backend + BF16 pool (tripwire on)
+#   tests/gpu/steps.sh oracle      the native record $ORACLE (engine_bed, patch off), unless it exists
 #   tests/gpu/steps.sh e2e         engine_bed with the whole SM80 datapath (tripwire on) vs the native oracle
 #   tests/gpu/steps.sh attn-bench  bench/attention.py
 #   tests/gpu/steps.sh mhc-bench   bench/mhc.py (the TF32 hc pre-norm GEMM vs DeepGEMM's)
@@ -141,6 +142,12 @@ case ${1:?step} in
     done ;;
   attention)
     run attention env $LAB DSV4_SM80_TRIPWIRE=1 timeout 500 python -u tests/gpu/attention_kit.py --out "$OUT/attention_kit.json" ;;
+  oracle)
+    # the native record e2e/engine/moe-engine compare against ($ORACLE), made here when this machine has none
+    if [ -f "$ORACLE" ]; then echo "=== oracle: $ORACLE exists"; else
+      mkdir -p "$(dirname "$ORACLE")"
+      run oracle env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 560 python tests/gpu/engine_bed.py --out "$ORACLE"
+    fi ;;
   e2e)
     run e2e env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LOAD_REPORT="$OUT/report-e2e.jsonl" timeout 400 \
       python tests/gpu/engine_bed.py --out "$OUT/engine-e2e.json" --teacher-from "$ORACLE"
@@ -233,9 +240,10 @@ case ${1:?step} in
     run trace-replay env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=kv,act,idx \
       SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 $T-replay
     for t in pinned patched replay; do
-      python -m dsv4_sm80.lab_trace "$OUT/trace-native" "$OUT/trace-$t" $([ $t = pinned ] || echo --floor "$OUT/trace-pinned") \
-        | tee -a "$OUT/trace-$t.log"
-    done ;;
+      F=$([ $t = pinned ] || echo --floor "$OUT/trace-pinned")
+      python -m dsv4_sm80.lab_trace "$OUT/trace-native" "$OUT/trace-$t" $F | tee -a "$OUT/trace-$t.log"
+      python -m dsv4_sm80.lab_trace "$OUT/trace-native" "$OUT/trace-$t" $F --all > "$OUT/trace-$t-all.txt" 2>&1
+    done ;;  # the traces themselves (*.pt, hundreds of MB) stay on the host; the per-module tables come back
   graphs)
     for g in eager graph; do
       run "graphs-$g" env $LAB DSV4_SM80_TRIPWIRE=1 timeout 280 python tests/gpu/engine_bed.py \
@@ -292,7 +300,8 @@ case ${1:?step} in
   par)
     shift; i=0
     for group in "$@"; do
-      ( for s in $group; do CUDA_VISIBLE_DEVICES=$i NO_JIT_TAR=1 OUT=$OUT "$0" "$s" || echo "=== $s: failed"; done ) \
+      # PAR_SAME_GPU=1: every group on GPU 0 (a one-GPU machine: kernel tests beside an engine's cold compile)
+      ( for s in $group; do CUDA_VISIBLE_DEVICES=$([ -n "${PAR_SAME_GPU:-}" ] && echo 0 || echo $i) NO_JIT_TAR=1 OUT=$OUT "$0" "$s" || echo "=== $s: failed"; done ) \
         >"$OUT/par-$i.txt" 2>&1 &
       i=$((i + 1))
     done
