@@ -233,16 +233,18 @@ case ${1:?step} in
     # one prompt's prefill module by module (dsv4_sm80/lab_trace.py): native, native with its pins (what SGLang's
     # own options change, per module), patched as is and with native's FP8 roundings replayed; the compare names
     # the first module whose output differs much more than its input
+    # (tripwire off here: e2e proves the path; a trip would cost the trace)
     L=${TRACE_LEN:-300}; T="python tests/gpu/layer_trace.py --length $L --out-dir $OUT/trace"
     run trace-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 200 $T-native
     run trace-pinned env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(native_pins) timeout 200 $T-pinned
-    run trace-patched env $LAB DSV4_SM80_TRIPWIRE=1 SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 200 $T-patched
-    run trace-replay env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=kv,act,idx \
+    run trace-patched env $LAB SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 $T-patched
+    run trace-replay env $LAB DSV4_SM80_LAB_NATIVE_ROUNDING=kv,act,idx \
       SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 $T-replay
-    for t in pinned patched replay; do
-      F=$([ $t = pinned ] || echo --floor "$OUT/trace-pinned")
-      python -m dsv4_sm80.lab_trace "$OUT/trace-native" "$OUT/trace-$t" $F | tee -a "$OUT/trace-$t.log"
-      python -m dsv4_sm80.lab_trace "$OUT/trace-native" "$OUT/trace-$t" $F --all > "$OUT/trace-$t-all.txt" 2>&1
+    # native's pins against native; the SM80 path against the pinned oracle (as parity-pinned), native beside it
+    for ab in native:pinned pinned:patched pinned:replay; do
+      a=${ab%%:*}; b=${ab##*:}; F=$([ $a = pinned ] && echo --floor "$OUT/trace-native")
+      python -m dsv4_sm80.lab_trace "$OUT/trace-$a" "$OUT/trace-$b" $F | tee -a "$OUT/trace-$b.log"
+      python -m dsv4_sm80.lab_trace "$OUT/trace-$a" "$OUT/trace-$b" $F --all > "$OUT/trace-$b-all.txt" 2>&1
     done ;;  # the traces themselves (*.pt, hundreds of MB) stay on the host; the per-module tables come back
   graphs)
     for g in eager graph; do
