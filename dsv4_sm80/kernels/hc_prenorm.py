@@ -11,9 +11,10 @@ SM80 has: `mma.sync` TF32 tensor cores.
     sums of a^2 (num_splits None: d [m, n], sq [m])
 
 One program per (64- or 16-row block, split); each split takes an equal share of K rounded to BLOCK_K (a
-split past K writes zeros: the consumer adds every split). b is truncated to TF32 in the kernel (the low 13
-mantissa bits cleared, as a TF32 instruction reads an fp32 operand), so `tl.dot`'s own TF32 input rounding
-is exact and the result does not depend on which TF32 conversion the compiler picks. No host logic depends
+split past K writes zeros: the consumer adds every split). b is rounded to the nearest TF32 value in the
+kernel (ties away from zero, `cvt.rna` semantics, in integer ops), as DeepGEMM's wgmma on the H200 reads it
+(hc_prenorm_ref.py says how that was measured), so `tl.dot`'s own TF32 input conversion is exact and the
+result does not depend on which conversion the compiler or the tensor core applies. No host logic depends
 on values: capture-safe.
 """
 
@@ -48,7 +49,7 @@ def _hc_prenorm_kernel(a_ptr, b_ptr, d_ptr, s_ptr, M, N, K, k_share, stride_am, 
         a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         b = tl.load(b_ptr + cols[None, :] * stride_bn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        b = (b.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # TF32: low 13 bits cleared
+        b = ((b.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)  # TF32, nearest (rna)
         acc = tl.dot(a, b, acc, input_precision="tf32")
         sq += tl.sum(a * a, axis=1)
     out = (split * M + rows).to(tl.int64)
