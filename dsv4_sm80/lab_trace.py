@@ -13,6 +13,7 @@ fire on eager forwards only, in the scheduler process, on every TP rank. `trace_
 keeps, for the first forward whose `embed_tokens` receives `rows` token ids (a prefill of that prompt), every
 floating tensor with `rows` leading rows in each module's inputs and outputs, copied to the CPU in call order,
 and saves them when the model's `norm` returns: `forward-0-rank0.pt` (see `factory` for why it works that way).
+It reports on stderr (`lab_trace[rank N]: armed / recording / saved`), so a log says where a trace stopped.
 
     engine = sglang.Engine(..., forward_hooks=trace_spec(out_dir, rows=len(prompt)), disable_cuda_graph=True)
     python -m dsv4_sm80.lab_trace native_dir patched_dir [--floor other_native_dir]
@@ -60,19 +61,48 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _find_model(module):
-    """The DSV4 model module (`layers` and `embed_tokens`) that holds `module`. SGLang's DeepseekV4ForCausalLM
-    calls it through `self.model.forward(...)` (deepseek_v4.py:2519), so its own hooks never fire and it cannot
-    name itself; it is found once, among the live modules (lab only: a scan of the garbage collector's objects)."""
+def _registering_model():
+    """The model SGLang is attaching hooks to: `register_forward_hooks(model, hook_specs)` (hook_manager.py:11)
+    calls the factory, so the factory's caller's frame holds it as `model`. Lab only; None if the caller is
+    not that function (then `factory` falls back to one scan of the garbage collector's objects)."""
+    frame = sys._getframe(1)
+    for _ in range(4):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "register_forward_hooks" and "model" in frame.f_locals:
+            return frame.f_locals["model"]
+    return None
+
+
+def _dsv4_model(root):
+    """The module under root with `layers` and `embed_tokens` (DeepseekV4Model), and its qualified name."""
+    for name, m in root.named_modules():
+        if hasattr(m, "layers") and hasattr(m, "embed_tokens"):
+            return name, m
+    return None, None
+
+
+def _scan_for_root(module):
+    """Fallback: the top module (no parent among the live modules) that holds `module`, found once by a scan of
+    the garbage collector's objects (about 1 s on a loaded scheduler; never repeated)."""
     import gc
 
     from torch import nn
 
+    best = None
     for obj in gc.get_objects():
+        if type(obj).__module__.startswith("torch.distributed"):
+            continue
         if isinstance(obj, nn.Module) and hasattr(obj, "layers") and hasattr(obj, "embed_tokens"):
             if any(m is module for m in obj.modules()):
-                return obj
-    return None
+                best = obj
+                break
+    return best
+
+
+def _say(msg: str) -> None:
+    print(f"lab_trace[rank {_rank()}]: {msg}", file=sys.stderr, flush=True)
 
 
 def factory(config: dict):
@@ -80,15 +110,16 @@ def factory(config: dict):
 
     SGLang registers only post-forward hooks, which see positional inputs; DSV4 calls its decoder layers and
     attention with keyword arguments, and its model module through `.forward` (no hooks of its own). So the
-    first time the hook fires (a forward of another length: the driver sends a short request first), it finds
-    the model module, names every module under it, and puts a pre-forward hook with keyword arguments on each:
-    from then on a forward is traced when `embed_tokens` receives `rows` token ids, each module's inputs are
-    what its pre-hook saw, and the record is saved when `norm` (the model's last module) returns. That first
-    forward is not recorded."""
+    factory takes the model SGLang is registering on from its caller (`_registering_model`), names every module
+    under DeepseekV4Model and puts a pre-forward hook with keyword arguments on each: a forward is traced when
+    `embed_tokens` receives `rows` token ids, each module's inputs are what its pre-hook saw, and the record is
+    saved when `norm` (the model's last module) returns. Should the caller not hold the model, the first
+    hook call finds it by one scan (that forward is not recorded); if that fails too, tracing is off and says
+    so (no scan per module call: session 10's traces hung doing exactly that)."""
     out_dir, rows = config["dir"], int(config["rows"])
     keep = int(config.get("forwards", 1))
-    state = {"pending": [], "saved": 0, "armed": False, "active": False, "stack": {}, "names": {},
-             "embed": None, "norm": None}
+    state = {"pending": [], "saved": 0, "armed": False, "failed": False, "active": False, "stack": {},
+             "names": {}, "embed": None, "norm": None}
 
     def pre(module, args, kwargs):
         if module is state["embed"]:
@@ -96,15 +127,23 @@ def factory(config: dict):
             state["active"] = hasattr(ids, "shape") and ids.shape[0] == rows and state["saved"] < keep
             state["pending"].clear()
             state["stack"].clear()
+            if state["active"]:
+                _say(f"recording a forward of {rows} rows")
         if state["active"]:
             state["stack"].setdefault(id(module), []).append(_tensors(list(args) + list(kwargs.values()), rows))
 
-    def arm(model) -> None:
-        state["names"] = {id(m): "model" + (f".{n}" if n else "") for n, m in model.named_modules()}
+    def arm(root) -> bool:
+        prefix, model = _dsv4_model(root)
+        if model is None:
+            return False
+        prefix = prefix or "model"  # found by the scan it is the root itself; SGLang's top module names it model
+        state["names"] = {id(m): f"{prefix}.{n}" if n else prefix for n, m in model.named_modules()}
         for _, m in model.named_modules():
             m.register_forward_pre_hook(pre, with_kwargs=True)
         state["embed"], state["norm"] = model.embed_tokens, getattr(model, "norm", None)
         state["armed"] = True
+        _say(f"armed on {len(state['names'])} modules under {prefix}")
+        return True
 
     def save() -> None:
         import torch
@@ -115,18 +154,26 @@ def factory(config: dict):
             seen[name] = seen.get(name, 0) + 1
             records.append({"name": name if seen[name] == 1 else f"{name}#{seen[name]}", "in": ins, "out": outs})
         os.makedirs(out_dir, exist_ok=True)
-        torch.save(records, os.path.join(out_dir, f"forward-{state['saved']}-rank{_rank()}.pt"))
+        path = os.path.join(out_dir, f"forward-{state['saved']}-rank{_rank()}.pt")
+        torch.save(records, path)
+        _say(f"saved {len(records)} modules -> {path}")
         state["saved"] += 1
         state["pending"].clear()
         state["active"] = False
 
+    root = _registering_model()
+    if root is not None and not arm(root):
+        _say(f"no module with layers and embed_tokens under {type(root).__name__}: nothing will be traced")
+        state["failed"] = True
+
     def hook(module, inputs, output):
-        if state["saved"] >= keep:
+        if state["saved"] >= keep or state["failed"]:
             return
         if not state["armed"]:
-            model = _find_model(module)
-            if model is not None:
-                arm(model)
+            top = _scan_for_root(module)
+            if top is None or not arm(top):
+                _say("the model holding the hooked modules was not found: nothing will be traced")
+                state["failed"] = True
             return
         if not state["active"]:
             return

@@ -83,10 +83,52 @@ def test_records_every_module_in_call_order_with_keyword_inputs(tmp_path):
     assert rec[0]["in"] == [] and rec[-1]["out"][0].shape == (ROWS, 8)  # input_ids are not floating
 
 
-def test_the_first_forward_arms_and_is_not_recorded(tmp_path):
-    rec = traced(tmp_path, warm=False)  # the prompt's first prefill arms; its second one is recorded
+def test_the_model_comes_from_sglangs_registration_not_a_scan(tmp_path, monkeypatch):
+    def no_scan(module):
+        raise AssertionError("scanned the garbage collector although register_forward_hooks held the model")
+
+    monkeypatch.setattr(lab_trace, "_scan_for_root", no_scan)
+    rec = traced(tmp_path, warm=False)  # armed at registration: the prompt's first prefill is the one recorded
     assert [r["name"] for r in rec][:2] == ["model.embed_tokens", "model.layers.0.self_attn"]
     assert rec[3]["name"] == "model.layers.0" and rec[3]["in"][0].shape == (ROWS, 8)
+
+
+def hook_by_hand(tmp, top):
+    """The factory called outside register_forward_hooks (no model in its caller): it must find the model by
+    one scan on the first hook call."""
+    hook = lab_trace.factory(lab_trace.trace_spec(str(tmp), rows=ROWS)[0]["config"])
+    for name, m in top.named_modules():
+        if name.startswith("model."):
+            m.register_forward_hook(hook)
+    return hook
+
+
+def test_outside_sglang_the_first_call_scans_once_and_that_forward_is_not_recorded(tmp_path, monkeypatch):
+    calls = []
+    real = lab_trace._scan_for_root
+    monkeypatch.setattr(lab_trace, "_scan_for_root", lambda m: calls.append(m) or real(m))
+    torch.manual_seed(0)
+    top = Top()
+    hook_by_hand(tmp_path, top)
+    ids = torch.arange(ROWS) % 7
+    with torch.no_grad():
+        top(ids, torch.arange(ROWS))  # arms: not recorded
+        top(ids, torch.arange(ROWS))
+    assert len(calls) == 1
+    rec = torch.load(os.path.join(tmp_path, "forward-0-rank0.pt"), weights_only=False)
+    assert [r["name"] for r in rec] == [r["name"] for r in traced(tmp_path / "ref")]
+
+
+def test_a_model_that_cannot_be_found_turns_tracing_off_once(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(lab_trace, "_scan_for_root", lambda m: calls.append(m))  # finds nothing
+    top = Top()
+    hook_by_hand(tmp_path, top)
+    with torch.no_grad():
+        for _ in range(3):
+            top(torch.arange(ROWS), torch.arange(ROWS))
+    assert len(calls) == 1 and not os.path.exists(os.path.join(tmp_path, "forward-0-rank0.pt"))
+    assert "nothing will be traced" in capsys.readouterr().err
 
 
 def test_compare_names_the_module_that_adds_the_difference(tmp_path):
