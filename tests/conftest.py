@@ -43,7 +43,10 @@ def run_python(code, *, pythonpath=(), timeout=600, **env_overrides):
     """Run `code` in a fresh interpreter that has the repository first on PYTHONPATH (as the
     container's /sgl-workspace/platform is), so sitecustomize runs exactly as in production."""
     env = clean_env(**env_overrides)
-    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, REPO])
+    # entries the caller's PYTHONPATH already had stay after the repository (the GPU host's SGLang bundle lives
+    # in /tmp/site on PYTHONPATH, not in the interpreter's site-packages)
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != REPO]
+    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, REPO, *kept])
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=REPO)
 
