@@ -13,6 +13,7 @@ the `deep_gemm` package at once, so an unlisted one cannot slip through a lab ru
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 
 
@@ -52,6 +53,7 @@ def arm_deep_gemm(enable_jit_deepgemm):
         import deep_gemm
     except ImportError:
         return enable_jit_deepgemm
+    armed = []
     for name in sorted(dir(deep_gemm)):
         obj = getattr(deep_gemm, name)
         if (name.startswith("_") or not inspect.isfunction(obj) or getattr(obj, "dsv4_tripwire", False)
@@ -60,6 +62,10 @@ def arm_deep_gemm(enable_jit_deepgemm):
         wire = _wire(f"deep_gemm.{name}", "DeepGEMM, built for SM90/SM100 only")
         wire.dsv4_tripwire = True
         setattr(deep_gemm, name, wire)
+        armed.append(name)
+    if armed:  # a lab log then shows the wire was in place (a run that never trips says nothing by itself)
+        print(f"dsv4-sm80 tripwire: {len(armed)} DeepGEMM entry points armed (pid {os.getpid()}), "
+              f"tf32_hc_prenorm_gemm among them: {'tf32_hc_prenorm_gemm' in armed}", file=sys.stderr, flush=True)
     return enable_jit_deepgemm
 
 
