@@ -64,7 +64,7 @@
 #   tests/gpu/steps.sh bg G0 G1..  par, detached from a copy of the tree, into /tmp/res; returns at once
 #                                  (THEN="tp4 ...": steps after every group, one at a time, all GPUs visible)
 #   tests/gpu/steps.sh wait [S]    up to S s (500) for bg, then summaries and /tmp/res as $OUT/res-HHMMSS.tgz
-#                                  (JSON over 1 MB left out; the JIT tarball once bg is done)
+#                                  (JSON over 1 MB left out; the JIT tarball once bg is done, or now with JIT_NOW=1)
 #   tests/gpu/steps.sh kernels     the kernel tests, compiled on this GPU against their CPU references
 #                                  (needs pytest: carry .dev/pyt, made by `pip install --target .dev/pyt pytest`)
 # Results go to $OUT (default ./out). The native oracle is .dev/oracle/native.json (tests/gpu/engine_bed.py).
@@ -103,6 +103,13 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   ( eval "$@" ) >"$OUT/$name.log" 2>&1 || { echo "=== $name: exit $?"; rc=1; }
   grep -E "^(  A/B|fault_kill|hygiene|mhc_check|mhc bench|soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|layer_trace|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|Error|passed|failed" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
+}
+jit_tar() {  # the JIT caches into $OUT/jit.tar.xz; the device tool returns files of at most 16 MiB, so a
+  # larger tarball comes back in parts (join: cat jit.tar.xz.* > jit.tar.xz)
+  tar -C ~ -cf - .cache/tvm-ffi .cache/deep_gemm .cache/flashinfer .triton .tilelang 2>/dev/null | xz -T0 -3 > "$OUT/jit.tar.xz"
+  if [ "$(stat -c %s "$OUT/jit.tar.xz")" -gt 15728640 ]; then
+    split -b 15M -d "$OUT/jit.tar.xz" "$OUT/jit.tar.xz." && rm "$OUT/jit.tar.xz"
+  fi
 }
 case ${1:?step} in
   check)
@@ -143,10 +150,11 @@ case ${1:?step} in
   attention)
     run attention env $LAB DSV4_SM80_TRIPWIRE=1 timeout 500 python -u tests/gpu/attention_kit.py --out "$OUT/attention_kit.json" ;;
   oracle)
+    # (a cold machine compiles for 8-10 minutes before native's first forward: session 10 lost it at 560 s)
     # the native record e2e/engine/moe-engine compare against ($ORACLE), made here when this machine has none
     if [ -f "$ORACLE" ]; then echo "=== oracle: $ORACLE exists"; else
       mkdir -p "$(dirname "$ORACLE")"
-      run oracle env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 560 python tests/gpu/engine_bed.py --out "$ORACLE"
+      run oracle env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 1200 python tests/gpu/engine_bed.py --out "$ORACLE"
     fi ;;
   e2e)
     run e2e env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LOAD_REPORT="$OUT/report-e2e.jsonl" timeout 400 \
@@ -335,6 +343,8 @@ case ${1:?step} in
     tar -C /tmp/res -czf "$OUT/res-$(date +%H%M%S).tgz" --exclude='jit.tar.xz*' --exclude='*.pt' \
       $(cd /tmp/res && find . -name '*.json' -size +1M -printf '--exclude=%P ') . 2>/dev/null
     [ -f /tmp/res/DONE ] && cp /tmp/res/jit.tar.xz* "$OUT/" 2>/dev/null
+    # JIT_NOW=1: the caches as they are now, even with bg still running (a budget that ends first loses them)
+    [ -n "${JIT_NOW:-}" ] && [ ! -f /tmp/res/DONE ] && jit_tar
     # the native batch-16 record, compressed (~3 MB; as JSON it is over the 16 MiB a returned file may be): a
     # later session's `floor` teacher-forces it (N16_FROM) for the across-machines floor
     [ -f /tmp/res/native16b.json ] && xz -T0 -6 -c /tmp/res/native16.json > "$OUT/native16.json.xz"
@@ -387,9 +397,5 @@ case ${1:?step} in
 esac
 # keep the JIT caches this step built (restore with: cat jit.tar.xz* | tar -C ~ -xJf -)
 [ -n "${NO_JIT_TAR:-}" ] && exit $rc
-tar -C ~ -cf - .cache/tvm-ffi .cache/deep_gemm .cache/flashinfer .triton .tilelang 2>/dev/null | xz -T0 -3 > "$OUT/jit.tar.xz"
-# the device tool returns files of at most 16 MiB: a larger tarball comes back in parts (join: cat jit.tar.xz.* > jit.tar.xz)
-if [ "$(stat -c %s "$OUT/jit.tar.xz")" -gt 15728640 ]; then
-  split -b 15M -d "$OUT/jit.tar.xz" "$OUT/jit.tar.xz." && rm "$OUT/jit.tar.xz"
-fi
+jit_tar
 exit $rc
