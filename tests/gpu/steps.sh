@@ -243,7 +243,7 @@ case ${1:?step} in
     # the first module whose output differs much more than its input
     # (tripwire off here: e2e proves the path; a trip would cost the trace)
     L=${TRACE_LEN:-300}; T="python tests/gpu/layer_trace.py --length $L --out-dir $OUT/trace"
-    run trace-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 200 $T-native
+    run trace-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 1200 $T-native  # a cold machine compiles ~9 min first
     run trace-pinned env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(native_pins) timeout 200 $T-pinned
     run trace-patched env $LAB SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 $T-patched
     run trace-replay env $LAB DSV4_SM80_LAB_NATIVE_ROUNDING=kv,act,idx \
