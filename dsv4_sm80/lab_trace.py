@@ -84,21 +84,19 @@ def _dsv4_model(root):
 
 
 def _scan_for_root(module):
-    """Fallback: the top module (no parent among the live modules) that holds `module`, found once by a scan of
-    the garbage collector's objects (about 1 s on a loaded scheduler; never repeated)."""
+    """Fallback: a live module with `layers` and `embed_tokens` that holds `module`, found by one scan of the
+    garbage collector's objects (about 1 s on a loaded scheduler; never repeated)."""
     import gc
 
     from torch import nn
 
-    best = None
     for obj in gc.get_objects():
-        if type(obj).__module__.startswith("torch.distributed"):
+        if type(obj).__module__.startswith("torch.distributed"):  # deprecated shims warn on isinstance
             continue
         if isinstance(obj, nn.Module) and hasattr(obj, "layers") and hasattr(obj, "embed_tokens"):
             if any(m is module for m in obj.modules()):
-                best = obj
-                break
-    return best
+                return obj
+    return None
 
 
 def _say(msg: str) -> None:

@@ -70,6 +70,17 @@ def test_tf32_round_is_nearest_ties_away():
     got = ref.tf32_round(x).view(torch.int32).tolist()
     neg = torch.tensor([SIGN | (one + 0x2000)], dtype=torch.int64).to(torch.int32).item()
     assert got == [one, one + 0x2000, one + 0x2000, neg, 0x7F800000, 0x7F800000]  # ties away; FLT_MAX -> inf
+    nans = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000], dtype=torch.int32).view(torch.float32)  # all-ones wraps
+    assert torch.isnan(ref.tf32_round(nans)).all()
+
+
+def test_a_nan_in_hc_fn_reaches_the_output(kern):
+    """A NaN weight must not be rounded into a zero (silently hiding a corrupt hc_fn): as DeepGEMM would, the
+    kernel's output turns NaN in that column."""
+    a, b = inputs(3, 256)
+    b[5, 17] = torch.tensor([-1], dtype=torch.int32).view(torch.float32)  # NaN with every bit set
+    d, _ = run(kern, a, b, None)
+    assert torch.isnan(d[:, 5]).all() and torch.isfinite(torch.cat([d[:, :5], d[:, 6:]], 1)).all()
 
 
 def test_every_split_is_written_and_rows_are_independent(kern):

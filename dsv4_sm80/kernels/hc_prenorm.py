@@ -49,7 +49,8 @@ def _hc_prenorm_kernel(a_ptr, b_ptr, d_ptr, s_ptr, M, N, K, k_share, stride_am, 
         a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         b = tl.load(b_ptr + cols[None, :] * stride_bn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        b = ((b.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)  # TF32, nearest (rna)
+        # TF32, nearest (rna); a NaN stays NaN (the add alone can wrap its bits round to a zero)
+        b = tl.where(b == b, ((b.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True), b)
         acc = tl.dot(a, b, acc, input_precision="tf32")
         sq += tl.sum(a * a, axis=1)
     out = (split * M + rows).to(tl.int64)

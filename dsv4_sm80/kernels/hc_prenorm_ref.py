@@ -23,9 +23,11 @@ import torch
 
 def tf32_round(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> fp32 holding a TF32 value: rounded to nearest at the 13th mantissa bit, ties away from zero
-    (a carry into the exponent is the correct rounding; inf stays inf)."""
-    bits = x.to(torch.float32).contiguous().view(torch.int32)
-    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+    (a carry into the exponent is the correct rounding; inf stays inf; NaN stays NaN, where the integer add
+    alone could wrap a NaN's bits round to a zero)."""
+    x = x.to(torch.float32).contiguous()
+    rounded = ((x.view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)
+    return torch.where(torch.isnan(x), x, rounded)
 
 
 def tf32_truncate(x: torch.Tensor) -> torch.Tensor:
