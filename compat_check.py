@@ -461,6 +461,37 @@ def check_bind(host: Optional[str], has_api_key: bool, environ=None) -> Finding:
                  f"{env.ALLOW_OPEN_BIND.name}=1 to serve it open on purpose")
 
 
+# SGLang modes that change how DSV4's attention or experts are scheduled and that the SM80 datapath has never
+# run (no CPU test, no lab run): refused with the patch on rather than served unverified. (attribute, flag,
+# what it does); each is off by default in SGLang 0.5.16 for DSV4.
+UNVERIFIED_MODES = (
+    ("enable_dp_attention", "--enable-dp-attention", "data-parallel attention (gathered batches, padded metadata)"),
+    ("enable_two_batch_overlap", "--enable-two-batch-overlap", "two-batch overlap (an expert-parallel schedule)"),
+    ("enable_single_batch_overlap", "--enable-single-batch-overlap", "single-batch overlap (expert-parallel)"),
+    ("enable_hierarchical_cache", "--enable-hierarchical-cache", "KV pages offloaded to host memory"),
+    ("enable_pdmux", "--enable-pdmux", "prefill/decode multiplexing on split SMs"),
+    ("disaggregation_mode", "--disaggregation-mode", "prefill/decode disaggregation (KV pages sent between "
+                                                     "servers in the native layout)"),
+)
+
+
+def check_modes(server_args) -> Finding:
+    """The modes in UNVERIFIED_MODES, with the patch on: any one set is refused, naming its flag."""
+    on = []
+    for attr, flag, what in UNVERIFIED_MODES:
+        value = getattr(server_args, attr, None)
+        if attr == "disaggregation_mode":
+            if value not in (None, "null", "none"):
+                on.append((f"{flag} {value}", what))
+        elif value:
+            on.append((flag, what))
+    if not on:
+        return _ok("server.modes", "none of the unverified SGLang modes")
+    return _fail("server.modes", "; ".join(f"{flag} ({what})" for flag, what in on),
+                 "none of " + ", ".join(flag for _, flag, _ in UNVERIFIED_MODES) + " (the SM80 datapath has not "
+                 "run them)", "drop " + ", ".join(flag.split()[0] for flag, _ in on))
+
+
 EAGLE_LIKE = ("EAGLE", "EAGLE3", "NEXTN")
 
 

@@ -27,6 +27,7 @@ def before_launch(cls, server_args, *args, **kwargs):
     facts = compat_check.collect(model_path=server_args.model_path)
     findings = compat_check.evaluate(facts)
     findings.append(compat_check.check_speculative(getattr(server_args, "speculative_algorithm", None), facts.model))
+    findings.append(compat_check.check_modes(server_args))
     findings.append(compat_check.check_bind(getattr(server_args, "host", None),
                                             bool(getattr(server_args, "api_key", None))))
     bad = compat_check.failures(findings)

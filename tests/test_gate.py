@@ -7,6 +7,7 @@ found, what was expected and what to do.
 import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 
@@ -439,6 +440,43 @@ except BaseException as e:
 """
     res = run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", timeout=300)
     assert "FAIL speculative.draft: found --speculative-algorithm EAGLE on a checkpoint without" in res.stdout, \
+        res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_unverified_modes_are_refused_and_off_by_default(unit_ckpt):
+    """SGLang's own defaults for a DSV4 checkpoint leave every unverified mode off (so a default launch
+    passes); each one set is refused naming its flag, and several are named together."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=unit_ckpt, skip_tokenizer_init=True, device="cpu")
+    assert cc.check_modes(args).status == "pass", cc.check_modes(args).line()
+    for attr, flag, _ in cc.UNVERIFIED_MODES:
+        assert hasattr(args, attr), attr  # the 0.5.16 attribute names
+        value = "prefill" if attr == "disaggregation_mode" else True
+        f = cc.check_modes(SimpleNamespace(**{attr: value}))
+        assert f.status == "fail" and f.line().startswith(f"FAIL server.modes: found {flag}"), f.line()
+        assert f.fix == f"drop {flag}"
+    f = cc.check_modes(SimpleNamespace(enable_dp_attention=True, disaggregation_mode="decode"))
+    assert "--enable-dp-attention (" in f.found and "--disaggregation-mode decode (" in f.found
+    assert f.fix == "drop --enable-dp-attention, --disaggregation-mode"
+
+
+def test_engine_with_dp_attention_is_refused_at_launch(unit_ckpt):
+    """Through SGLang's own launch: the refusal names server.modes (beside the CPU host's own gate failures)."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    from conftest import run_python
+
+    code = f"""
+import sglang
+try:
+    sglang.Engine(model_path={unit_ckpt!r}, skip_tokenizer_init=True, device="cpu", enable_dp_attention=True,
+                  tp_size=2, dp_size=2)
+except BaseException as e:
+    print(type(e).__name__, str(e))
+"""
+    res = run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", timeout=300)
+    assert "FAIL server.modes: found --enable-dp-attention (data-parallel attention" in res.stdout, \
         res.stdout[-3000:] + res.stderr[-3000:]
 
 

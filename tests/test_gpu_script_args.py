@@ -145,4 +145,4 @@ def test_http_check_refused_start_harness():
     good, line = http_check.refused_start(30999, ["--api-key", "k"], "moe.expert_parallel", lab, timeout=240)
     assert not good and "'moe.expert_parallel' not named" in line, line
     assert [name for name, _, _ in http_check.REFUSED_STARTS] == [
-        "expert parallelism", "NextN speculative decoding", "another MoE runner", "HiSparse"]
+        "expert parallelism", "NextN speculative decoding", "another MoE runner", "HiSparse", "DP attention"]

@@ -159,6 +159,7 @@ REFUSED_STARTS = [
     ("NextN speculative decoding", ["--speculative-algorithm", "NEXTN"], "speculative.draft"),
     ("another MoE runner", ["--moe-runner-backend", "triton"], "moe.runner_backend"),
     ("HiSparse", ["--enable-hisparse"], "attention.hisparse"),  # session 10; not yet run on a GPU
+    ("DP attention", ["--enable-dp-attention", "--tp-size", "2", "--dp-size", "2"], "server.modes"),  # session 10
 ]
 
 
