@@ -469,6 +469,9 @@ UNVERIFIED_MODES = (
     ("enable_two_batch_overlap", "--enable-two-batch-overlap", "two-batch overlap (an expert-parallel schedule)"),
     ("enable_single_batch_overlap", "--enable-single-batch-overlap", "single-batch overlap (expert-parallel)"),
     ("enable_hierarchical_cache", "--enable-hierarchical-cache", "KV pages offloaded to host memory"),
+    ("enable_hisparse", "--enable-hisparse", "hierarchical sparse attention: a host-offloaded DSV4 pool with its "
+                                             "own layout and transfer kernels, never adapted to the BF16 KV cache "
+                                             "(SGLang's own HiSparse check passes at launch: the dtype is still FP8)"),
     ("enable_pdmux", "--enable-pdmux", "prefill/decode multiplexing on split SMs"),
     ("disaggregation_mode", "--disaggregation-mode", "prefill/decode disaggregation (KV pages sent between "
                                                      "servers in the native layout)"),

@@ -34,18 +34,8 @@ HEAD_DIM = 512
 # --- launch ---------------------------------------------------------------------------------------
 
 def bf16_kv_at_launch(cls, server_args, *args, **kwargs):
-    """Before Engine._launch_subprocesses: DSV4's KV cache dtype resolves to bfloat16; HiSparse is refused.
-
-    HiSparse (`--enable-hisparse`) swaps in a host-offloaded DSV4 pool (deepseek_v4_memory_pool.py:613,
-    kv_cache_configurator.py:1104-1486) with its own layout and transfer kernels, which this datapath has not
-    adapted to the BF16 rows and the SM80 attention: refused here rather than served half-adapted. (SGLang's
-    own check, hisparse_hook.py, passes it at this point: the dtype is still its FP8 default.)"""
-    if getattr(server_args, "enable_hisparse", False):
-        raise refusal([
-            "FAIL attention.hisparse: found --enable-hisparse; expected it off (HiSparse's host-offloaded DSV4 "
-            "pool and its kernels are not adapted to the SM80 datapath's BF16 KV cache); fix: drop "
-            "--enable-hisparse (and --hisparse-config)"
-        ])
+    """Before Engine._launch_subprocesses: DSV4's KV cache dtype resolves to bfloat16. (HiSparse, whose pool is
+    not adapted to it, is refused by the gate's server.modes check.)"""
     dtype = str(getattr(server_args, "kv_cache_dtype", "auto"))
     if dtype in ("auto", "fp8_e4m3"):
         print(f"dsv4-sm80 attention: KV cache dtype {dtype} -> bfloat16 (SM80 has no FP8; 1024 bytes per "

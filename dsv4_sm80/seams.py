@@ -170,7 +170,7 @@ SEAMS: tuple[Seam, ...] = (
         kind="before",
         replacement="dsv4_sm80.attention:bf16_kv_at_launch",
         reason=("DSV4's KV cache dtype defaults to FP8 e4m3 (arg_groups/overrides.py:1463, registered at import, "
-                "so not patchable there); SM80 keeps it BF16. HiSparse's pool is not adapted: refused."),
+                "so not patchable there); SM80 keeps it BF16."),
         upstream="srt/entrypoints/engine.py:765-790",
     ),
     Seam(

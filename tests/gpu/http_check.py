@@ -158,7 +158,7 @@ REFUSED_STARTS = [
     ("expert parallelism", ["--ep-size", "2", "--tp-size", "2"], "moe.expert_parallel"),
     ("NextN speculative decoding", ["--speculative-algorithm", "NEXTN"], "speculative.draft"),
     ("another MoE runner", ["--moe-runner-backend", "triton"], "moe.runner_backend"),
-    ("HiSparse", ["--enable-hisparse"], "attention.hisparse"),  # session 10; not yet run on a GPU
+    ("HiSparse", ["--enable-hisparse"], "server.modes"),  # session 10; not yet run on a GPU
     ("DP attention", ["--enable-dp-attention", "--tp-size", "2", "--dp-size", "2"], "server.modes"),  # session 10
 ]
 
