@@ -258,6 +258,11 @@ def main(argv=None) -> int:
             flag = "  <- adds the difference" if r["suspect"] else ""
             print(f"  {r['name'][:58]:58s} {_fmt(r['in']):>9s} {_fmt(r['out']):>9s} {_fmt(r['floor_out']):>9s}{flag}")
     print(f"lab_trace: first module adding the difference: {first or 'none'}")
+    # below the suspect bar (1 %) several modules may each add a little: the five that add the most (output
+    # difference minus input difference), whatever their size
+    grow = sorted((r for r in rows if r["out"] != math.inf), key=lambda r: r["out"] - (r["in"] or 0.0), reverse=True)
+    print("lab_trace: largest additions: " + ", ".join(
+        f"{r['name']} {_fmt(r['in'])} -> {_fmt(r['out'])}" for r in grow[:5] if r["out"] > (r["in"] or 0.0)))
     return 0
 
 

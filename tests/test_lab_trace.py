@@ -161,6 +161,7 @@ def test_cli_prints_the_first_suspect(tmp_path, capsys):
     assert lab_trace.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert "first module adding the difference: model.layers.2.self_attn" in out
+    assert "largest additions: model.layers.2.self_attn 0.00e+00 -> " in out
 
 
 def test_spec_refuses_a_one_token_trace():
