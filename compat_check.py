@@ -473,6 +473,9 @@ UNVERIFIED_MODES = (
                                              "own layout and transfer kernels, never adapted to the BF16 KV cache "
                                              "(SGLang's own HiSparse check passes at launch: the dtype is still FP8)"),
     ("enable_pdmux", "--enable-pdmux", "prefill/decode multiplexing on split SMs"),
+    ("enable_mixed_chunk", "--enable-mixed-chunk", "decode tokens mixed into prefill batches"),
+    ("enable_torch_compile", "--enable-torch-compile", "torch.compile over the model, the SM80 seams and Triton "
+                                                       "kernels inside it"),
     ("disaggregation_mode", "--disaggregation-mode", "prefill/decode disaggregation (KV pages sent between "
                                                      "servers in the native layout)"),
 )
