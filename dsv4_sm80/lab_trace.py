@@ -75,10 +75,15 @@ def _registering_model():
     return None
 
 
+def _is_dsv4_model(m) -> bool:
+    """DeepseekV4Model: the module with `layers` and `embed_tokens`."""
+    return hasattr(m, "layers") and hasattr(m, "embed_tokens")
+
+
 def _dsv4_model(root):
-    """The module under root with `layers` and `embed_tokens` (DeepseekV4Model), and its qualified name."""
+    """The DSV4 model module under root (root included), and its qualified name."""
     for name, m in root.named_modules():
-        if hasattr(m, "layers") and hasattr(m, "embed_tokens"):
+        if _is_dsv4_model(m):
             return name, m
     return None, None
 
@@ -93,7 +98,7 @@ def _scan_for_root(module):
     for obj in gc.get_objects():
         if type(obj).__module__.startswith("torch.distributed"):  # deprecated shims warn on isinstance
             continue
-        if isinstance(obj, nn.Module) and hasattr(obj, "layers") and hasattr(obj, "embed_tokens"):
+        if isinstance(obj, nn.Module) and _is_dsv4_model(obj):
             if any(m is module for m in obj.modules()):
                 return obj
     return None
