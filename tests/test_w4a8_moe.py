@@ -156,7 +156,7 @@ def test_fused_io_moe_equals_the_torch_io(k, cfg):
     x, w13, s13, w2, s2, tw, ids = case(t=6, top_k=3, seed=31)
     a, b = k.repack_mxfp4_for_w4a8(dev(w13.clone())), k.repack_mxfp4_for_w4a8(dev(w2.clone()))
     args = dev(x, a, s13, b, s2, tw, ids)
-    plain = k.w4a8_moe(*args, routed_scaling_factor=1.5, config=cfg).float().cpu()
+    plain = k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(cfg, fused_io=False)).float().cpu()
     fused = k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(cfg, fused_io=True))
     assert fused.dtype == x.dtype
     assert rel(fused.float().cpu(), plain) < 1e-2  # the same fp32 sums, rounded to BF16 once each
@@ -166,7 +166,7 @@ def test_fused_io_moe_equals_the_torch_io(k, cfg):
     assert float(per_token.max()) < 1e-2, per_token.tolist()
     into, plain_into = dev(torch.empty(x.shape, dtype=torch.float32)), dev(torch.empty(x.shape, dtype=torch.float32))
     k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(cfg, fused_io=True), out=into)
-    k.w4a8_moe(*args, routed_scaling_factor=1.5, config=cfg, out=plain_into)
+    k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(cfg, fused_io=False), out=plain_into)
     assert rel(into.cpu(), plain_into.cpu()) < 1e-6  # fp32 out: only the summation order may differ
 
 
@@ -191,6 +191,8 @@ def test_default_configs_are_valid(k):
     for pairs in (1, 24, 25, 64, 384, 385, 4096, 4097, 100000):
         cfg = k.default_config(pairs)
         assert cfg["block_n"] % 32 == 0 and 512 % cfg["block_n"] == 0 and 4096 % cfg["block_n2"] == 0, cfg
+        # decode sizes (up to 64 tokens at top-6) take the one-launch quantizer and combine (session 11)
+        assert cfg.get("fused_io", False) == (pairs <= 384), (pairs, cfg)
 
 
 def test_error_against_exact_is_bounded(k):

@@ -654,11 +654,16 @@ def default_config(pairs: int) -> dict:
     (session 8's decode sweep: 199 / 353 us at 16 / 64 tokens against 219 / 419 with 4 warps and the 64-wide
     down tile; at one token 4 warps stay faster, 55 against 61 us; between 1 and 16 tokens the switch point
     is not measured); up to 4096 pairs: 32x128 per group; beyond: 64x128 with 4 warps and the shift path
-    (1.7x faster than per-group in that tile, 3x faster than session 4's 64x64 tile)."""
+    (1.7x faster than per-group in that tile, 3x faster than session 4's 64x64 tile). Decode also takes
+    fused_io (one launch for the activation quantizer, one for the top-k combine, instead of ~15 small torch
+    kernels): session 11's H200 sweep, CUDA-graph replays, 52 -> 32 us at 1 token, 98 -> 66 at 4, 188 -> 143 at
+    16, 345 -> 303 at 64; prefill keeps the torch quantizer until its variant is timed."""
     if pairs <= 24:  # up to 4 tokens: 4 warps per 16x32 tile
-        return {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3, "shift": False}
+        return {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3, "shift": False,
+                "fused_io": True}
     if pairs <= 384:  # decode: few rows per expert, parallelism must come from N
-        return {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 2, "num_stages": 4, "shift": False}
+        return {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 2, "num_stages": 4, "shift": False,
+                "fused_io": True}
     if pairs <= 4096:
         return {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": False}
     return {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": True}
@@ -717,7 +722,7 @@ def w4a8_moe(
     if shift_up and w13_eref.shape != (e, two_i) or shift_down and w2_eref.shape != (e, h):
         raise ValueError("w13_eref / w2_eref must be shift_refs of w13_scale / w2_scale: [E, 2I], [E, H]")
     decode_asm = cfg.get("decode", "asm" if x.is_cuda and not _INTERPRETED else "alu") == "asm"
-    fused_io = cfg.get("fused_io", False)  # one-launch quantize and combine; off: no gain on the H200 (session 7)
+    fused_io = cfg.get("fused_io", False)  # one-launch quantize and combine (default_config: decode sizes)
     xq, xs = (quantize_rows_int8_fused if fused_io else quantize_rows_int8)(x, input_group)
     hq = torch.empty((pairs, inter), dtype=torch.int8, device=dev)
     groups = inter // block_n
