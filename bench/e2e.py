@@ -44,7 +44,8 @@ def child(args) -> dict:
     # graphs captured up to the largest measured batch only (SGLang's default captures far more: minutes at start)
     engine = sglang.Engine(model_path=args.ckpt, skip_tokenizer_init=True, tp_size=args.tp, moe_runner_backend="marlin",
                            mem_fraction_static=args.mem_fraction, random_seed=0, log_level=args.log_level,
-                           cuda_graph_max_bs_decode=max(args.batches))
+                           cuda_graph_max_bs_decode=max(args.batches),
+                           watchdog_timeout=1800.0)  # a cold first forward compiles for minutes (tests/gpu/engine_bed.py)
     out = {"mode": args.child, "gpu": torch.cuda.get_device_name(0), "engine_start_s": time.time() - t0, "rows": []}
     try:
         def timed(batch, new):

@@ -25,6 +25,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+# SGLang's scheduler watchdog (ServerArgs.watchdog_timeout, 300 s) kills the engine when one forward takes longer;
+# a cold machine's first forward compiles SGLang's JIT kernels for 7-9 minutes (session 11: trace-native SIGKILLed
+# by it at 7.5 minutes of compiling). The test beds allow that; serving keeps SGLang's default.
+BED_WATCHDOG_S = 1800.0
+
 
 def prompt_ids(length: int, vocab: int, seed: int) -> list[int]:
     import random
@@ -56,6 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cuda-graph-max-bs", type=int, help="capture graphs up to this batch (fewer graphs: faster start)")
     ap.add_argument("--speculative-algorithm", help="e.g. DSPARK (draft stages bundled in the checkpoint)")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
+    ap.add_argument("--watchdog-timeout", type=float, default=BED_WATCHDOG_S,
+                    help="SGLang's scheduler watchdog (its default 300 s: the `cold` step measures a first start with it)")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (lab mode: DSV4_SM80_LAB_GPU_COUNT=N unless N is the production 4)")
     ap.add_argument("--teacher-mode", choices=("batched", "alone", "reversed"), default="batched",
                     help="how the teacher-forced sequences are submitted: a floor run should differ from the "
@@ -95,7 +102,8 @@ def main(argv=None) -> int:
     engine = sglang.Engine(
         model_path=args.ckpt, skip_tokenizer_init=True, tp_size=args.tp,
         moe_runner_backend=args.moe_runner_backend, disable_cuda_graph=not args.cuda_graph,
-        mem_fraction_static=args.mem_fraction, random_seed=0, log_level="warning", **extra,
+        mem_fraction_static=args.mem_fraction, random_seed=0, log_level="warning",
+        watchdog_timeout=args.watchdog_timeout, **extra,
     )
     record["timings"]["engine_start_s"] = round(time.time() - t0, 1)
     greedy = {"temperature": 0.0, "max_new_tokens": args.max_new}

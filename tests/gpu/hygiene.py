@@ -46,7 +46,7 @@ def child(args) -> dict:
 
     import sglang
 
-    from tests.gpu.engine_bed import prompt_ids
+    from tests.gpu.engine_bed import BED_WATCHDOG_S, prompt_ids
 
     vocab = int(json.load(open(os.path.join(args.ckpt, "config.json")))["vocab_size"])
     fill = [prompt_ids(n, vocab, seed=100 + i) for i, n in enumerate([6000, 4000, 3000, 2500])]
@@ -57,7 +57,8 @@ def child(args) -> dict:
     extra = {"speculative_algorithm": "DSPARK"} if args.dspark else {}
     engine = sglang.Engine(model_path=args.ckpt, skip_tokenizer_init=True, moe_runner_backend="marlin",
                            disable_cuda_graph=not args.cuda_graph, mem_fraction_static=args.mem_fraction,
-                           random_seed=0, log_level="warning", disable_radix_cache=False, **extra)
+                           random_seed=0, log_level="warning", disable_radix_cache=False,
+                           watchdog_timeout=BED_WATCHDOG_S, **extra)
     greedy = {"temperature": 0.0, "max_new_tokens": args.max_new}
     lp = {} if args.dspark else {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 5}
     rounds = []

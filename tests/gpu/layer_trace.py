@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mem-fraction", type=float, default=0.6)
     args = ap.parse_args(argv)
 
-    from engine_bed import prompt_ids
+    from engine_bed import BED_WATCHDOG_S, prompt_ids
 
     from dsv4_sm80 import env
     from dsv4_sm80.lab_trace import trace_spec
@@ -56,7 +56,8 @@ def main(argv=None) -> int:
     engine = sglang.Engine(
         model_path=args.ckpt, skip_tokenizer_init=True, moe_runner_backend=args.moe_runner_backend,
         disable_cuda_graph=True, mem_fraction_static=args.mem_fraction, random_seed=0, log_level="warning",
-        forward_hooks=trace_spec(args.out_dir, rows=len(ids)),
+        watchdog_timeout=BED_WATCHDOG_S,
+        forward_hooks=trace_spec(args.out_dir, rows=len(ids), params=True),  # weights too: lab_trace --linears
     )
     start = time.time() - t0
     try:

@@ -14,6 +14,8 @@
 #   tests/gpu/steps.sh oracle      the native record $ORACLE (engine_bed, patch off), unless it exists
 #   tests/gpu/steps.sh e2e         engine_bed with the whole SM80 datapath (tripwire on) vs the native oracle
 #   tests/gpu/steps.sh attn-bench  bench/attention.py
+#   tests/gpu/steps.sh cold        the patched engine's first start on empty JIT caches (a fresh HOME) with SGLang's
+#                                  own 300 s scheduler watchdog: does a user's first request survive the compiling?
 #   tests/gpu/steps.sh mhc-bench   bench/mhc.py (the TF32 hc pre-norm GEMM vs DeepGEMM's)
 #   tests/gpu/steps.sh jit         SGLang's JIT modules on the SM80 path compiled for sm_80 (own cache dir)
 #   tests/gpu/steps.sh floor       native twice more on the oracle's sequences (another process, the second
@@ -160,6 +162,12 @@ case ${1:?step} in
     run e2e env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LOAD_REPORT="$OUT/report-e2e.jsonl" timeout 400 \
       python tests/gpu/engine_bed.py --out "$OUT/engine-e2e.json" --teacher-from "$ORACLE"
     python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e.json" | tee -a "$OUT/e2e.log" ;;
+  cold)
+    # every JIT cache under a fresh HOME (tvm-ffi, DeepGEMM, FlashInfer, Triton, TileLang resolve from it); the
+    # watchdog at SGLang's default: a first forward compiling past it kills the engine (session 11, native)
+    rm -rf /tmp/coldhome && mkdir -p /tmp/coldhome
+    run cold env HOME=/tmp/coldhome $LAB timeout 900 python tests/gpu/engine_bed.py --out "$OUT/cold.json" \
+      --lengths 20,300 --watchdog-timeout 300 ;;
   attn-bench)
     run attn-bench timeout 500 python bench/attention.py --variants --out "$OUT/attention.json" ;;
   floor)
@@ -253,6 +261,11 @@ case ${1:?step} in
       a=${ab%%:*}; b=${ab##*:}; F=$([ $a = pinned ] && echo --floor "$OUT/trace-native")
       python -m dsv4_sm80.lab_trace "$OUT/trace-$a" "$OUT/trace-$b" $F | tee -a "$OUT/trace-$b.log"
       python -m dsv4_sm80.lab_trace "$OUT/trace-$a" "$OUT/trace-$b" $F --all > "$OUT/trace-$b-all.txt" 2>&1
+    done
+    # each run's linears on their own recorded inputs against exact / bf16 / fp8-act models of their arithmetic:
+    # is native's FP8 linear what lab_rounding's act replay says, and how far is each path from exact
+    for r in native pinned patched replay; do
+      [ -d "$OUT/trace-$r" ] && python -m dsv4_sm80.lab_trace "$OUT/trace-$r" --linears 2>&1 | tee "$OUT/trace-$r-linears.txt" | tail -1
     done ;;  # the traces themselves (*.pt, hundreds of MB) stay on the host; the per-module tables come back
   graphs)
     for g in eager graph; do
@@ -323,6 +336,11 @@ case ${1:?step} in
     # device calls then only wait on it (step wait), so GPU time is not lost between calls
     shift
     rm -rf /tmp/res /tmp/w && mkdir -p /tmp/res && cp -a . /tmp/w
+    # an earlier session's JIT caches, staged by their own device call (they do not fit beside .dev/c5 in one
+    # carry): `mkdir -p /tmp/jitstage && cp .dev/jit/jit.tar.xz /tmp/jitstage/` with carry [".dev/jit"]
+    if [ -f /tmp/jitstage/jit.tar.xz ] && [ ! -f ~/.dsv4-jit-restored ]; then
+      tar -C ~ -xJf /tmp/jitstage/jit.tar.xz && touch ~/.dsv4-jit-restored && echo "bg: JIT caches restored from /tmp/jitstage"
+    fi
     # THEN="s1 s2": steps run after every group, one at a time, with all GPUs visible (e.g. tp4)
     setsid nohup bash -c 'cd /tmp/w && export OUT=/tmp/res NO_JIT_TAR=1; tests/gpu/steps.sh par "$@" > /tmp/res/par.out 2>&1
       for s in ${THEN:-}; do tests/gpu/steps.sh "$s" >> /tmp/res/then.txt 2>&1 || echo "=== $s: failed" >> /tmp/res/then.txt; done
