@@ -32,13 +32,15 @@ FACTORY = "dsv4_sm80.lab_trace:factory"
 TARGETS = ("model.*",)  # fnmatch: every module under the model (lm_head and the logits processor aside)
 
 
-def trace_spec(out_dir: str, rows: int, forwards: int = 1, targets=TARGETS) -> list:
-    """The `forward_hooks` server argument that records the first `forwards` forwards of `rows` tokens."""
+def trace_spec(out_dir: str, rows: int, forwards: int = 1, targets=TARGETS, params: bool = False) -> list:
+    """The `forward_hooks` server argument that records the first `forwards` forwards of `rows` tokens; with
+    `params`, each module's 2-D `weight` and its block scale (`weight_scale_inv` / `weight_scale`) too, as the
+    running kernels hold them (for `linear_check`)."""
     if rows < 2:
         raise ValueError(f"rows={rows}: a traced forward needs at least 2 tokens (decode steps of one request "
                          "have 1 and would be recorded too)")
     return [{"name": "dsv4-sm80-trace", "target_modules": list(targets), "hook_factory": FACTORY,
-             "config": {"dir": out_dir, "rows": int(rows), "forwards": int(forwards)}}]
+             "config": {"dir": out_dir, "rows": int(rows), "forwards": int(forwards), "params": bool(params)}}]
 
 
 def _tensors(obj, rows: int, depth: int = 0) -> list:
@@ -52,6 +54,26 @@ def _tensors(obj, rows: int, depth: int = 0) -> list:
     if isinstance(obj, (tuple, list)) and depth < 2:
         return [t for x in obj for t in _tensors(x, rows, depth + 1)]
     return []
+
+
+def _params(module) -> dict:
+    """A module's own 2-D floating `weight` and its scale tensor (`weight_scale_inv`, else `weight_scale`), on the
+    CPU, as the module holds them now (after SGLang's and our load-time processing); {} without such a weight."""
+    import torch
+
+    w = getattr(module, "weight", None)
+    if not (torch.is_tensor(w) and w.dim() == 2 and (w.is_floating_point() or w.dtype == torch.float8_e4m3fn)):
+        return {}
+    out = {"weight": w.detach().to("cpu", copy=True)}
+    for attr in ("weight_scale_inv", "weight_scale"):
+        s = getattr(module, attr, None)
+        if torch.is_tensor(s):
+            out["scale"] = s.detach().to("cpu", copy=True)
+            break
+    b = getattr(module, "bias", None)
+    if torch.is_tensor(b):
+        out["bias"] = b.detach().to("cpu", copy=True)
+    return out
 
 
 def _rank() -> int:
@@ -96,7 +118,8 @@ def _scan_for_root(module):
     from torch import nn
 
     for obj in gc.get_objects():
-        if type(obj).__module__.startswith("torch.distributed"):  # deprecated shims warn on isinstance
+        mod = getattr(type(obj), "__module__", "")  # a descriptor, not a string, for some extension types
+        if isinstance(mod, str) and mod.startswith("torch.distributed"):  # deprecated shims warn on isinstance
             continue
         if isinstance(obj, nn.Module) and _is_dsv4_model(obj):
             if any(m is module for m in obj.modules()):
@@ -121,8 +144,9 @@ def factory(config: dict):
     so (no scan per module call: session 10's traces hung doing exactly that)."""
     out_dir, rows = config["dir"], int(config["rows"])
     keep = int(config.get("forwards", 1))
+    want_params = bool(config.get("params", False))
     state = {"pending": [], "saved": 0, "armed": False, "failed": False, "active": False, "stack": {},
-             "names": {}, "embed": None, "norm": None}
+             "names": {}, "mods": {}, "embed": None, "norm": None}
 
     def pre(module, args, kwargs):
         if module is state["embed"]:
@@ -141,6 +165,7 @@ def factory(config: dict):
             return False
         prefix = prefix or "model"  # found by the scan it is the root itself; SGLang's top module names it model
         state["names"] = {id(m): f"{prefix}.{n}" if n else prefix for n, m in model.named_modules()}
+        state["mods"] = {id(m): m for m in model.modules()}
         for _, m in model.named_modules():
             m.register_forward_pre_hook(pre, with_kwargs=True)
         state["embed"], state["norm"] = model.embed_tokens, getattr(model, "norm", None)
@@ -155,7 +180,10 @@ def factory(config: dict):
         for mid, ins, outs in state["pending"]:
             name = state["names"].get(mid, "<unnamed>")
             seen[name] = seen.get(name, 0) + 1
-            records.append({"name": name if seen[name] == 1 else f"{name}#{seen[name]}", "in": ins, "out": outs})
+            rec = {"name": name if seen[name] == 1 else f"{name}#{seen[name]}", "in": ins, "out": outs}
+            if want_params and seen[name] == 1 and mid in state["mods"]:
+                rec["params"] = _params(state["mods"][mid])
+            records.append(rec)
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, f"forward-{state['saved']}-rank{_rank()}.pt")
         torch.save(records, path)
@@ -224,6 +252,90 @@ def compare(a: list, b: list, floor: list | None = None, jump: float = 3.0, min_
     return rows
 
 
+BLOCK = 128  # the checkpoint's FP8 weight blocks (128 x 128, one scale each)
+
+
+def exact_weight(params: dict):
+    """The float64 weight a recorded linear multiplies by: a float weight as it is; an FP8 one times its block
+    scale ([ceil(N/128), ceil(K/128)], fp32 or E8M0), each scale over its 128 x 128 block. None when the scale's
+    layout is not that (e.g. packed UE8M0 words for SM100's DeepGEMM)."""
+    import torch
+
+    w = params.get("weight")
+    if w is None:
+        return None
+    if w.dtype != torch.float8_e4m3fn:
+        return w.double()
+    s = params.get("scale")
+    n, k = w.shape
+    if s is None or not s.is_floating_point():
+        return None
+    if s.dim() != 2 or s.shape != (-(-n // BLOCK), -(-k // BLOCK)):
+        return None
+    full = s.double().repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+    return w.double() * full
+
+
+def linear_check(records: list, max_rows: int = 4096) -> list:
+    """Each recorded linear (a record with `params` from a `params=True` trace, its first input [.., K] and its
+    output [.., N]) against models of its arithmetic on its own recorded input X, W its exact weight:
+      exact    X @ W^T in float64;
+      bf16     X @ W^T in fp32, rounded to BF16 once (the SM80 dense path: an exact BF16 weight);
+      fp8 act  X through native's per-token, per-128 FP8 activation rounding (lab_rounding.fp8_act), then as bf16
+               (what native's DeepGEMM FP8 linear computes on SM90, if that reading of its sources is right).
+    Relative differences (||a - b|| / ||a||): the output against each model, and each model against exact. On
+    identical inputs, so input differences between two runs play no part."""
+    import torch
+
+    from .lab_rounding import ACT_GROUP, fp8_act
+
+    rows = []
+    for r in records:
+        p = r.get("params") or {}
+        w = exact_weight(p)
+        if w is None or not r["in"] or not r["out"]:
+            continue
+        n, k = w.shape
+        x, y = r["in"][0], r["out"][0]
+        if x.shape[-1] != k or y.shape[-1] != n:
+            continue
+        x = x.reshape(-1, k)[:max_rows]
+        y = y.reshape(-1, n)[:max_rows].double()
+        bias = p["bias"].double() if "bias" in p else 0.0
+        exact = x.double() @ w.t() + bias
+        wf = w.float()
+        out_dtype = r["out"][0].dtype
+        bf16 = (x.float() @ wf.t() + (p["bias"].float() if "bias" in p else 0.0)).to(out_dtype).double()
+        act = None
+        if k % ACT_GROUP == 0:
+            act = (fp8_act(x) @ wf.t() + (p["bias"].float() if "bias" in p else 0.0)).to(out_dtype).double()
+        rows.append({
+            "name": r["name"], "k": k, "n": n, "fp8_weight": p["weight"].dtype == torch.float8_e4m3fn,
+            "out_vs_exact": rel(exact, y), "out_vs_bf16": rel(bf16, y),
+            "out_vs_act": None if act is None else rel(act, y),
+            "bf16_vs_exact": rel(exact, bf16), "act_vs_exact": None if act is None else rel(exact, act),
+        })
+    return rows
+
+
+def print_linears(path: str, rows: list) -> None:
+    print(f"lab_trace linears: {path}: {len(rows)} recorded linears against models of their arithmetic, on their "
+          "own inputs (relative differences)")
+    print(f"  {'module':50s} {'K':>5s} {'N':>5s} {'w':>4s} {'out-exact':>9s} {'out-bf16':>9s} {'out-fp8act':>10s}"
+          f" {'bf16-exact':>10s} {'fp8act-exact':>12s}")
+    for r in rows:
+        print(f"  {r['name'][:50]:50s} {r['k']:5d} {r['n']:5d} {'fp8' if r['fp8_weight'] else 'bf16':>4s} "
+              f"{_fmt(r['out_vs_exact']):>9s} {_fmt(r['out_vs_bf16']):>9s} {_fmt(r['out_vs_act']):>10s} "
+              f"{_fmt(r['bf16_vs_exact']):>10s} {_fmt(r['act_vs_exact']):>12s}")
+    if rows:
+        def span(key):
+            v = [r[key] for r in rows if r[key] is not None]
+            return f"{_fmt(min(v))}..{_fmt(max(v))}" if v else "-"
+        print(f"lab_trace linears: output vs exact {span('out_vs_exact')}, vs the bf16 model {span('out_vs_bf16')}, "
+              f"vs the fp8-act model {span('out_vs_act')}; the models vs exact: bf16 {span('bf16_vs_exact')}, "
+              f"fp8 act {span('act_vs_exact')}")
+
+
 def _fmt(x) -> str:
     return "-" if x is None else ("inf" if x == math.inf else f"{x:.2e}")
 
@@ -231,12 +343,17 @@ def _fmt(x) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Compare two forward traces module by module (lab_trace).")
     ap.add_argument("a", help="trace directory (or .pt) taken as the reference, e.g. native")
-    ap.add_argument("b", help="trace directory (or .pt) compared with it, e.g. patched")
+    ap.add_argument("b", nargs="?", help="trace directory (or .pt) compared with it, e.g. patched")
     ap.add_argument("--floor", help="a second reference trace, e.g. native with its pinned options")
     ap.add_argument("--forward", type=int, default=0)
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--all", action="store_true", help="print every module, not only layers and suspects")
+    ap.add_argument("--linears", action="store_true",
+                    help="each trace's linears against models of their arithmetic on their own inputs (needs a "
+                         "trace taken with params: layer_trace.py does)")
     args = ap.parse_args(argv)
+    if args.b is None and not args.linears:
+        ap.error("give a second trace to compare, or --linears")
     import torch
 
     def load(p):
@@ -247,6 +364,11 @@ def main(argv=None) -> int:
         return torch.load(p, weights_only=False)
 
     a, b, fl = load(args.a), load(args.b), load(args.floor)
+    if args.linears:
+        for path, rec in ((args.a, a), (args.b, b)):
+            if rec is not None:
+                print_linears(path, linear_check(rec))
+        return 0
     rows = compare(a, b, fl)
     only_a = sorted({r["name"] for r in a} - {r["name"] for r in b})
     only_b = sorted({r["name"] for r in b} - {r["name"] for r in a})

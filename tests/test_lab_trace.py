@@ -169,3 +169,81 @@ def test_spec_refuses_a_one_token_trace():
         lab_trace.trace_spec("/tmp/x", rows=1)
     spec = lab_trace.trace_spec("/tmp/x", rows=300)
     assert spec[0]["hook_factory"] == "dsv4_sm80.lab_trace:factory" and spec[0]["config"]["rows"] == 300
+
+
+class Fp8Linear(nn.Module):
+    """A linear holding an FP8 weight with one fp32 scale per 128 x 128 block, as SGLang's block-FP8 layers do,
+    that computes what native's FP8 linear is modelled to compute: the activation through the per-token,
+    per-128 FP8 rounding, an fp32 product with the exact weight, one rounding to BF16."""
+
+    def __init__(self, n, k, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(n, k, generator=g) * 0.05
+        blocks = w.unflatten(0, (n // 128, 128)).unflatten(2, (k // 128, 128))  # [nb, 128, kb, 128]
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+        q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        self.weight = nn.Parameter(q.flatten(2).flatten(0, 1), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+
+    def forward(self, x):
+        from dsv4_sm80.lab_rounding import fp8_act
+
+        w = lab_trace.exact_weight({"weight": self.weight, "scale": self.weight_scale_inv}).float()
+        return (fp8_act(x) @ w.t()).to(x.dtype)
+
+
+class Fp8Layer(nn.Module):
+    def __init__(self, d, seed):
+        super().__init__()
+        self.self_attn = Fp8Linear(d, d, seed)
+        self.mlp = nn.Linear(d, d, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, *, hidden_states, positions):
+        h = hidden_states + self.self_attn(hidden_states)
+        return h + self.mlp(h), positions
+
+
+class Fp8Top(nn.Module):
+    def __init__(self, d=256):
+        super().__init__()
+        self.model = Model(d=d, n=2)
+        self.model.embed_tokens.to(torch.bfloat16)
+        self.model.layers = nn.ModuleList(Fp8Layer(d, seed=i) for i in range(2))
+        self.model.norm.to(torch.bfloat16)
+
+    def forward(self, input_ids, positions):
+        return self.model.forward(input_ids, positions)
+
+
+def test_linear_check_tells_an_fp8_activation_linear_from_a_bf16_one(tmp_path, capsys):
+    """With params=True the trace keeps each module's weight and block scale; linear_check then replays every
+    linear on its own recorded input: the FP8 module's output equals the fp8-act model and sits ~1e-2 from
+    exact, the BF16 module's output is the bf16 model and ~1e-3 from exact (models written from the math)."""
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+
+    torch.manual_seed(0)
+    top = Fp8Top()
+    register_forward_hooks(top, lab_trace.trace_spec(str(tmp_path), rows=ROWS, params=True))
+    with torch.no_grad():
+        top(torch.arange(ROWS), torch.arange(ROWS))
+    rec = torch.load(os.path.join(tmp_path, "forward-0-rank0.pt"), weights_only=False)
+    by = {r["name"]: r for r in rec}
+    p = by["model.layers.0.self_attn"]["params"]
+    assert p["weight"].dtype == torch.float8_e4m3fn and p["scale"].shape == (2, 2)
+    assert by["model.layers.0"]["params"] == {} and "params" in by["model.embed_tokens"]  # no 2-D weight of its own
+    rows = {r["name"]: r for r in lab_trace.linear_check(rec)}
+    # the embedding has a 2-D weight but token ids for input: not a linear
+    assert set(rows) == {"model.layers.0.self_attn", "model.layers.0.mlp", "model.layers.1.self_attn",
+                         "model.layers.1.mlp"}
+    fp8, bf16 = rows["model.layers.0.self_attn"], rows["model.layers.1.mlp"]
+    assert fp8["fp8_weight"] and fp8["out_vs_act"] == 0.0
+    assert 5e-3 < fp8["out_vs_exact"] < 6e-2 and fp8["bf16_vs_exact"] < 4e-3
+    assert not bf16["fp8_weight"] and bf16["out_vs_bf16"] < 4e-3 and bf16["out_vs_exact"] < 4e-3
+    assert bf16["out_vs_act"] > 5e-3  # the models are far enough apart to tell which one a kernel computes
+    # a scale in another layout (packed words, another block size) is not guessed at
+    assert lab_trace.exact_weight({"weight": p["weight"], "scale": p["scale"][:1]}) is None
+    assert lab_trace.exact_weight({"weight": p["weight"], "scale": p["scale"].to(torch.int32)}) is None
+    assert lab_trace.main([str(tmp_path), "--linears"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0.self_attn" in out and "output vs exact" in out
