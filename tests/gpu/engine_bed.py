@@ -61,6 +61,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cuda-graph-max-bs", type=int, help="capture graphs up to this batch (fewer graphs: faster start)")
     ap.add_argument("--speculative-algorithm", help="e.g. DSPARK (draft stages bundled in the checkpoint)")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
+    ap.add_argument("--perturb", type=float, default=0.0,
+                    help="lab noise floor: the embedding output moved one BF16 ulp in this share of its entries "
+                         "(dsv4_sm80/lab_perturb.py; eager runs only)")
     ap.add_argument("--watchdog-timeout", type=float, default=BED_WATCHDOG_S,
                     help="SGLang's scheduler watchdog (its default 300 s: the `cold` step measures a first start with it)")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (lab mode: DSV4_SM80_LAB_GPU_COUNT=N unless N is the production 4)")
@@ -99,6 +102,12 @@ def main(argv=None) -> int:
     extra = {"speculative_algorithm": args.speculative_algorithm} if args.speculative_algorithm else {}
     if args.cuda_graph_max_bs:
         extra["cuda_graph_max_bs_decode"] = args.cuda_graph_max_bs
+    if args.perturb:
+        if args.cuda_graph:
+            raise SystemExit("engine_bed: --perturb hooks eager forwards only; drop --cuda-graph")
+        from dsv4_sm80.lab_perturb import perturb_spec
+
+        extra["forward_hooks"] = perturb_spec(args.perturb)
     engine = sglang.Engine(
         model_path=args.ckpt, skip_tokenizer_init=True, tp_size=args.tp,
         moe_runner_backend=args.moe_runner_backend, disable_cuda_graph=not args.cuda_graph,

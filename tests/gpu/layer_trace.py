@@ -36,11 +36,14 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=300, help="prompt ids (the engine_bed prompt of that length)")
     ap.add_argument("--moe-runner-backend", default="marlin")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
+    ap.add_argument("--perturb", type=float, default=0.0,
+                    help="the embedding output moved one BF16 ulp in this share of entries (lab_perturb): the floor trace")
     args = ap.parse_args(argv)
 
     from engine_bed import BED_WATCHDOG_S, prompt_ids
 
     from dsv4_sm80 import env
+    from dsv4_sm80.lab_perturb import perturb_spec
     from dsv4_sm80.lab_trace import trace_spec
     from dsv4_sm80.tiny.generate import ensure
 
@@ -57,7 +60,9 @@ def main(argv=None) -> int:
         model_path=args.ckpt, skip_tokenizer_init=True, moe_runner_backend=args.moe_runner_backend,
         disable_cuda_graph=True, mem_fraction_static=args.mem_fraction, random_seed=0, log_level="warning",
         watchdog_timeout=BED_WATCHDOG_S,
-        forward_hooks=trace_spec(args.out_dir, rows=len(ids), params=True),  # weights too: lab_trace --linears
+        # weights too (lab_trace --linears); the perturbation first, so the trace records the moved embedding
+        forward_hooks=((perturb_spec(args.perturb) if args.perturb else [])
+                       + trace_spec(args.out_dir, rows=len(ids), params=True)),
     )
     start = time.time() - t0
     try:

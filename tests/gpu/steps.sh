@@ -13,6 +13,10 @@
 #   tests/gpu/steps.sh attention   SGLang's DSV4 attention test kit on the patched backend + BF16 pool (tripwire on)
 #   tests/gpu/steps.sh oracle      the native record $ORACLE (engine_bed, patch off), unless it exists
 #   tests/gpu/steps.sh e2e         engine_bed with the whole SM80 datapath (tripwire on) vs the native oracle
+#   tests/gpu/steps.sh e2e-floors  the floors for e2e's record: native again teacher-forcing the oracle's sequences
+#                                  one at a time (the batch floor), and native with its embedding moved one
+#                                  BF16 ulp in PERTURB (1e-4 1e-3) of its entries (lab_perturb: its sensitivity to
+#                                  a rounding-level input change); e2e against the oracle with each floor in turn
 #   tests/gpu/steps.sh attn-bench  bench/attention.py
 #   tests/gpu/steps.sh cold        the patched engine's first start on empty JIT caches (a fresh HOME) with SGLang's
 #                                  own 300 s scheduler watchdog: does a user's first request survive the compiling?
@@ -168,6 +172,19 @@ case ${1:?step} in
     rm -rf /tmp/coldhome && mkdir -p /tmp/coldhome
     run cold env HOME=/tmp/coldhome $LAB timeout 900 python tests/gpu/engine_bed.py --out "$OUT/cold.json" \
       --lengths 20,300 --watchdog-timeout 300 ;;
+  e2e-floors)
+    run floor-alone env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 300 python tests/gpu/engine_bed.py \
+      --out "$OUT/native-alone.json" --teacher-from "$ORACLE" --teacher-mode alone
+    for p in ${PERTURB:-1e-4 1e-3}; do
+      run "floor-perturb-$p" env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 300 python tests/gpu/engine_bed.py \
+        --out "$OUT/native-perturb-$p.json" --teacher-from "$ORACLE" --perturb "$p"
+    done
+    if [ -f "$OUT/engine-e2e.json" ]; then
+      for f in alone $(for p in ${PERTURB:-1e-4 1e-3}; do echo perturb-$p; done); do
+        echo "=== e2e against the oracle, floor: native-$f"
+        python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e.json" --floor "$OUT/native-$f.json" | head -8
+      done 2>&1 | tee "$OUT/e2e-floors.log"
+    fi ;;
   attn-bench)
     run attn-bench timeout 500 python bench/attention.py --variants --out "$OUT/attention.json" ;;
   floor)
@@ -253,18 +270,23 @@ case ${1:?step} in
     L=${TRACE_LEN:-300}; T="python tests/gpu/layer_trace.py --length $L --out-dir $OUT/trace"
     run trace-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 1200 $T-native  # a cold machine compiles ~9 min first
     run trace-pinned env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(native_pins) timeout 200 $T-pinned
+    # the pinned run again with its embedding moved one ulp in 1e-4 of its entries (lab_perturb): per module, how
+    # far native itself moves for a rounding-level input change (the floor column of the compares below)
+    run trace-perturbed env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(native_pins) timeout 200 $T-perturbed \
+      --perturb ${TRACE_PERTURB:-1e-4}
     run trace-patched env $LAB SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 $T-patched
     run trace-replay env $LAB DSV4_SM80_LAB_NATIVE_ROUNDING=kv,act,idx \
       SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 $T-replay
-    # native's pins against native; the SM80 path against the pinned oracle (as parity-pinned), native beside it
-    for ab in native:pinned pinned:patched pinned:replay; do
-      a=${ab%%:*}; b=${ab##*:}; F=$([ $a = pinned ] && echo --floor "$OUT/trace-native")
+    # native's pins against native; the SM80 path against the pinned oracle (as parity-pinned), the perturbed
+    # pinned run beside it (the floor column)
+    for ab in native:pinned pinned:perturbed pinned:patched pinned:replay; do
+      a=${ab%%:*}; b=${ab##*:}; F=$([ $a = pinned ] && [ $b != perturbed ] && echo --floor "$OUT/trace-perturbed")
       python -m dsv4_sm80.lab_trace "$OUT/trace-$a" "$OUT/trace-$b" $F | tee -a "$OUT/trace-$b.log"
       python -m dsv4_sm80.lab_trace "$OUT/trace-$a" "$OUT/trace-$b" $F --all > "$OUT/trace-$b-all.txt" 2>&1
     done
     # each run's linears on their own recorded inputs against exact / bf16 / fp8-act models of their arithmetic:
     # is native's FP8 linear what lab_rounding's act replay says, and how far is each path from exact
-    for r in native pinned patched replay; do
+    for r in native pinned perturbed patched replay; do
       [ -d "$OUT/trace-$r" ] && python -m dsv4_sm80.lab_trace "$OUT/trace-$r" --linears 2>&1 | tee "$OUT/trace-$r-linears.txt" | tail -1
     done ;;  # the traces themselves (*.pt, hundreds of MB) stay on the host; the per-module tables come back
   graphs)
