@@ -27,12 +27,28 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 K, N = 4 * 4096, 24
 TOKENS = (1, 4, 16, 64, 256, 1024, 2048, 8192)
 L2_DEFEAT_BYTES = 256 << 20
+# --variants: tiles against default_config (session 11: 32 % of copy bandwidth from 256 tokens on, 3-4.5x
+# DeepGEMM's time in prefill): smaller row blocks (more programs per SM when SGLang asks for one split), longer
+# K steps and deeper pipelines (more bytes in flight per program), more warps. Each is config keys of hc_prenorm.
+VARIANTS = {
+    "block_m 32": {"block_m": 32},
+    "block_m 16": {"block_m": 16},
+    "block_k 128": {"block_k": 128},
+    "stages 4": {"num_stages": 4},
+    "stages 5": {"num_stages": 5},
+    "warps 8": {"num_warps": 8},
+    "block_m 32, stages 4": {"block_m": 32, "num_stages": 4},
+    "block_m 32, block_k 128, stages 3": {"block_m": 32, "block_k": 128, "num_stages": 3},
+    "block_m 64, block_k 128, warps 8, stages 3": {"block_m": 64, "block_k": 128, "num_warps": 8, "num_stages": 3},
+    "block_m 128, warps 8": {"block_m": 128, "num_warps": 8},
+}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--out")
+    ap.add_argument("--variants", action="store_true", help="also time VARIANTS (other tiles) at each size")
     args = ap.parse_args(argv)
 
     import torch
@@ -84,6 +100,19 @@ def main(argv=None) -> int:
         ratio = "-" if t_native is None else f"{t_ours / t_native:11.2f}"
         print(f"{m:>7} {splits:>6} {t_ours * 1e6:8.1f} {row['gbps']:6.0f} ({row['gbps'] / peak:4.0%}) {nat_s:>9}"
               f" {ratio:>11} {floor:8.1f}")
+        if args.variants:
+            row["variants"] = {}
+            for vname, cfg in VARIANTS.items():
+                def var(cfg=cfg):
+                    hc_prenorm(a[next(it) % copies], b, d, s, splits, config=cfg)
+
+                try:
+                    row["variants"][vname] = common.timed(var) * 1e6
+                except Exception as e:  # e.g. out of shared memory for a tile on this GPU: named, not fatal
+                    row["variants"][vname] = None
+                    print(f"        {vname}: {type(e).__name__}: {str(e)[:120]}")
+            print("        variants (us): " + "  ".join(f"{k} {v:.1f}" for k, v in row["variants"].items()
+                                                     if v is not None))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(gpu=name, copy_gbps=peak, empty_us=empty, rows=rows), f, indent=1)

@@ -63,6 +63,35 @@ def test_hc_prenorm_against_reference(kern, m, k, splits):
         assert ((a.double() @ other.t() - want_d).abs() / scale).max() > 4e-6
 
 
+def test_every_bench_variant_computes_the_same(kern):
+    """bench/mhc.py --variants times other tiles (the default may become one of them): each gives the reference
+    within fp32 summation order, with a split count that leaves trailing splits empty and K not a multiple of
+    the larger K tile; a tile that is not a power of two is refused by name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_mhc", os.path.join(os.path.dirname(__file__), "..",
+                                                                            "bench", "mhc.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    a, b = inputs(70, 1000, seed=3)
+    want_d, want_s = ref.hc_prenorm_ref(a, b)
+    scale = a.double().abs() @ ref.tf32_round(b).double().abs().t()
+    for name, cfg in bench.VARIANTS.items():
+        for splits in (None, 3, 12):
+            m, n = a.shape[0], b.shape[0]
+            d = dev(torch.full((m, n) if splits is None else (splits, m, n), float("nan")))
+            s = dev(torch.full((m,) if splits is None else (splits, m), float("nan")))
+            kern.hc_prenorm(*dev(a, b), d, s, splits, config=cfg)
+            d, s = d.cpu().double(), s.cpu().double()
+            if splits is not None:
+                assert torch.isfinite(d).all(), (name, splits)
+                d, s = d.sum(0), s.sum(0)
+            assert ((d - want_d).abs() / scale).max() < 1e-6, (name, splits)
+            assert ((s - want_s).abs() / want_s).max() < 1e-6, (name, splits)
+    with pytest.raises(ValueError, match="config block_k: found 48, expected a power of two"):
+        kern.hc_prenorm(*dev(a, b), *dev(torch.empty(70, 24), torch.empty(70)), None, config={"block_k": 48})
+
+
 def test_tf32_round_is_nearest_ties_away():
     one, SIGN = 0x3F800000, 0x80000000  # 1.0 (a TF32 ulp at 1.0 is 0x2000), the sign bit
     x = torch.tensor([one + 0x0FFF, one + 0x1000, one + 0x1FFF, SIGN | (one + 0x1000), 0x7F7FFFFF, 0x7F800000],

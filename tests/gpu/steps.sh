@@ -427,7 +427,7 @@ case ${1:?step} in
       tests/test_w4a8_moe.py tests/test_sparse_attn.py tests/test_indexer_kv_store.py tests/test_mhc.py
     run mhc-check timeout 120 python tests/gpu/mhc_check.py --out "$OUT/mhc_check.json" ;;
   mhc-bench)
-    run mhc-bench timeout 300 python bench/mhc.py --out "$OUT/mhc.json" ;;
+    run mhc-bench timeout 420 python bench/mhc.py --variants --out "$OUT/mhc.json" ;;
   moe-bench)
     run moe-bench timeout 540 python bench/moe.py --variants --out "$OUT/moe.json" ;;
   moe-sweep)
