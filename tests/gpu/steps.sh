@@ -182,7 +182,7 @@ case ${1:?step} in
     if [ -f "$OUT/engine-e2e.json" ]; then
       for f in alone $(for p in ${PERTURB:-1e-4 1e-3}; do echo perturb-$p; done); do
         echo "=== e2e against the oracle, floor: native-$f"
-        python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e.json" --floor "$OUT/native-$f.json" | head -8
+        python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e.json" --floor "$OUT/native-$f.json"
       done 2>&1 | tee "$OUT/e2e-floors.log"
     fi ;;
   attn-bench)
