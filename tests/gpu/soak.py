@@ -70,6 +70,53 @@ def gpu_used_mib():
         return None
 
 
+def process_tree(root: int) -> set:
+    """root and every descendant process (from /proc: the server's scheduler and detokenizer processes)."""
+    children = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo.extend(children.get(pid, []))
+    return tree
+
+
+def server_gpu_mib(root: int):
+    """MiB of GPU memory held by the server's own processes (nvidia-smi's per-process accounting): valid on a
+    GPU that other jobs share too, where gpu_used_mib counts them."""
+    cmd = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout
+    except Exception:
+        return None
+    tree = process_tree(root)
+    total, seen = 0, False
+    for line in out.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in tree and parts[1].isdigit():
+            total += int(parts[1])
+            seen = True
+    return total if seen else None
+
+
+def memory_stable(first: list, last: list, slack_mib: int = 512, ratio: float = 1.05) -> bool:
+    """The last minute's peak within 5 % (+ 512 MiB) of the first minute's: SGLang allocates its pools at start,
+    so a server that keeps growing under a steady load leaks."""
+    if not first or not last:
+        return False
+    return max(last) <= max(first) * ratio + slack_mib
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -144,7 +191,7 @@ def main(argv=None) -> int:
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):
-            mem.append((round(time.time() - t0, 1), gpu_used_mib()))
+            mem.append((round(time.time() - t0, 1), server_gpu_mib(server.pid), gpu_used_mib()))
             time.sleep(10)
         time.sleep(5)
         for _ in range(60):  # let cancelled requests drain
@@ -156,17 +203,20 @@ def main(argv=None) -> int:
         time.sleep(2)
         after = list(find(get_json(args.port, "/v1/loads"), "num_used_tokens"))
         alive = server.poll() is None
-    first = [m for t, m in mem if m is not None][:6]
-    last = [m for t, m in mem if m is not None][-6:]
+    own = [m for t, m, _ in mem if m is not None]
+    first, last = own[:6], own[-6:]
+    stable = memory_stable(first, last)
     report = {"minutes": args.minutes, "dspark": args.dspark, "done": stats["done"], "cancelled": stats["cancelled"],
               "errors": len(stats["errors"]), "error_samples": stats["errors"][:10], "nonfinite_logprobs": stats["nonfinite"],
               "tokens_requested": stats["tokens"], "used_tokens_idle": idle, "used_tokens_after_flush": after,
-              "gpu_mib_first_minute": first, "gpu_mib_last_minute": last, "server_alive": alive}
+              "server_gpu_mib_first_minute": first, "server_gpu_mib_last_minute": last, "memory_stable": stable,
+              "device_gpu_mib": [(t, d) for t, _, d in mem], "server_alive": alive}
     ok = (report["errors"] == 0 and report["nonfinite_logprobs"] == 0 and after == idle and alive
-          and report["done"] > 0)
+          and report["done"] > 0 and stable)
     print(f"soak: {args.minutes} min{' DSPARK' if args.dspark else ''}: {report['done']} done, {report['cancelled']} "
           f"cancelled, {report['errors']} errors, {report['nonfinite_logprobs']} non-finite logprobs; KV used tokens "
-          f"idle {idle} -> after flush {after}; GPU MiB first {first[:1]} last {last[-1:]}; alive {alive}")
+          f"idle {idle} -> after flush {after}; server GPU MiB peak first minute {max(first, default=None)}, last "
+          f"minute {max(last, default=None)} (stable {stable}); alive {alive}")
     for e in report["error_samples"]:
         print("  error:", e)
     with open(args.out, "w") as f:
