@@ -184,6 +184,17 @@ case ${1:?step} in
         echo "=== e2e against the oracle, floor: native-$f"
         python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e.json" --floor "$OUT/native-$f.json"
       done 2>&1 | tee "$OUT/e2e-floors.log"
+      # the SM80 path's own sensitivity to the same change (BF16 linears, no FP8 activation rounding): if it is
+      # much smaller than native's, the patched-vs-native gap is native's own rounding noise
+      p=$(echo ${PERTURB:-1e-4 1e-3} | cut -d' ' -f1)
+      run "patched-perturb-$p" env $LAB DSV4_SM80_TRIPWIRE=1 timeout 300 python tests/gpu/engine_bed.py \
+        --out "$OUT/patched-perturb-$p.json" --teacher-from "$ORACLE" --perturb "$p"
+      for ab in "$OUT/engine-e2e.json:$OUT/patched-perturb-$p.json:SM80" "$ORACLE:$OUT/native-perturb-$p.json:native"; do
+        IFS=: read -r ref moved who <<< "$ab"
+        echo "=== the $who path against itself with its embedding moved one ulp in $p of its entries" \
+          | tee -a "$OUT/e2e-floors.log"
+        python tests/gpu/compare.py "$ref" "$moved" 2>&1 | tee -a "$OUT/e2e-floors.log"
+      done
     fi ;;
   attn-bench)
     run attn-bench timeout 500 python bench/attention.py --variants --out "$OUT/attention.json" ;;
