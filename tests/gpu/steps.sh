@@ -16,7 +16,8 @@
 #   tests/gpu/steps.sh e2e-floors  the floors for e2e's record: native again teacher-forcing the oracle's sequences
 #                                  one at a time (the batch floor), and native with its embedding moved one
 #                                  BF16 ulp in PERTURB (1e-4 1e-3) of its entries (lab_perturb: its sensitivity to
-#                                  a rounding-level input change); e2e against the oracle with each floor in turn
+#                                  a rounding-level input change); e2e against the oracle with each floor in turn;
+#                                  then each path against itself with that change (which one is the noisy one)
 #   tests/gpu/steps.sh attn-bench  bench/attention.py
 #   tests/gpu/steps.sh cold        the patched engine's first start on empty JIT caches (a fresh HOME) with SGLang's
 #                                  own 300 s scheduler watchdog: does a user's first request survive the compiling?
