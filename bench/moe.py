@@ -56,6 +56,10 @@ VARIANTS = {
     "shift, eref 0 (fallback)": {"shift": True, "_eref0": True},
     "shift, decode block_n 64": {"block_n": 64, "shift": True},  # the down kernel's activation group 64
     "fused io": {"fused_io": True},  # one-launch activation quantizer and top-k combine (~12 + 3 launches fewer)
+    # per-pair outputs in BF16 before the top-k sum (as Marlin's intermediate cache): the [pairs, H] buffer is
+    # the largest prefill traffic (1.6 GB fp32 at 16K tokens, written and read once)
+    "pair bf16": {"pair_bf16": True},
+    "fused io, pair bf16": {"fused_io": True, "pair_bf16": True},
     "alu-decode": {"decode": "alu"},
     "span-merge": {"merge": True, "shift": False},
     "block_n2 128": {"block_n2": 128},
@@ -186,7 +190,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", default=",".join(map(str, DECODE + PREFILL)))
     ap.add_argument("--experts", type=int, default=E)
-    ap.add_argument("--only", default="", help="with --variants: only the variants whose name contains this")
+    ap.add_argument("--only", default="",
+                    help="with --variants: only the variants whose name contains this (alternatives joined by |)")
     ap.add_argument("--variants", action="store_true",
                     help="also time the W4A8 kernel's alternatives per size (decoder, span merge, tiles)")
     ap.add_argument("--profile", action="store_true",
@@ -287,7 +292,7 @@ def main(argv=None) -> int:
         if args.variants:
             row["variants"] = {}
             for name, cfg in VARIANTS.items():
-                if args.only not in name:
+                if not any(o in name for o in args.only.split("|")):
                     continue
                 cfg = dict(cfg)
                 maps = no_shift if cfg.pop("_eref0", False) else None

@@ -170,6 +170,26 @@ def test_fused_io_moe_equals_the_torch_io(k, cfg):
     assert rel(into.cpu(), plain_into.cpu()) < 1e-6  # fp32 out: only the summation order may differ
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_bf16_pair_outputs_stay_within_their_rounding(k, fused):
+    """pair_bf16 keeps each (token, expert) output in BF16 before the top-k sum: within a BF16 rounding of the
+    fp32-pair result, and held to the reference written from the math as the fp32 path is."""
+    x, w13, s13, w2, s2, tw, ids = case(t=7, top_k=3, seed=37)
+    a, b = k.repack_mxfp4_for_w4a8(dev(w13.clone())), k.repack_mxfp4_for_w4a8(dev(w2.clone()))
+    args = dev(x, a, s13, b, s2, tw, ids)
+    for cfg in (DECODE, PREFILL):
+        base = dict(cfg, fused_io=fused)
+        out32 = dev(torch.empty(x.shape, dtype=torch.float32))
+        out16 = dev(torch.empty(x.shape, dtype=torch.float32))
+        k.w4a8_moe(*args, routed_scaling_factor=1.5, config=base, out=out32)
+        k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(base, pair_bf16=True), out=out16)
+        per_token = (out16.cpu() - out32.cpu()).norm(dim=-1) / out32.cpu().norm(dim=-1).clamp_min(1e-30)
+        assert float(per_token.max()) < 4e-3 and float(per_token.max()) > 0, per_token.tolist()  # 2^-9 per pair
+        want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"]).float()
+        err = (out16.cpu() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
+        assert float(err.max()) < 1e-2, err.tolist()
+
+
 def test_split_k_equals_the_unsplit_kernel_and_is_deterministic(k):
     """Gate-up in 4 K shares (more programs at batch 1): the same output as one share up to fp32 summation
     order (and the rare INT8 re-quantization flip that order can cause, as in the emulation test), bit-equal

@@ -169,7 +169,7 @@ def _sum_pairs_kernel(y_ptr, out_ptr, h, scale, TOP_K: tl.constexpr, BLOCK: tl.c
     ok = offs < h
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (t * TOP_K + k) * h + offs, mask=ok, other=0.0)
+        acc += tl.load(y_ptr + (t * TOP_K + k) * h + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * h + offs, (acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -591,7 +591,7 @@ def _w4a8_moe_kernel(
         if MUL_WEIGHT:
             w = tl.load(topk_w_ptr + out_rows, mask=row_ok, other=0.0)
             acc = acc * w[:, None]
-        tl.store(c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :], acc,
+        tl.store(c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
@@ -680,6 +680,9 @@ def w4a8_moe(
     w13 [E, 2I, H/2] and w2 [E, H, I/2]: MXFP4 bytes in the kernel layout (repack_mxfp4_for_w4a8);
     scales [E, 2I, H/32], [E, H, I/32]: E8M0 (float8_e8m0fnu or uint8). topk_* [T, top_k].
     w13_eref [E, 2I], w2_eref [E, H]: the shift maps of those scales (`shift_refs`, computed once at load);
+    config pair_bf16 (default off): the per-pair outputs kept in BF16 before the fp32 top-k sum (Marlin's way; half
+    the traffic of the largest prefill buffer). config fused_io (default_config: decode sizes): one launch each for
+    the activation quantizer and the top-k combine.
     config split_k (gate-up, per-group loop; default 1): K in that many shares, each its own program, their
     fp32 partial sums added in a fixed order by `_glu_finish_kernel` (deterministic): more programs when few
     experts are active (one token: 6 experts x 16 column tiles = 96 programs for the whole GPU).
@@ -744,7 +747,10 @@ def w4a8_moe(
         _glu_finish_kernel[(triton.cdiv(pairs, 16), groups)](
             part, hq, hs, pairs, inter, groups, float(swiglu_limit), SPLIT_K=split_k, BLOCK_R=16, BLOCK_N=block_n,
             num_warps=4)
-    y = torch.empty((pairs, h), dtype=torch.float32, device=dev)
+    # config pair_bf16: each (token, expert) output stored as BF16 before the top-k sum (fp32 accumulation), as
+    # SGLang's Marlin MoE keeps its intermediate cache: half the bytes of the largest buffer in prefill
+    # ([pairs, H]: 1.6 GB fp32 at 16K tokens, written once and read once), one BF16 rounding per pair
+    y = torch.empty((pairs, h), dtype=torch.bfloat16 if cfg.get("pair_bf16", False) else torch.float32, device=dev)
     tw = topk_weights.reshape(-1).to(torch.float32)
     _w4a8_moe_kernel[(blocks * triton.cdiv(h, block_n2),)](
         hq, hs, w2b, w2s, y, y, sorted_ids, block_expert, num_padded, tw,
@@ -760,7 +766,7 @@ def w4a8_moe(
             _sum_pairs_kernel[(t, triton.cdiv(h, 1024))](y, res, h, float(routed_scaling_factor), TOP_K=top_k,
                                                          BLOCK=1024, num_warps=4)
         return res
-    summed = y.view(t, top_k, h).sum(dim=1)
+    summed = y.view(t, top_k, h).sum(dim=1, dtype=torch.float32)
     if routed_scaling_factor != 1.0:
         summed.mul_(routed_scaling_factor)
     if out is None:

@@ -441,7 +441,9 @@ case ${1:?step} in
   mhc-bench)
     run mhc-bench timeout 420 python bench/mhc.py --variants --out "$OUT/mhc.json" ;;
   moe-bench)
-    run moe-bench timeout 540 python bench/moe.py --variants --out "$OUT/moe.json" ;;
+    # every size, with the launches fused and the per-pair outputs in BF16 beside the default (session 11: fused io
+    # is the decode default now; prefill decides with these rows)
+    run moe-bench timeout 540 python bench/moe.py --variants --only "fused io|pair bf16" --out "$OUT/moe.json" ;;
   moe-sweep)
     run moe-sweep timeout 540 python bench/moe.py --tokens 1,4,16,64 --variants --only decode- --profile \
       --out "$OUT/moe-sweep.json" ;;
