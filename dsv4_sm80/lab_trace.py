@@ -276,7 +276,7 @@ def exact_weight(params: dict):
     return w.double() * full
 
 
-def linear_check(records: list, max_rows: int = 4096) -> list:
+def linear_check(records: list, max_rows: int = 4096, device: str = "cpu") -> list:
     """Each recorded linear (a record with `params` from a `params=True` trace, its first input [.., K] and its
     output [.., N]) against models of its arithmetic on its own recorded input X, W its exact weight:
       exact    X @ W^T in float64;
@@ -284,7 +284,8 @@ def linear_check(records: list, max_rows: int = 4096) -> list:
       fp8 act  X through native's per-token, per-128 FP8 activation rounding (lab_rounding.fp8_act), then as bf16
                (what native's DeepGEMM FP8 linear computes on SM90, if that reading of its sources is right).
     Relative differences (||a - b|| / ||a||): the output against each model, and each model against exact. On
-    identical inputs, so input differences between two runs play no part."""
+    identical inputs, so input differences between two runs play no part. `device`: where the products run
+    (float64 on a GPU is quick; the figures do not depend on it beyond fp32 summation order)."""
     import torch
 
     from .lab_rounding import ACT_GROUP, fp8_act
@@ -299,16 +300,18 @@ def linear_check(records: list, max_rows: int = 4096) -> list:
         x, y = r["in"][0], r["out"][0]
         if x.shape[-1] != k or y.shape[-1] != n:
             continue
-        x = x.reshape(-1, k)[:max_rows]
-        y = y.reshape(-1, n)[:max_rows].double()
-        bias = p["bias"].double() if "bias" in p else 0.0
-        exact = x.double() @ w.t() + bias
+        x = x.reshape(-1, k)[:max_rows].to(device)
+        y = y.reshape(-1, n)[:max_rows].double().to(device)
+        w = w.to(device)
+        b64 = p["bias"].double().to(device) if "bias" in p else 0.0
+        b32 = p["bias"].float().to(device) if "bias" in p else 0.0
+        exact = x.double() @ w.t() + b64
         wf = w.float()
         out_dtype = r["out"][0].dtype
-        bf16 = (x.float() @ wf.t() + (p["bias"].float() if "bias" in p else 0.0)).to(out_dtype).double()
+        bf16 = (x.float() @ wf.t() + b32).to(out_dtype).double()
         act = None
         if k % ACT_GROUP == 0:
-            act = (fp8_act(x) @ wf.t() + (p["bias"].float() if "bias" in p else 0.0)).to(out_dtype).double()
+            act = (fp8_act(x) @ wf.t() + b32).to(out_dtype).double()
         rows.append({
             "name": r["name"], "k": k, "n": n, "fp8_weight": p["weight"].dtype == torch.float8_e4m3fn,
             "out_vs_exact": rel(exact, y), "out_vs_bf16": rel(bf16, y),
@@ -365,9 +368,11 @@ def main(argv=None) -> int:
 
     a, b, fl = load(args.a), load(args.b), load(args.floor)
     if args.linears:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 models are fp32 products, not TF32 ones
         for path, rec in ((args.a, a), (args.b, b)):
             if rec is not None:
-                print_linears(path, linear_check(rec))
+                print_linears(path, linear_check(rec, device=device))
         return 0
     rows = compare(a, b, fl)
     only_a = sorted({r["name"] for r in a} - {r["name"] for r in b})
