@@ -478,7 +478,25 @@ UNVERIFIED_MODES = (
                                                        "kernels inside it"),
     ("disaggregation_mode", "--disaggregation-mode", "prefill/decode disaggregation (KV pages sent between "
                                                      "servers in the native layout)"),
+    ("pp_size", "--pp-size", "pipeline parallelism (this path has run tensor parallelism only)"),
+    ("nnodes", "--nnodes", "more than one node (the gate checks one host's 4 GPUs; nothing multi-node has run)"),
+    ("dp_size", "--dp-size", "data-parallel replicas (a DP controller over several TP groups)"),
+    ("enable_lora", "--enable-lora", "LoRA adapters (their kernels around the SM80 linears)"),
+    ("lora_paths", "--lora-paths", "LoRA adapters (their kernels around the SM80 linears)"),
+    ("enable_deterministic_inference", "--enable-deterministic-inference",
+     "deterministic inference (SGLang swaps attention and reduction kernels for batch-invariant ones)"),
+    ("enable_eplb", "--enable-eplb", "expert-parallel load balancing"),
+    ("enable_dp_lm_head", "--enable-dp-lm-head", "a data-parallel LM head"),
 )
+COUNT_MODES = ("pp_size", "nnodes", "dp_size")  # refused above 1, named with their value
+
+
+def _mode_on(attr: str, value) -> bool:
+    if attr == "disaggregation_mode":
+        return value not in (None, "null", "none")
+    if attr in COUNT_MODES:
+        return int(value or 1) > 1
+    return bool(value)
 
 
 def check_modes(server_args) -> Finding:
@@ -486,11 +504,8 @@ def check_modes(server_args) -> Finding:
     on = []
     for attr, flag, what in UNVERIFIED_MODES:
         value = getattr(server_args, attr, None)
-        if attr == "disaggregation_mode":
-            if value not in (None, "null", "none"):
-                on.append((f"{flag} {value}", what))
-        elif value:
-            on.append((flag, what))
+        if _mode_on(attr, value):
+            on.append((f"{flag} {value}" if attr == "disaggregation_mode" or attr in COUNT_MODES else flag, what))
     if not on:
         return _ok("server.modes", "none of the unverified SGLang modes")
     return _fail("server.modes", "; ".join(f"{flag} ({what})" for flag, what in on),

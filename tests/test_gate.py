@@ -453,10 +453,14 @@ def test_unverified_modes_are_refused_and_off_by_default(unit_ckpt):
     assert cc.check_modes(args).status == "pass", cc.check_modes(args).line()
     for attr, flag, _ in cc.UNVERIFIED_MODES:
         assert hasattr(args, attr), attr  # the 0.5.16 attribute names
-        value = "prefill" if attr == "disaggregation_mode" else True
+        value = "prefill" if attr == "disaggregation_mode" else 2 if attr in cc.COUNT_MODES else True
         f = cc.check_modes(SimpleNamespace(**{attr: value}))
         assert f.status == "fail" and f.line().startswith(f"FAIL server.modes: found {flag}"), f.line()
         assert f.fix == f"drop {flag}"
+        if attr in cc.COUNT_MODES:
+            assert f.found.startswith(f"{flag} 2 (") and cc.check_modes(SimpleNamespace(**{attr: 1})).status == "pass"
+    assert cc.check_modes(SimpleNamespace(lora_paths=["a=/x"])).found.startswith("--lora-paths (LoRA")
+    assert cc.check_modes(SimpleNamespace(lora_paths=[], enable_lora=None)).status == "pass"
     f = cc.check_modes(SimpleNamespace(enable_dp_attention=True, disaggregation_mode="decode"))
     assert "--enable-dp-attention (" in f.found and "--disaggregation-mode decode (" in f.found
     assert f.fix == "drop --enable-dp-attention, --disaggregation-mode"
