@@ -113,6 +113,12 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
     "split_k 4": {"split_k": 4},
     "warps 2, stages 4, split_k 4": {"num_warps": 2, "num_stages": 4, "split_k": 4},
     "block_n2 128, warps 2, stages 4, split_k 8": {"block_n2": 128, "num_warps": 2, "num_stages": 4, "split_k": 8},
+    # session 11 made fused io the decode default: split-K on top of it (the one-token gate-up had 96 programs)
+    "fused io, split_k 2": {"fused_io": True, "split_k": 2},
+    "fused io, split_k 4": {"fused_io": True, "split_k": 4},
+    "fused io, split_k 8": {"fused_io": True, "split_k": 8},
+    "block_n2 128, warps 2, stages 4, fused io, split_k 4": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
+                                                             "fused_io": True, "split_k": 4},
 }.items()})
 PROFILE_CALLS = 10
 

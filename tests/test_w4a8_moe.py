@@ -600,3 +600,32 @@ def test_shift_loop_has_no_per_group_conversion_in_sm80_sass():
     assert per_group["IMMA"] > 0 and per_group["I2F"] == 4 * per_group["IMMA"], res
     shift_loops = [c for c in res["shift"] if c["I2F"] == 0 and c["IMMA"] > 0]
     assert shift_loops, res  # the kernel holds both loops; one of them has no conversion at all
+
+
+def test_every_bench_variant_computes_the_moe(k):
+    """bench/moe.py --variants times alternatives any of which may become a default (session 11's fused io did):
+    each one, on a case its tiles divide, against the INT8 emulation reference written from the math (its
+    intermediate group is the variant's block_n), with the shift maps given as the layer gives them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_moe", os.path.join(os.path.dirname(__file__), "..",
+                                                                            "bench", "moe.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # 512 wide (8 K shares of 64 and a 256-wide down tile divide it), intermediate 128 (a 128-wide gate-up tile
+    # does), spreads of 2 binades per row (every column shiftable: the shift path runs where a variant asks)
+    x, w13, s13, w2, s2, tw, ids = case(t=3, h=512, inter=128, e=3, top_k=2, seed=53, exp_lo=121, exp_hi=124)
+    a, b = k.repack_mxfp4_for_w4a8(dev(w13.clone())), k.repack_mxfp4_for_w4a8(dev(w2.clone()))
+    maps = {"w13_eref": k.shift_refs(dev(s13)), "w2_eref": k.shift_refs(dev(s2))}
+    zero = {n: torch.zeros_like(m) for n, m in maps.items()}
+    want = {}
+    for name, cfg in bench.VARIANTS.items():
+        cfg = dict(cfg)
+        erefs = zero if cfg.pop("_eref0", False) else maps
+        group = dict(k.default_config(3 * 2), **cfg)["block_n"]
+        if group not in want:
+            want[group] = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=group).float()
+        out = k.w4a8_moe(*dev(x, a, s13, b, s2, tw, ids), routed_scaling_factor=1.5, config=cfg,
+                         out=dev(torch.empty(x.shape, dtype=torch.float32)), **erefs).cpu()
+        err = (out - want[group]).norm(dim=-1) / want[group].norm(dim=-1).clamp_min(1e-30)
+        assert float(err.max()) < 1e-2, (name, err.tolist())
