@@ -62,7 +62,7 @@ def _params(module) -> dict:
     import torch
 
     w = getattr(module, "weight", None)
-    if not (torch.is_tensor(w) and w.dim() == 2 and (w.is_floating_point() or w.dtype == torch.float8_e4m3fn)):
+    if not (torch.is_tensor(w) and w.dim() == 2 and w.is_floating_point()):  # FP8 included
         return {}
     out = {"weight": w.detach().to("cpu", copy=True)}
     for attr in ("weight_scale_inv", "weight_scale"):
