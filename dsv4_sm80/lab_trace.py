@@ -322,8 +322,8 @@ def linear_check(records: list, max_rows: int = 4096, device: str = "cpu") -> li
 
 
 def print_linears(path: str, rows: list) -> None:
-    print(f"lab_trace linears: {path}: {len(rows)} recorded linears against models of their arithmetic, on their "
-          "own inputs (relative differences)")
+    print(f"lab_trace: linears of {path}: {len(rows)} recorded linears against models of their arithmetic, on "
+          "their own inputs (relative differences)")
     print(f"  {'module':50s} {'K':>5s} {'N':>5s} {'w':>4s} {'out-exact':>9s} {'out-bf16':>9s} {'out-fp8act':>10s}"
           f" {'bf16-exact':>10s} {'fp8act-exact':>12s}")
     for r in rows:
@@ -334,7 +334,7 @@ def print_linears(path: str, rows: list) -> None:
         def span(key):
             v = [r[key] for r in rows if r[key] is not None]
             return f"{_fmt(min(v))}..{_fmt(max(v))}" if v else "-"
-        print(f"lab_trace linears: output vs exact {span('out_vs_exact')}, vs the bf16 model {span('out_vs_bf16')}, "
+        print(f"lab_trace: linears: output vs exact {span('out_vs_exact')}, vs the bf16 model {span('out_vs_bf16')}, "
               f"vs the fp8-act model {span('out_vs_act')}; the models vs exact: bf16 {span('bf16_vs_exact')}, "
               f"fp8 act {span('act_vs_exact')}")
 
