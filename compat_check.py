@@ -368,7 +368,10 @@ def check_jit_cache(dirs: Optional[list]) -> list[Finding]:
                              f"free space there, or set {var} to a disk with room"))
     if not out:
         free = min((d.free_bytes for d in dirs if d.free_bytes is not None), default=None)
-        out.append(_ok("jit.cache", f"{len(dirs)} cache directories writable, least free {jitcache.gib(free)}"))
+        cold = [d for d in dirs if d.ours_built is False]
+        note = ("; this path's Triton kernels are not built here yet: the first requests compile them (minutes; "
+                "SGLang's --watchdog-timeout, 300 s, counts them: README, first start)") if cold else ""
+        out.append(_ok("jit.cache", f"{len(dirs)} cache directories writable, least free {jitcache.gib(free)}{note}"))
     return out
 
 

@@ -53,6 +53,7 @@ class CacheDirFacts:
     writable: bool = False
     free_bytes: Optional[int] = None
     error: Optional[str] = None
+    ours_built: Optional[bool] = None  # Triton's cache only: this path's kernels compiled here before (warm)
 
 
 def _nearest_existing(path: str) -> str:
@@ -91,8 +92,33 @@ def probe(label: str, path: str) -> CacheDirFacts:
     return f
 
 
+# Kernels every patched forward runs (attention, and the experts under the default backend): if Triton's cache
+# has neither, this host has not compiled the SM80 path yet and its first requests will (README: first start).
+OUR_TRITON_KERNELS = ("_sparse_attn_kernel", "_w4a8_moe_kernel")
+
+
+def ours_built(triton_dir: str) -> bool:
+    """Whether Triton's cache directory holds a build of any of OUR_TRITON_KERNELS (its entries are one
+    directory per build, holding `<kernel name>.json` and the binaries)."""
+    try:
+        entries = list(os.scandir(triton_dir))
+    except OSError:
+        return False
+    for e in entries:
+        try:
+            if e.is_dir() and any(n.startswith(OUR_TRITON_KERNELS) for n in os.listdir(e.path)):
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def facts(environ: Optional[Mapping[str, str]] = None) -> list[CacheDirFacts]:
-    return [probe(label, path) for label, path in cache_dirs(environ).items()]
+    out = [probe(label, path) for label, path in cache_dirs(environ).items()]
+    for f in out:
+        if f.label.startswith("Triton"):
+            f.ours_built = f.exists and ours_built(f.path)
+    return out
 
 
 # --- the compiler the JIT builds need ---------------------------------------------------------------

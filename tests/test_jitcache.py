@@ -29,6 +29,25 @@ def test_good_caches_pass_and_uncollected_is_a_skip():
     assert {x.check: x.status for x in cc.evaluate(facts())}["jit.cache"] == "skip"
 
 
+def test_a_cold_triton_cache_is_said_not_refused(tmp_path):
+    """The pass line says when this path's Triton kernels were never built in the cache (a first start compiles
+    them under SGLang's watchdog); a cache holding one of them is warm. Read from the directory layout Triton
+    writes: one directory per build with `<kernel>.json` in it."""
+    (tmp_path / "abc").mkdir()
+    (tmp_path / "abc" / "_some_other_kernel.json").write_text("{}")
+    assert not jitcache.ours_built(str(tmp_path)) and not jitcache.ours_built(str(tmp_path / "missing"))
+    cold = {x.check: x for x in cc.evaluate(with_jit([cache(ours_built=False)]))}["jit.cache"]
+    assert cold.status == "pass" and "not built here yet" in cold.found and "--watchdog-timeout" in cold.found
+    (tmp_path / "def").mkdir()
+    (tmp_path / "def" / "_w4a8_moe_kernel.json").write_text("{}")
+    assert jitcache.ours_built(str(tmp_path))
+    warm = {x.check: x for x in cc.evaluate(with_jit([cache(ours_built=True)]))}["jit.cache"]
+    assert "not built" not in warm.found
+    got = jitcache.facts({"TRITON_CACHE_DIR": str(tmp_path), "TVM_FFI_CACHE_DIR": str(tmp_path / "t"),
+                          "TILELANG_CACHE_DIR": str(tmp_path / "l")})
+    assert [f.ours_built for f in got] == [True, None, None]
+
+
 def test_full_disk_refused_naming_the_directory_and_the_variable():
     bad = failed(with_jit([cache(free_bytes=200 << 20)]))
     assert list(bad) == ["jit.cache"]
