@@ -438,14 +438,14 @@ case ${1:?step} in
     # (not the every-bench-variant MoE test: ~90 Triton builds; the moe benches run those variants on the GPU)
     run kernels env PYTHONPATH=$PWD/.dev/pyt:$PYTHONPATH timeout 400 python -m pytest -q -p no:cacheprovider \
       tests/test_w4a8_moe.py tests/test_sparse_attn.py tests/test_indexer_kv_store.py tests/test_mhc.py \
-      -k "not every_bench_variant_computes_the_moe"
+      -k "'not every_bench_variant_computes_the_moe'"  # run() evals: the inner quotes keep it one argument
     run mhc-check timeout 120 python tests/gpu/mhc_check.py --out "$OUT/mhc_check.json" ;;
   mhc-bench)
     run mhc-bench timeout 420 python bench/mhc.py --variants --out "$OUT/mhc.json" ;;
   moe-bench)
     # every size, with the launches fused and the per-pair outputs in BF16 beside the default (session 11: fused io
     # is the decode default now; prefill decides with these rows)
-    run moe-bench timeout 540 python bench/moe.py --variants --only "fused io|pair bf16" --out "$OUT/moe.json" ;;
+    run moe-bench timeout 540 python bench/moe.py --variants --only "'fused io|pair bf16'" --out "$OUT/moe.json" ;;
   moe-sweep)
     run moe-sweep timeout 540 python bench/moe.py --tokens 1,4,16,64 --variants --only decode- --profile \
       --out "$OUT/moe-sweep.json" ;;
