@@ -1,0 +1,86 @@
+"""tests/gpu/steps.sh on the CPU: each step run with `python` replaced by a recorder, so the argument lists its
+scripts would get are checked here and not after minutes of device time. steps.sh's `run` evals its command:
+a quoted argument with a space or a `|` must survive as one argument (session 11: `--only "fused io|pair bf16"`
+would have become a shell pipe). Every `--flag` a step passes must be an option its script defines."""
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+SHIM = """#!/bin/bash
+if [ "$1" = "-c" ]; then exec {real} "$@"; fi
+{real} -c 'import json, os, sys; open(os.environ["SHIM_LOG"], "a").write(json.dumps(sys.argv[1:]) + "\\n")' "$@"
+"""
+
+
+def run_step(tmp_path, step, env=None, files=()):
+    shim = tmp_path / "bin"
+    shim.mkdir(exist_ok=True)
+    (shim / "python").write_text(SHIM.format(real=shlex.quote(sys.executable)))
+    (shim / "python").chmod(0o755)
+    out = tmp_path / f"out-{step}"
+    out.mkdir()
+    for name in files:
+        (out / name).write_text("{}")
+    log = tmp_path / f"{step}.jsonl"
+    log.write_text("")
+    e = dict(os.environ, PATH=f"{shim}:{os.environ['PATH']}", OUT=str(out), NO_JIT_TAR="1",
+             ORACLE=str(out / "native.json"), SHIM_LOG=str(log), **(env or {}))
+    res = subprocess.run(["bash", "tests/gpu/steps.sh", step], cwd=REPO, env=e, capture_output=True, text=True,
+                         timeout=120)
+    assert "unknown step" not in res.stdout, res.stdout
+    return [json.loads(x) for x in log.read_text().splitlines() if x.strip()], res.stdout
+
+
+def options_of(script):
+    src = open(os.path.join(REPO, script)).read()
+    return set(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", src))
+
+
+STEPS = {  # step: files it expects from earlier steps
+    "kernels": (), "moe-bench": (), "moe-sweep": (), "mhc-bench": (), "attn-bench": (), "cold": (),
+    "e2e-floors": ("engine-e2e.json",), "trace": (), "e2e": (), "oracle": (), "soak": (),
+}
+
+
+@pytest.mark.parametrize("step", sorted(STEPS))
+def test_every_flag_a_step_passes_is_its_scripts(tmp_path, step):
+    calls, stdout = run_step(tmp_path, step, files=STEPS[step])
+    assert calls, stdout
+    for argv in calls:
+        argv = [a for a in argv if a != "-u"]  # unbuffered output: an interpreter option
+        if argv[0] == "-m":  # python -m pytest / dsv4_sm80.lab_trace: checked below where it matters
+            continue
+        script = argv[0]
+        assert os.path.isfile(os.path.join(REPO, script)), (step, argv)
+        flags = {a.split("=", 1)[0] for a in argv[1:] if a.startswith("--")}
+        missing = flags - options_of(script)
+        assert not missing, (step, script, missing)
+
+
+def test_quoted_arguments_survive_runs_eval(tmp_path):
+    calls, _ = run_step(tmp_path, "moe-bench")
+    (argv,) = calls
+    assert argv[argv.index("--only") + 1] == "fused io|pair bf16"
+    calls, _ = run_step(tmp_path, "kernels")
+    pytest_argv = next(a for a in calls if a[:2] == ["-m", "pytest"])
+    assert pytest_argv[pytest_argv.index("-k") + 1] == "not every_bench_variant_computes_the_moe"
+    assert all(os.path.isfile(os.path.join(REPO, a)) for a in pytest_argv if a.startswith("tests/"))
+
+
+def test_trace_compares_against_the_pinned_run_with_the_perturbed_floor(tmp_path):
+    calls, _ = run_step(tmp_path, "trace")
+    traced = [a for a in calls if a[0] == "tests/gpu/layer_trace.py"]
+    assert [os.path.basename(a[a.index("--out-dir") + 1]) for a in traced] == [
+        "trace-native", "trace-pinned", "trace-perturbed", "trace-patched", "trace-replay"]
+    assert traced[2][-2:] == ["--perturb", "1e-4"]
+    compares = [[os.path.basename(x) for x in a[2:]] for a in calls if a[:2] == ["-m", "dsv4_sm80.lab_trace"]]
+    assert ["trace-pinned", "trace-patched", "--floor", "trace-perturbed"] in compares
+    assert ["trace-pinned", "trace-perturbed"] in compares
