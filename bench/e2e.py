@@ -37,6 +37,8 @@ def child(args) -> dict:
     import sglang
     import torch
 
+    from tests.gpu.engine_bed import BED_WATCHDOG_S
+
     vocab = int(json.load(open(os.path.join(args.ckpt, "config.json")))["vocab_size"])
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, min(vocab, 128000)) for _ in range(args.prompt_len)] for _ in range(max(args.batches))]
@@ -45,7 +47,7 @@ def child(args) -> dict:
     engine = sglang.Engine(model_path=args.ckpt, skip_tokenizer_init=True, tp_size=args.tp, moe_runner_backend="marlin",
                            mem_fraction_static=args.mem_fraction, random_seed=0, log_level=args.log_level,
                            cuda_graph_max_bs_decode=max(args.batches),
-                           watchdog_timeout=1800.0)  # a cold first forward compiles for minutes (tests/gpu/engine_bed.py)
+                           watchdog_timeout=BED_WATCHDOG_S)  # a cold first forward compiles for minutes
     out = {"mode": args.child, "gpu": torch.cuda.get_device_name(0), "engine_start_s": time.time() - t0, "rows": []}
     try:
         def timed(batch, new):

@@ -13,6 +13,25 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below pid (by /proc ppid): a server's scheduler and detokenizer processes."""
+    children = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
+        except (OSError, ValueError, IndexError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
 @contextlib.contextmanager
 def lab_server(port: int, args: list, log_path: str, extra_env: dict | None = None, timeout: float = 500,
                native: bool = False):

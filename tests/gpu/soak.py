@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lab_server import lab_server  # noqa: E402
+from lab_server import descendants, lab_server  # noqa: E402
 
 KEY = "soak-key"
 
@@ -71,24 +71,8 @@ def gpu_used_mib():
 
 
 def process_tree(root: int) -> set:
-    """root and every descendant process (from /proc: the server's scheduler and detokenizer processes)."""
-    children = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(d))
-    tree, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        if pid not in tree:
-            tree.add(pid)
-            todo.extend(children.get(pid, []))
-    return tree
+    """root and every process below it (lab_server.descendants)."""
+    return {root, *descendants(root)}
 
 
 def server_gpu_mib(root: int):
