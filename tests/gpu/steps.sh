@@ -322,11 +322,15 @@ case ${1:?step} in
     python tests/gpu/compare.py "$OUT/spec-native-off.json" "$OUT/spec-native-dspark.json" \
       | tee -a "$OUT/spec-native-dspark.log" ;;
   wide)
-    run wide timeout 500 python -m dsv4_sm80 make-tiny /tmp/dsv4-wide --preset wide ;;
+    # /tmp/dsv4-wide.ok once complete: the steps on it (another lane, or THEN) check for it, not for the folder
+    rm -f /tmp/dsv4-wide.ok
+    run wide timeout 500 python -m dsv4_sm80 make-tiny /tmp/dsv4-wide --preset wide
+    [ $rc = 0 ] && [ -f /tmp/dsv4-wide/config.json ] && touch /tmp/dsv4-wide.ok ;;
   wide-parity)
     # the full-width checkpoint (step wide first): native, native teacher-forcing one sequence at a time (the
     # floor), patched with the tripwire; the whole model at DSV4-Flash width on one GPU
     W="--ckpt /tmp/dsv4-wide --preset wide --lengths 20,300,3000 --batch 8 --max-new 16"
+    [ -f /tmp/dsv4-wide.ok ] || { echo "=== wide-parity: no complete /tmp/dsv4-wide (step wide first)"; exit 1; }
     run wide-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 900 python tests/gpu/engine_bed.py \
       --out "$OUT/wide-native.json" $W
     run wide-native-b env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 900 python tests/gpu/engine_bed.py \
@@ -336,6 +340,7 @@ case ${1:?step} in
     python tests/gpu/compare.py "$OUT/wide-native.json" "$OUT/wide-patched.json" --floor "$OUT/wide-native-b.json" \
       | tee -a "$OUT/wide-patched.log" ;;
   e2e-bench)
+    [ -f /tmp/dsv4-wide.ok ] || { echo "=== e2e-bench: no complete /tmp/dsv4-wide (step wide first)"; exit 1; }
     run e2e-bench timeout 580 python bench/e2e.py --ckpt /tmp/dsv4-wide --out "$OUT/e2e.json" --tp ${E2E_TP:-1} \
       ${E2E_ARGS:-} ;;
   tp4|tp)
