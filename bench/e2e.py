@@ -13,6 +13,12 @@ Measured per batch size (1 and 16 by default), best of --reps:
   TTFT      wall time of a generate() of --prompt-len ids with max_new_tokens=1 (the batch at once)
   decode    (time of max_new_tokens=--decode) - TTFT, as batch * (decode - 1) / that time  [tok/s]
 The goal of the end-to-end issue: patched / native decode >= 0.9.
+
+Modes (--modes, comma-joined): native; patched (the image defaults); patched-marlin (routed experts on SGLang's
+MXFP4 Marlin, W4A16) and patched-fp8 (dense linears on FP8-Marlin) to tell which stage a gap comes from.
+--profile DIR: after the timings, each mode's engine records --profile-steps decode steps of the largest batch
+with SGLang's own profiler (Engine.start_profile by stage, GPU activity only) into DIR/MODE; the table printed
+is the GPU time per decode step by kernel, each mode's top kernels and its total against native's.
 """
 
 from __future__ import annotations
@@ -28,6 +34,55 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAB = {"ENABLE_SGLANG_DSV4_A100_PATCH": "1", "DSV4_SM80_LAB_CC": "9.0",
        "DSV4_SM80_TRIPWIRE": "1"}  # the patched path runs with every SM90-only entry point raising
+# each patched mode: the SM80 path with one stage switched to its other backend (README, environment)
+MODES = {"native": None, "patched": {},
+         "patched-marlin": {"SGLANG_DSV4_MXFP4_MOE_BACKEND": "marlin"},
+         "patched-fp8": {"SGLANG_DSV4_A100_DENSE": "fp8_marlin"}}
+
+
+def mode_env(mode: str, tp: int, base: dict) -> dict:
+    """The environment of one mode's child process."""
+    if mode not in MODES:
+        raise SystemExit(f"e2e bench: unknown mode {mode!r}; known: {', '.join(MODES)}")
+    env = dict(base, PYTHONPATH=ROOT + os.pathsep + base.get("PYTHONPATH", ""), SGLANG_JIT_DEEPGEMM_PRECOMPILE="0")
+    if MODES[mode] is None:
+        env["ENABLE_SGLANG_DSV4_A100_PATCH"] = "0"
+        return env
+    env.update(LAB)
+    env.update(MODES[mode])
+    env.pop("DSV4_SM80_LAB_GPU_COUNT", None)  # an inherited override must not outvote --tp
+    if tp != 4:  # 4 is the gate's production count: no override needed
+        env["DSV4_SM80_LAB_GPU_COUNT"] = str(tp)
+    return env
+
+
+def kernel_times(trace_paths: list) -> dict:
+    """Total GPU time (us) per kernel name over chrome traces (torch profiler's export, .json or .json.gz):
+    events of category 'kernel' (CUDA-graph replays included: CUPTI records each kernel of a graph)."""
+    import gzip
+
+    total = {}
+    for path in trace_paths:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+        for e in events:
+            if e.get("cat") == "kernel" and e.get("ph") == "X":
+                total[e["name"]] = total.get(e["name"], 0.0) + float(e.get("dur", 0.0))
+    return total
+
+
+def profile_table(per_mode: dict, steps: int, top: int = 12) -> list:
+    """Lines: per mode, its GPU time per decode step and its `top` kernels (us per step, share)."""
+    lines = []
+    nat = sum(per_mode.get("native", {}).values()) / steps if per_mode.get("native") else None
+    for mode, times in per_mode.items():
+        step = sum(times.values()) / steps
+        ratio = f" ({step / nat:.2f}x native)" if nat and mode != "native" else ""
+        lines.append(f"{mode}: {step:.1f} us of kernels per decode step{ratio}")
+        for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"  {t / steps:9.1f} us {100 * t / max(sum(times.values()), 1e-9):5.1f} %  {name[:110]}")
+    return lines
 
 
 def child(args) -> dict:
@@ -66,6 +121,18 @@ def child(args) -> dict:
             total = timed(b, args.decode)
             out["rows"].append({"batch": b, "ttft_s": ttft, "total_s": total,
                                 "decode_tok_s": b * (args.decode - 1) / max(total - ttft, 1e-9)})
+        if args.profile:
+            # SGLang's profiler by stage: the prefill and the first --profile-steps decode steps of the largest
+            # batch, each stage in its own trace file (*-EXTEND, *-DECODE); it stops itself after the steps
+            # (scheduler_components/profiler_manager.py _profile_batch_predicate), so no stop_profile here
+            b = max(args.batches)
+            d = os.path.join(args.profile, args.child)
+            os.makedirs(d, exist_ok=True)
+            engine.start_profile(output_dir=d, activities=["GPU"], with_stack=False, record_shapes=False,
+                                 profile_by_stage=True, num_steps=args.profile_steps)
+            params = {"temperature": 0.0, "max_new_tokens": args.profile_steps + 4, "ignore_eos": True}
+            engine.generate(input_ids=prompts[:b], sampling_params=params)
+            out["profile_dir"] = d
     finally:
         engine.shutdown()
     return out
@@ -84,7 +151,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (4: the production topology)")
     ap.add_argument("--log-level", default="warning", help="the engine's (info: load and capture progress)")
     ap.add_argument("--child-timeout", type=float, default=None, help="seconds per path (a stuck start fails alone)")
-    ap.add_argument("--child", choices=("native", "patched"), help=argparse.SUPPRESS)
+    ap.add_argument("--profile", help="a folder: each mode's kernels over --profile-steps decode steps (SGLang's profiler)")
+    ap.add_argument("--profile-steps", type=int, default=16)
+    ap.add_argument("--child", choices=tuple(MODES), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.batches = [int(x) for x in str(args.batches).split(",")]
     if args.child:
@@ -94,22 +163,19 @@ def main(argv=None) -> int:
     sys.path.insert(0, ROOT)
     from dsv4_sm80.tiny.generate import ensure
 
+    modes = args.modes.split(",")
+    for mode in modes:
+        mode_env(mode, args.tp, {})  # unknown modes refused before anything is generated or started
     ensure(args.ckpt, "wide", fast_experts=True)
     results = {}
-    for mode in args.modes.split(","):
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   SGLANG_JIT_DEEPGEMM_PRECOMPILE="0")
-        if mode == "patched":
-            env.update(LAB)
-            env.pop("DSV4_SM80_LAB_GPU_COUNT", None)  # an inherited override must not outvote --tp
-            if args.tp != 4:  # 4 is the gate's production count: no override needed
-                env["DSV4_SM80_LAB_GPU_COUNT"] = str(args.tp)
-        else:
-            env["ENABLE_SGLANG_DSV4_A100_PATCH"] = "0"
+    for mode in modes:
+        env = mode_env(mode, args.tp, dict(os.environ))
         cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--ckpt", args.ckpt,
                "--batches", ",".join(map(str, args.batches)), "--prompt-len", str(args.prompt_len),
                "--decode", str(args.decode), "--reps", str(args.reps), "--mem-fraction", str(args.mem_fraction),
                "--tp", str(args.tp), "--log-level", args.log_level]
+        if args.profile:
+            cmd += ["--profile", os.path.abspath(args.profile), "--profile-steps", str(args.profile_steps)]
         # its own process group: on a timeout the engine's TP workers go with it, or they would keep the
         # GPUs' memory and stall the next path
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -134,16 +200,32 @@ def main(argv=None) -> int:
         results[mode] = json.loads(line[len("E2E_RESULT "):])
     print(f"e2e bench ({args.ckpt}; TP{args.tp}; prompt {args.prompt_len} ids, decode {args.decode} tokens, "
           "CUDA graphs on)")
-    print(f"{'batch':>5s} {'mode':>8s} {'TTFT ms':>9s} {'decode tok/s':>13s} {'patched/native':>15s}")
+    print(f"{'batch':>5s} {'mode':>14s} {'TTFT ms':>9s} {'decode tok/s':>13s} {'patched/native':>15s}")
     for i, b in enumerate(args.batches):
         nat = results.get("native", {}).get("rows", [None] * len(args.batches))[i]
-        for mode in ("native", "patched"):
+        for mode in modes:
             r = results.get(mode, {}).get("rows", [None] * len(args.batches))[i]
             if r is None:
                 continue
             ratio = (f"{r['decode_tok_s'] / nat['decode_tok_s']:.2f} decode, "
-                     f"{nat['ttft_s'] / r['ttft_s']:.2f} TTFT") if mode == "patched" and nat else ""
-            print(f"{b:5d} {mode:>8s} {r['ttft_s'] * 1e3:9.1f} {r['decode_tok_s']:13.1f} {ratio:>15s}")
+                     f"{nat['ttft_s'] / r['ttft_s']:.2f} TTFT") if mode != "native" and nat else ""
+            print(f"{b:5d} {mode:>14s} {r['ttft_s'] * 1e3:9.1f} {r['decode_tok_s']:13.1f} {ratio:>15s}")
+    if args.profile:
+        import glob
+
+        per_mode = {}
+        for mode in modes:
+            paths = glob.glob(os.path.join(args.profile, mode, "*DECODE*.json*"))
+            if paths:
+                per_mode[mode] = kernel_times(paths)
+            else:
+                print(f"e2e {mode}: no profile trace under {os.path.join(args.profile, mode)}")
+        print(f"kernels per decode step (batch {max(args.batches)}, {args.profile_steps} steps recorded by "
+              "SGLang's profiler)")
+        lines = profile_table(per_mode, args.profile_steps)
+        print("\n".join(lines))
+        results["profile"] = {m: {k: v for k, v in sorted(t.items(), key=lambda kv: -kv[1])[:40]}
+                              for m, t in per_mode.items()}
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)

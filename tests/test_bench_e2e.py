@@ -1,0 +1,72 @@
+"""bench/e2e.py's CPU-side parts: each mode's environment, the kernel-time reader of a profiler trace, the
+per-step table, and its profiler call's keywords against SGLang 0.5.16's own ProfileReq."""
+
+import ast
+import gzip
+import importlib.util
+import json
+import os
+
+import pytest
+
+from conftest import REPO
+
+PATH = os.path.join(REPO, "bench", "e2e.py")
+spec = importlib.util.spec_from_file_location("bench_e2e", PATH)
+e2e = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(e2e)
+
+
+def test_each_mode_switches_one_stage_and_native_turns_the_patch_off():
+    base = {"DSV4_SM80_LAB_GPU_COUNT": "8", "SGLANG_DSV4_MXFP4_MOE_BACKEND": "inherited"}
+    nat = e2e.mode_env("native", 1, base)
+    assert nat["ENABLE_SGLANG_DSV4_A100_PATCH"] == "0"
+    pat = e2e.mode_env("patched", 1, base)
+    assert pat["ENABLE_SGLANG_DSV4_A100_PATCH"] == "1" and pat["DSV4_SM80_TRIPWIRE"] == "1"
+    assert pat["DSV4_SM80_LAB_GPU_COUNT"] == "1"  # --tp wins over an inherited override
+    assert "DSV4_SM80_LAB_GPU_COUNT" not in e2e.mode_env("patched", 4, base)  # the gate's production count
+    assert e2e.mode_env("patched-marlin", 1, {})["SGLANG_DSV4_MXFP4_MOE_BACKEND"] == "marlin"
+    assert e2e.mode_env("patched-fp8", 1, {})["SGLANG_DSV4_A100_DENSE"] == "fp8_marlin"
+    assert REPO in e2e.mode_env("patched", 1, {})["PYTHONPATH"].split(os.pathsep)
+    with pytest.raises(SystemExit, match="unknown mode 'bogus'"):
+        e2e.mode_env("bogus", 1, {})
+
+
+def test_kernel_times_sum_kernel_events_only(tmp_path):
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "gemm_a", "dur": 10.0},
+        {"ph": "X", "cat": "kernel", "name": "gemm_a", "dur": 5.5},
+        {"ph": "X", "cat": "kernel", "name": "moe_b", "dur": 20.0},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "dur": 99.0},  # host side: not GPU time
+        {"ph": "i", "cat": "kernel", "name": "marker"},
+    ]
+    plain = tmp_path / "a-DECODE.trace.json"
+    plain.write_text(json.dumps({"traceEvents": events}))
+    packed = tmp_path / "b-DECODE.trace.json.gz"
+    with gzip.open(packed, "wt") as f:
+        json.dump({"traceEvents": events[:1]}, f)
+    t = e2e.kernel_times([str(plain), str(packed)])
+    assert t == {"gemm_a": 25.5, "moe_b": 20.0}
+
+
+def test_profile_table_per_step_and_against_native():
+    lines = e2e.profile_table({"native": {"k1": 300.0, "k2": 100.0}, "patched": {"k3": 600.0}}, steps=4)
+    assert lines[0] == "native: 100.0 us of kernels per decode step"
+    assert "75.0 us" in lines[1] and "k1" in lines[1] and " 75.0 %" in lines[1]
+    assert lines[3] == "patched: 150.0 us of kernels per decode step (1.50x native)"
+
+
+@pytest.mark.sglang
+def test_start_profile_keywords_are_profilereq_fields():
+    """A misspelt keyword would only fail on the GPU, after both engines' start."""
+    from sglang.srt.managers.io_struct import ProfileReq
+
+    tree = ast.parse(open(PATH).read())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "start_profile"]
+    assert calls, "bench/e2e.py no longer calls engine.start_profile"
+    fields = set(ProfileReq.__struct_fields__)
+    for c in calls:
+        kws = {k.arg for k in c.keywords}
+        assert kws <= fields, kws - fields
+        assert "profile_by_stage" in kws  # the stage trigger is what stops the profiler by itself
