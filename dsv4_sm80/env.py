@@ -114,8 +114,15 @@ LAB_NATIVE_ROUNDING = Knob(
     "only; never for serving.",
 )
 
+LAB_MEMLOG = Knob(
+    "DSV4_SM80_LAB_MEMLOG", "", (),
+    "Lab (soak): append one JSON line every 10 s per model runner to this file, from the end of start-up: GPU "
+    "bytes in use, PyTorch's allocator reserved and allocated, segments, retries (dsv4_sm80/lab_memlog.py), to "
+    "tell allocator growth from growth outside it. Never for serving.",
+)
+
 KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC, LOAD_REPORT, TRIPWIRE,
-         ALLOW_OPEN_BIND, VISION, LAB_POISON, LAB_ROUTE_TRACE, LAB_NATIVE_ROUNDING)
+         ALLOW_OPEN_BIND, VISION, LAB_POISON, LAB_ROUTE_TRACE, LAB_NATIVE_ROUNDING, LAB_MEMLOG)
 
 
 def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:

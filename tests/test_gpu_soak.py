@@ -46,3 +46,61 @@ def test_memory_stable_rule():
     assert soak.memory_stable([70000], [73500 + 500])  # 5 % + 512 MiB
     assert not soak.memory_stable([70000], [75000])
     assert not soak.memory_stable([], [1]) and not soak.memory_stable([1], [])
+
+
+# session 12's soak on the H200 (patched, 4 minutes): (seconds, MiB of the GPU) every 10 s; flat for 100 s,
+# then a 74 MiB step and ~37 MiB/min. The first-vs-last-minute rule alone passed it.
+SESSION12 = [(0.3, 107614), (10.4, 107616), (20.4, 107616), (30.5, 107616), (40.5, 107616), (50.6, 107616),
+             (60.6, 107616), (70.7, 107616), (80.7, 107616), (90.8, 107616), (100.8, 107620), (110.9, 107694),
+             (121.0, 107702), (131.1, 107708), (141.1, 107716), (151.1, 107720), (161.2, 107728), (171.3, 107732),
+             (181.3, 107736), (191.4, 107744), (201.4, 107750), (211.5, 107756), (221.5, 107764), (231.6, 107770)]
+
+
+def test_growth_over_the_second_half_catches_a_steady_climb():
+    mib = [m for _, m in SESSION12]
+    assert soak.memory_stable(mib[:6], mib[-6:])  # the old rule: passed
+    slope = soak.growth_mib_per_min(SESSION12)
+    assert 30 < slope < 45, slope  # second half (116-232 s): 107702 -> 107770, ~37 MiB/min
+    assert slope >= soak.GROWTH_LIMIT
+    flat = [(t, 107616 + (2 if i % 3 == 0 else 0)) for i, (t, _) in enumerate(SESSION12)]  # nvidia-smi's jitter
+    assert abs(soak.growth_mib_per_min(flat)) < soak.GROWTH_LIMIT
+    warmup = [(t, 100000 + min(t, 60) * 10) for t, _ in SESSION12]  # grows in the first minute, then flat
+    assert soak.growth_mib_per_min(warmup) == 0.0
+    assert soak.growth_mib_per_min(SESSION12[:5]) is None  # too short a run to tell: not "stable"
+    assert soak.growth_mib_per_min([(t, None) for t, _ in SESSION12]) is None
+
+
+def test_memlog_lines_and_what_grew(tmp_path):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    from dsv4_sm80 import lab_memlog
+
+    path = str(tmp_path / "m.jsonl")
+    state = {"n": 0}
+
+    def sample():  # the allocator's cache grows by 64 MiB a sample, nothing outside it
+        state["n"] += 1
+        r = (1000 + 64 * state["n"]) * lab_memlog.MIB
+        return {"used": r + 500 * lab_memlog.MIB, "reserved": r, "allocated": r // 2, "segments": state["n"],
+                "retries": 0}
+
+    t = lab_memlog.start(path, 0, "target", interval=0.01, sample=sample)
+    assert lab_memlog.start(path, 0, "target", interval=0.01, sample=sample) is None  # one per process and role
+    import time
+    deadline = time.time() + 10
+    while time.time() < deadline and (not os.path.exists(path) or len(open(path).read().splitlines()) < 5):
+        time.sleep(0.01)
+    lines = lab_memlog.read(path)[:5]
+    assert t.daemon and len(lines) == 5 and lines[0]["role"] == "target" and lines[0]["pid"] == os.getpid()
+    (row,) = lab_memlog.summarize(lines).values()
+    assert row["reserved_growth"] == 256.0 and row["outside_growth"] == 0.0 and row["where"] == "reserved"
+    assert row["outside"] == [500.0, 500.0]
+    later = lab_memlog.summarize(lines, since=lines[3]["t"])
+    assert list(later.values())[0]["samples"] == 2
+    broken = str(tmp_path / "b.jsonl")
+
+    def fails():
+        raise RuntimeError("no device")
+
+    lab_memlog.start(broken, 1, "draft", interval=0.01, sample=fails).join(5)
+    (line,) = lab_memlog.read(broken)  # said once, then the thread ends
+    assert "no device" in line["error"] and lab_memlog.summarize([line]) == {}

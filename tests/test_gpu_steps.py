@@ -31,8 +31,10 @@ def run_step(tmp_path, step, env=None, files=()):
         (out / name).write_text("{}")
     log = tmp_path / f"{step}.jsonl"
     log.write_text("")
+    (tmp_path / "wide.ok").write_text("")  # a complete full-width checkpoint, as far as the steps can tell
     e = dict(os.environ, PATH=f"{shim}:{os.environ['PATH']}", OUT=str(out), NO_JIT_TAR="1",
-             ORACLE=str(out / "native.json"), SHIM_LOG=str(log), **(env or {}))
+             ORACLE=str(out / "native.json"), SHIM_LOG=str(log), WIDE=str(tmp_path / "wide"))
+    e.update(env or {})
     res = subprocess.run(["bash", "tests/gpu/steps.sh", step], cwd=REPO, env=e, capture_output=True, text=True,
                          timeout=120)
     assert "unknown step" not in res.stdout, res.stdout
@@ -46,8 +48,22 @@ def options_of(script):
 
 STEPS = {  # step: files it expects from earlier steps
     "kernels": (), "moe-bench": (), "moe-sweep": (), "mhc-bench": (), "attn-bench": (), "cold": (),
-    "e2e-floors": ("engine-e2e.json",), "trace": (), "e2e": (), "oracle": (), "soak": (),
+    "e2e-floors": ("engine-e2e.json",), "trace": (), "e2e": (), "oracle": (), "soak": (), "soak-native": (),
+    "wide-parity": (), "e2e-bench": (),
 }
+
+
+def test_steps_on_the_wide_checkpoint_refuse_without_its_marker(tmp_path):
+    for step in ("wide-parity", "e2e-bench"):
+        calls, stdout = run_step(tmp_path, step, env={"WIDE": str(tmp_path / "half-written")})
+        assert calls == [] and "(step wide first)" in stdout, stdout
+
+
+def test_e2e_bench_runs_every_mode_with_the_profile(tmp_path):
+    calls, _ = run_step(tmp_path, "e2e-bench")
+    (argv,) = calls
+    assert argv[argv.index("--modes") + 1] == "native,patched,patched-marlin,patched-fp8"
+    assert argv[argv.index("--ckpt") + 1] == str(tmp_path / "wide") and "--profile" in argv
 
 
 @pytest.mark.parametrize("step", sorted(STEPS))

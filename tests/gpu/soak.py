@@ -1,13 +1,18 @@
 """Soak the patched server (lab mode, tiny checkpoint, loopback only), bounded in time and count.
 
     DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 python tests/gpu/soak.py --minutes 5 --out soak.json [--dspark]
+    python tests/gpu/soak.py --native --minutes 5 --out soak-native.json     (the same load on native SGLang)
 
 64 concurrent streams of `/generate` (streaming, with logprobs): random prompt lengths up to the context
 limit, random max_tokens, a third of the prompts sharing long prefixes (radix-cache hits), one in ten
 cancelled mid-stream by closing the connection, small chunked-prefill chunks so long prompts span several
 batches. Reported: requests done, errors (anything but a deliberate cancellation; must be 0), NaN/Inf in the
 returned logprobs (must be 0), the KV pool's used tokens after the run and a cache flush (must be the idle
-value: no leaked pages), and GPU memory over the run (first vs last minute: stable).
+value: no leaked pages), and the server's GPU memory over the run: stable when the last minute's peak is
+within 5 % + 512 MiB of the first minute's AND its growth over the second half of the run is under
+GROWTH_LIMIT MiB/min (session 12: 107.6 -> 107.8 GB in 4 minutes passed the first rule while it grew steadily,
+a 74 MiB step then ~37 MiB/min). The patched server also logs, from inside, how much of it PyTorch's allocator holds
+(DSV4_SM80_LAB_MEMLOG, dsv4_sm80/lab_memlog.py); --native runs the same load on SGLang's own path as the A/B.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lab_server import descendants, lab_server  # noqa: E402
+from lab_server import ROOT, descendants, lab_server  # noqa: E402
 
 KEY = "soak-key"
+GROWTH_LIMIT = 4.0  # MiB/min over the run's second half: ~5.6 GiB a day, a leak that ends an A800 server in days
 
 
 def post(port, path, body, timeout=600):
@@ -101,6 +107,25 @@ def memory_stable(first: list, last: list, slack_mib: int = 512, ratio: float = 
     return max(last) <= max(first) * ratio + slack_mib
 
 
+def growth_mib_per_min(samples: list) -> float | None:
+    """Least-squares slope (MiB/min) of (seconds, MiB) samples over the second half of the run; None with
+    fewer than 4 samples there (too short a run to tell)."""
+    pts = [(t, m) for t, m in samples if m is not None]
+    if not pts:
+        return None
+    half = pts[0][0] + (pts[-1][0] - pts[0][0]) / 2
+    pts = [(t, m) for t, m in pts if t >= half]
+    if len(pts) < 4:
+        return None
+    n = len(pts)
+    mt = sum(t for t, _ in pts) / n
+    mm = sum(m for _, m in pts) / n
+    var = sum((t - mt) ** 2 for t, _ in pts)
+    if var == 0:
+        return None
+    return 60.0 * sum((t - mt) * (m - mm) for t, m in pts) / var
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -110,17 +135,27 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--port", type=int, default=30131)
     ap.add_argument("--dspark", action="store_true")
+    ap.add_argument("--native", action="store_true", help="the same load on native SGLang (patch off): the A/B")
     args = ap.parse_args(argv)
 
     serve_args = ["--api-key", KEY, "--context-length", str(args.context), "--chunked-prefill-size", "1024",
                   "--max-running-requests", "64", "--moe-runner-backend", "marlin", "--mem-fraction-static", "0.7"]
     if args.dspark:
         serve_args += ["--speculative-algorithm", "DSPARK"]
+    if args.native:  # SGLang's own launch_server: the model lab mode's serve would pick, named
+        sys.path.insert(0, ROOT)
+        from dsv4_sm80.cli import _lab_model
+
+        serve_args += ["--model-path", _lab_model()]
+    memlog = os.path.splitext(os.path.abspath(args.out))[0] + ".memlog.jsonl"
+    if os.path.exists(memlog):
+        os.remove(memlog)
     stats = {"done": 0, "cancelled": 0, "errors": [], "nonfinite": 0, "tokens": 0}
     lock = threading.Lock()
     mem = []
     log_path = os.path.splitext(os.path.abspath(args.out))[0] + ".server.log"  # soak and soak-dspark each keep theirs
-    with lab_server(args.port, serve_args, log_path) as (server, _):
+    with lab_server(args.port, serve_args, log_path, {"DSV4_SM80_LAB_MEMLOG": memlog},
+                    native=args.native) as (server, _):
         t0 = time.time()
         post(args.port, "/flush_cache", {}).read()
         idle = list(find(get_json(args.port, "/v1/loads"), "num_used_tokens"))
@@ -189,18 +224,36 @@ def main(argv=None) -> int:
         alive = server.poll() is None
     own = [m for t, m, _ in mem if m is not None]
     first, last = own[:6], own[-6:]
-    stable = memory_stable(first, last)
-    report = {"minutes": args.minutes, "dspark": args.dspark, "done": stats["done"], "cancelled": stats["cancelled"],
+    slope = growth_mib_per_min([(t, m) for t, m, _ in mem])
+    stable = memory_stable(first, last) and slope is not None and slope < GROWTH_LIMIT
+    inside = None
+    if os.path.exists(memlog):  # the patched server's own view (lab_memlog); native SGLang writes none
+        sys.path.insert(0, ROOT)
+        from dsv4_sm80 import lab_memlog
+
+        inside = lab_memlog.summarize(lab_memlog.read(memlog), since=t0)
+    report = {"minutes": args.minutes, "dspark": args.dspark, "native": args.native,
+              "done": stats["done"], "cancelled": stats["cancelled"],
               "errors": len(stats["errors"]), "error_samples": stats["errors"][:10], "nonfinite_logprobs": stats["nonfinite"],
               "tokens_requested": stats["tokens"], "used_tokens_idle": idle, "used_tokens_after_flush": after,
-              "server_gpu_mib_first_minute": first, "server_gpu_mib_last_minute": last, "memory_stable": stable,
-              "device_gpu_mib": [(t, d) for t, _, d in mem], "server_alive": alive}
+              "server_gpu_mib_first_minute": first, "server_gpu_mib_last_minute": last,
+              "growth_mib_per_min_second_half": None if slope is None else round(slope, 1),
+              "growth_limit_mib_per_min": GROWTH_LIMIT, "memory_stable": stable,
+              "server_gpu_mib": [(t, m) for t, m, _ in mem], "device_gpu_mib": [(t, d) for t, _, d in mem],
+              "inside_server": inside, "server_alive": alive}
     ok = (report["errors"] == 0 and report["nonfinite_logprobs"] == 0 and after == idle and alive
           and report["done"] > 0 and stable)
-    print(f"soak: {args.minutes} min{' DSPARK' if args.dspark else ''}: {report['done']} done, {report['cancelled']} "
+    rate = "too short to tell" if slope is None else f"{slope:+.1f} MiB/min"
+    print(f"soak: {'native ' if args.native else ''}{args.minutes} min{' DSPARK' if args.dspark else ''}: "
+          f"{report['done']} done, {report['cancelled']} "
           f"cancelled, {report['errors']} errors, {report['nonfinite_logprobs']} non-finite logprobs; KV used tokens "
           f"idle {idle} -> after flush {after}; server GPU MiB peak first minute {max(first, default=None)}, last "
-          f"minute {max(last, default=None)} (stable {stable}); alive {alive}")
+          f"minute {max(last, default=None)}, second half {rate} (limit {GROWTH_LIMIT}; stable {stable}); alive {alive}")
+    for who, row in (inside or {}).items():
+        print(f"soak: inside the server, {who}: MiB used {row['used'][0]} -> {row['used'][1]}, allocator reserved "
+              f"{row['reserved'][0]} -> {row['reserved'][1]}, allocated {row['allocated'][0]} -> {row['allocated'][1]}"
+              f", outside the allocator {row['outside'][0]} -> {row['outside'][1]} (grew: {row['where']}; "
+              f"alloc retries {row['retries']})")
     for e in report["error_samples"]:
         print("  error:", e)
     with open(args.out, "w") as f:

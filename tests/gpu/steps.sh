@@ -44,7 +44,8 @@
 #                                  native DSPARK vs native without speculation beside it (the floor)
 #   tests/gpu/steps.sh wide        generate the full-width checkpoint (/tmp/dsv4-wide, ~24 GB, fast experts)
 #   tests/gpu/steps.sh wide-parity on it: native, native one sequence at a time (floor), patched (tripwire), TP1
-#   tests/gpu/steps.sh e2e-bench   bench/e2e.py on it: decode tok/s and TTFT, patched vs native, batch 1 and 16
+#   tests/gpu/steps.sh e2e-bench   bench/e2e.py on it: decode tok/s and TTFT, patched vs native, batch 1 and 16 (also
+#                                  with experts on Marlin / dense on FP8-Marlin), kernels per decode step
 #   tests/gpu/steps.sh http        serve in lab mode (tiny model + stand-in tokenizer, --api-key): OpenAI and native
 #                                  endpoints, the key enforced, bad requests answered 4xx, the server alive after;
 #                                  then launches that must be refused naming their check (EP, NextN, MoE runner)
@@ -60,7 +61,8 @@
 #                                  flush and without; outputs must be equal and finite (and with DSPARK)
 #   tests/gpu/steps.sh fault       a scheduler (TP worker) SIGKILLed mid-request: the server must exit non-zero, the
 #                                  client's request end (TP2 on x2: python tests/gpu/fault_kill.py --tp 2 --rank 1)
-#   tests/gpu/steps.sh soak        64 streams against the patched server for SOAK_MIN (4) minutes; soak-dspark: with DSPARK
+#   tests/gpu/steps.sh soak        64 streams against the patched server for SOAK_MIN (6) minutes; soak-dspark: with DSPARK;
+#                                  soak-native: the same load on native SGLang (its memory growth beside ours)
 #   tests/gpu/steps.sh tp4         TP4 on four GPUs (gate at its production count 4): native twice (oracle + floor,
 #                                  (TP=2 steps.sh tp: the same at TP2 on the two-GPU kind, gate count overridden to 2)
 #                                  the floor teacher-forcing one sequence at a time),
@@ -81,6 +83,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} SGLANG_JIT_DEEPGEMM_PRECOMPILE=0
 LAB="ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0"
 ORACLE=${ORACLE:-.dev/oracle/native.json}
+WIDE=${WIDE:-/tmp/dsv4-wide}  # the full-width checkpoint (step wide); $WIDE.ok once it is complete
 rc=0
 pins() {  # NAME=VALUE of every SGLang option the SM80 bootstrap pins at import to another value than SGLang's
   # (dsv4_sm80/env.py; its guards hold SGLang's own defaults and change nothing for native)
@@ -322,15 +325,15 @@ case ${1:?step} in
     python tests/gpu/compare.py "$OUT/spec-native-off.json" "$OUT/spec-native-dspark.json" \
       | tee -a "$OUT/spec-native-dspark.log" ;;
   wide)
-    # /tmp/dsv4-wide.ok once complete: the steps on it (another lane, or THEN) check for it, not for the folder
-    rm -f /tmp/dsv4-wide.ok
-    run wide timeout 500 python -m dsv4_sm80 make-tiny /tmp/dsv4-wide --preset wide
-    [ $rc = 0 ] && [ -f /tmp/dsv4-wide/config.json ] && touch /tmp/dsv4-wide.ok ;;
+    # $WIDE.ok once complete: the steps on it (another lane, or THEN) check for it, not for the folder
+    rm -f "$WIDE.ok"
+    run wide timeout 500 python -m dsv4_sm80 make-tiny "$WIDE" --preset wide
+    [ $rc = 0 ] && [ -f "$WIDE/config.json" ] && touch "$WIDE.ok" ;;
   wide-parity)
     # the full-width checkpoint (step wide first): native, native teacher-forcing one sequence at a time (the
     # floor), patched with the tripwire; the whole model at DSV4-Flash width on one GPU
-    W="--ckpt /tmp/dsv4-wide --preset wide --lengths 20,300,3000 --batch 8 --max-new 16"
-    [ -f /tmp/dsv4-wide.ok ] || { echo "=== wide-parity: no complete /tmp/dsv4-wide (step wide first)"; exit 1; }
+    W="--ckpt $WIDE --preset wide --lengths 20,300,3000 --batch 8 --max-new 16"
+    [ -f "$WIDE.ok" ] || { echo "=== wide-parity: no complete $WIDE (step wide first)"; exit 1; }
     run wide-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 900 python tests/gpu/engine_bed.py \
       --out "$OUT/wide-native.json" $W
     run wide-native-b env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 900 python tests/gpu/engine_bed.py \
@@ -340,9 +343,12 @@ case ${1:?step} in
     python tests/gpu/compare.py "$OUT/wide-native.json" "$OUT/wide-patched.json" --floor "$OUT/wide-native-b.json" \
       | tee -a "$OUT/wide-patched.log" ;;
   e2e-bench)
-    [ -f /tmp/dsv4-wide.ok ] || { echo "=== e2e-bench: no complete /tmp/dsv4-wide (step wide first)"; exit 1; }
-    run e2e-bench timeout 580 python bench/e2e.py --ckpt /tmp/dsv4-wide --out "$OUT/e2e.json" --tp ${E2E_TP:-1} \
-      ${E2E_ARGS:-} ;;
+    [ -f "$WIDE.ok" ] || { echo "=== e2e-bench: no complete $WIDE (step wide first)"; exit 1; }
+    # every mode (native, the SM80 path, and it with the experts on Marlin or the dense linears on FP8-Marlin) and
+    # each one's kernels over 16 decode steps at batch 16: which stage a gap to native comes from
+    run e2e-bench timeout 1000 python bench/e2e.py --ckpt "$WIDE" --out "$OUT/e2e.json" --tp ${E2E_TP:-1} \
+      --modes ${E2E_MODES:-native,patched,patched-marlin,patched-fp8} --profile "$OUT/e2e-prof" ${E2E_ARGS:-}
+    grep -A60 "^kernels per decode step" "$OUT/e2e-bench.log" > "$OUT/e2e-kernels.txt" ;;
   tp4|tp)
     TP=${TP:-4}
     T4="--tp $TP --cuda-graph --cuda-graph-max-bs 8 --lengths 20,300,3000"
@@ -432,10 +438,16 @@ case ${1:?step} in
     run fault-tp$TP env $(lab_tp "$TP") timeout 400 python -u tests/gpu/fault_kill.py --tp $TP --rank $((TP - 1)) \
       --out "$OUT/fault-tp$TP.json" ;;
   soak)
-    run soak env $LAB timeout 560 python -u tests/gpu/soak.py --minutes ${SOAK_MIN:-4} --out "$OUT/soak.json" ;;
+    # (bg runs it detached: longer than one device call is fine) the memory log from inside the server beside it
+    run soak env $LAB timeout $((${SOAK_MIN:-6} * 60 + 300)) python -u tests/gpu/soak.py --minutes ${SOAK_MIN:-6} \
+      --out "$OUT/soak.json" ;;
+  soak-native)
+    # the same load on native SGLang (patch off): does its GPU memory grow the same way under it?
+    run soak-native timeout $((${SOAK_MIN:-6} * 60 + 300)) python -u tests/gpu/soak.py --native \
+      --minutes ${SOAK_MIN:-6} --out "$OUT/soak-native.json" ;;
   soak-dspark)
-    run soak-dspark env $LAB timeout 560 python -u tests/gpu/soak.py --minutes ${SOAK_MIN:-4} --dspark \
-      --out "$OUT/soak-dspark.json" ;;
+    run soak-dspark env $LAB timeout $((${SOAK_MIN:-6} * 60 + 300)) python -u tests/gpu/soak.py \
+      --minutes ${SOAK_MIN:-6} --dspark --out "$OUT/soak-dspark.json" ;;
   jit)
     # a separate cache: sm_80 builds must not be picked up by this H200's own runs
     run jit env TVM_FFI_CACHE_DIR=/tmp/jit-sm80 timeout 560 python -u tests/gpu/jit_sm80.py --out "$OUT/jit_sm80.json" ;;
