@@ -161,12 +161,12 @@ def main(argv=None) -> int:
         return 0
 
     sys.path.insert(0, ROOT)
-    from dsv4_sm80.tiny.generate import ensure
+    from dsv4_sm80.tiny.generate import PEAKED_HEAD_SCALE, ensure
 
     modes = args.modes.split(",")
     for mode in modes:
         mode_env(mode, args.tp, {})  # unknown modes refused before anything is generated or started
-    ensure(args.ckpt, "wide", fast_experts=True)
+    ensure(args.ckpt, "wide", fast_experts=True, head_scale=PEAKED_HEAD_SCALE["wide"])  # as steps.sh wide makes it
     results = {}
     for mode in modes:
         env = mode_env(mode, args.tp, dict(os.environ))

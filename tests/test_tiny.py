@@ -14,6 +14,7 @@ import pytest
 
 from dsv4_sm80.checkpoint import format as fmt
 from dsv4_sm80.checkpoint.safetensors_io import read_header
+from conftest import REPO
 from reference import dequant_fp8, dequant_mxfp4, e2m1_table, e8m0, load_raw
 
 def test_config_is_0731_with_widths_changed(unit_ckpt):
@@ -353,3 +354,27 @@ def test_ensure_generates_once_under_concurrent_callers(tmp_path, monkeypatch):
     for w in workers:
         w.join()
     assert calls == [out] and seen == [True, True, True]
+
+
+def test_head_scale_is_recorded_and_a_different_one_refused(tmp_path):
+    from dsv4_sm80.tiny import generate as gen
+
+    out = str(tmp_path / "ck")
+    gen.ensure(out, "unit", log=lambda *_: None, head_scale=3.0)
+    assert gen.head_scale_of(out) == 3.0
+    assert gen.ensure(out, "unit", log=lambda *_: None, head_scale=3.0) == out
+    assert gen.ensure(out, "unit", log=lambda *_: None) == out  # nothing asked: whatever it holds
+    with pytest.raises(gen.TinyConfigError, match=r"generated with head_scale 3.0, this run asks for 12.0"):
+        gen.ensure(out, "unit", log=lambda *_: None, head_scale=12.0)
+
+
+def test_peaked_head_scale_gives_every_preset_the_tiny_beds_logit_spread():
+    import re
+
+    from dsv4_sm80.tiny.generate import PEAKED_HEAD_SCALE, PRESETS, WEIGHT_STD
+
+    spread = {p: PRESETS[p].hidden ** 0.5 * WEIGHT_STD * PEAKED_HEAD_SCALE[p] for p in ("tiny", "wide")}
+    assert abs(spread["wide"] - spread["tiny"]) < 1e-3 * spread["tiny"], spread
+    steps = open(os.path.join(REPO, "tests", "gpu", "steps.sh")).read()
+    (scale,) = re.findall(r'make-tiny "\$WIDE" --preset wide --head-scale ([0-9.]+)', steps)
+    assert float(scale) == PEAKED_HEAD_SCALE["wide"]  # the wide step writes what the beds will ask for

@@ -26,6 +26,11 @@ HC_STD = 0.01
 # bias_vl is not zero, unlike the other biases: image rows must then choose other experts than text rows would,
 # so a routing trace can tell the two rules apart (0.1: the order of the tiny router's score spread)
 BIAS_VL_STD = 0.1
+# The LM-head scale that makes a preset's next-token distributions peaked like the GPU bed's tiny model: logits
+# have std sqrt(hidden) * WEIGHT_STD * scale over a unit-RMS final state, 5.4 for the tiny preset at 12; the wide
+# preset (hidden 4096) gets that std at 12 * sqrt(512 / 4096). Session 12 ran the wide checkpoint at 1.0: logit
+# std 1.3, top-1 log-probability -6.9, 143 confident positions of 7000 (a parity measure with little to hold).
+PEAKED_HEAD_SCALE = {"tiny": 12.0, "unit": 12.0, "wide": round(12.0 * (512 / 4096) ** 0.5, 3)}
 
 
 @dataclass(frozen=True)
@@ -138,12 +143,21 @@ def _random_mxfp4(spec: fmt.TensorSpec, seed: int) -> tuple[torch.Tensor, torch.
     return packed, torch.randint(119, 122, (n, k // 32), generator=g, dtype=torch.int32).to(torch.uint8)
 
 
+def head_scale_of(out_dir: str):
+    """The LM-head scale a generated checkpoint was written with (its index's metadata); None if not recorded."""
+    with open(os.path.join(out_dir, "model.safetensors.index.json")) as f:
+        return json.load(f).get("metadata", {}).get("dsv4_sm80_head_scale")
+
+
 def ensure(out_dir: str, preset: str = "tiny", vision: bool = False, **kw) -> str:
     """out_dir, generated from the preset first when it holds no checkpoint (the GPU scripts' first use);
     keyword arguments go to `generate`. Processes started at once (one per GPU) generate it once: the first
-    holds a lock beside out_dir while it writes, the others wait and then find the index it wrote last."""
+    holds a lock beside out_dir while it writes, the others wait and then find the index it wrote last.
+    An existing checkpoint written with another head_scale than asked for is refused (a comparison on flat
+    outputs where peaked ones were meant says little and looks fine)."""
     index = os.path.join(out_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
+        _check_head_scale(out_dir, kw.get("head_scale"))
         return out_dir
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -151,7 +165,17 @@ def ensure(out_dir: str, preset: str = "tiny", vision: bool = False, **kw) -> st
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.isfile(index):
             generate(out_dir, tiny_config(PRESETS[preset], vision=vision), **kw)
+    _check_head_scale(out_dir, kw.get("head_scale"))
     return out_dir
+
+
+def _check_head_scale(out_dir: str, wanted) -> None:
+    if wanted is None:
+        return
+    have = head_scale_of(out_dir)
+    if have is not None and abs(float(have) - float(wanted)) > 1e-6:
+        raise TinyConfigError(f"checkpoint head scale: {out_dir} was generated with head_scale {have}, this run asks "
+                              f"for {wanted}; remove the folder to regenerate it, or ask for {have}")
 
 
 def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=print,
@@ -199,7 +223,8 @@ def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=p
     # the index last and whole (renamed into place): `ensure` takes its presence for a finished checkpoint
     index = os.path.join(out_dir, "model.safetensors.index.json")
     with open(index + ".part", "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        json.dump({"metadata": {"total_size": total, "dsv4_sm80_head_scale": head_scale, "dsv4_sm80_seed": seed},
+                   "weight_map": weight_map}, f, indent=2)
     os.replace(index + ".part", index)
     summary = {"dir": out_dir, "tensors": len(specs), "shards": n_shards, "bytes": total,
                "seed": seed, "head_scale": head_scale, "vision": fmt.has_vision(config),

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ckpt", default="/tmp/dsv4-tiny")
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--head-scale", type=float, default=12.0)
+    ap.add_argument("--head-scale", type=float, default=None)
     ap.add_argument("--tokens", type=int, default=37, help="rows of the random input to each linear")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
     ap.add_argument("--stack-after", type=float, default=200.0,
@@ -104,6 +104,10 @@ def main(argv=None) -> int:
 
     from dsv4_sm80.tiny.generate import ensure
 
+    if args.head_scale is None:  # peaked outputs at every width (generate.PEAKED_HEAD_SCALE)
+        from dsv4_sm80.tiny.generate import PEAKED_HEAD_SCALE
+
+        args.head_scale = PEAKED_HEAD_SCALE[args.preset]
     ensure(args.ckpt, args.preset, head_scale=args.head_scale)
 
     patch, dense = env.patch_enabled(), env.get(env.DENSE)

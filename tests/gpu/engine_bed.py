@@ -48,8 +48,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ckpt", default="/tmp/dsv4-tiny")
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--head-scale", type=float, default=12.0,
-                    help="LM-head scale of a generated checkpoint (peaked outputs; 1.0 = flat)")
+    ap.add_argument("--head-scale", type=float, default=None,
+                    help="LM-head scale of a generated checkpoint (default: the preset's peaked one, "
+                    "generate.PEAKED_HEAD_SCALE; 1.0 = flat)")
     ap.add_argument("--lengths", default="20,300,3000")
     ap.add_argument("--max-new", type=int, default=16)
     ap.add_argument("--teacher-new", type=int, default=64)
@@ -79,6 +80,10 @@ def main(argv=None) -> int:
     patch = env.patch_enabled()
     from dsv4_sm80.tiny.generate import ensure
 
+    if args.head_scale is None:  # peaked outputs at every width (generate.PEAKED_HEAD_SCALE)
+        from dsv4_sm80.tiny.generate import PEAKED_HEAD_SCALE
+
+        args.head_scale = PEAKED_HEAD_SCALE[args.preset]
     ensure(args.ckpt, args.preset, head_scale=args.head_scale)
     config = json.load(open(os.path.join(args.ckpt, "config.json")))
     vocab = int(config["vocab_size"])

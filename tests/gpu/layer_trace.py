@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--ckpt", default="/tmp/dsv4-tiny")
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--head-scale", type=float, default=12.0)
+    ap.add_argument("--head-scale", type=float, default=None)
     ap.add_argument("--length", type=int, default=300, help="prompt ids (the engine_bed prompt of that length)")
     ap.add_argument("--moe-runner-backend", default="marlin")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
@@ -47,6 +47,10 @@ def main(argv=None) -> int:
     from dsv4_sm80.lab_trace import trace_spec
     from dsv4_sm80.tiny.generate import ensure
 
+    if args.head_scale is None:  # peaked outputs at every width (generate.PEAKED_HEAD_SCALE)
+        from dsv4_sm80.tiny.generate import PEAKED_HEAD_SCALE
+
+        args.head_scale = PEAKED_HEAD_SCALE[args.preset]
     ensure(args.ckpt, args.preset, head_scale=args.head_scale)
     config = json.load(open(os.path.join(args.ckpt, "config.json")))
     ids = prompt_ids(args.length, int(config["vocab_size"]), seed=7)

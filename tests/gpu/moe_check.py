@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compare")
     ap.add_argument("--ckpt", default="/tmp/dsv4-tiny")
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--head-scale", type=float, default=12.0)
+    ap.add_argument("--head-scale", type=float, default=None)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--mem-fraction", type=float, default=0.6)
     args = ap.parse_args(argv)
@@ -51,6 +51,10 @@ def main(argv=None) -> int:
 
     from dsv4_sm80.tiny.generate import ensure
 
+    if args.head_scale is None:  # peaked outputs at every width (generate.PEAKED_HEAD_SCALE)
+        from dsv4_sm80.tiny.generate import PEAKED_HEAD_SCALE
+
+        args.head_scale = PEAKED_HEAD_SCALE[args.preset]
     ensure(args.ckpt, args.preset, head_scale=args.head_scale)
     cfg = json.load(open(os.path.join(args.ckpt, "config.json")))
     top_k, scaling = int(cfg["num_experts_per_tok"]), float(cfg["routed_scaling_factor"])

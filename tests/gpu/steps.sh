@@ -327,7 +327,8 @@ case ${1:?step} in
   wide)
     # $WIDE.ok once complete: the steps on it (another lane, or THEN) check for it, not for the folder
     rm -f "$WIDE.ok"
-    run wide timeout 500 python -m dsv4_sm80 make-tiny "$WIDE" --preset wide
+    # the head scale: generate.PEAKED_HEAD_SCALE["wide"] (peaked outputs like the tiny bed's; session 12 ran at 1.0)
+    run wide timeout 500 python -m dsv4_sm80 make-tiny "$WIDE" --preset wide --head-scale 4.243
     [ $rc = 0 ] && [ -f "$WIDE/config.json" ] && touch "$WIDE.ok" ;;
   wide-parity)
     # the full-width checkpoint (step wide first): native, native teacher-forcing one sequence at a time (the
