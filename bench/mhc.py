@@ -41,6 +41,11 @@ VARIANTS = {
     "block_m 32, block_k 128, stages 3": {"block_m": 32, "block_k": 128, "num_stages": 3},
     "block_m 64, block_k 128, warps 8, stages 3": {"block_m": 64, "block_k": 128, "num_warps": 8, "num_stages": 3},
     "block_m 128, warps 8": {"block_m": 128, "num_warps": 8},
+    # each split cut again into programs of their own (deterministic sum after): more load streams per SM
+    "inner 2": {"inner_splits": 2},
+    "inner 4": {"inner_splits": 4},
+    "block_m 32, inner 2": {"block_m": 32, "inner_splits": 2},
+    "block_m 16, block_k 128, inner 2": {"block_m": 16, "block_k": 128, "inner_splits": 2},
 }
 
 

@@ -180,8 +180,8 @@ def build(fn, sig, consts, warps=4):
 out = {}
 for bm in (16, 64):
     out[f"hc_prenorm BLOCK_M {bm}"] = build(hp._hc_prenorm_kernel, {"a_ptr": "*bf16", "b_ptr": "*fp32",
-        "d_ptr": "*fp32", "s_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "k_share": "i32", "stride_am": "i32",
-        "stride_bn": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+        "d_ptr": "*fp32", "s_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "outer_share": "i32",
+        "inner_share": "i32", "INNER": "i32", "stride_am": "i32", "stride_bn": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
         {"BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": hp.BLOCK_K})
 out["sglang hc_head (Triton)"] = build(mhc_head._hc_head_kernel, {"x_ptr": "*bf16", "fn_ptr": "*fp32",
     "scale_ptr": "*fp32", "base_ptr": "*fp32", "y_ptr": "*bf16", "hidden_size": "constexpr", "HC_MULT": "constexpr",

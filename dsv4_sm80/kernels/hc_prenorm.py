@@ -11,7 +11,8 @@ SM80 has: `mma.sync` TF32 tensor cores.
     sums of a^2 (num_splits None: d [m, n], sq [m])
 
 One program per (64- or 16-row block, split); each split takes an equal share of K rounded to BLOCK_K (a
-split past K writes zeros: the consumer adds every split). b is rounded to the nearest TF32 value in the
+split past K writes zeros: the consumer adds every split); config inner_splits cuts each share again into
+programs of their own, added in a fixed order before return. b is rounded to the nearest TF32 value in the
 kernel (ties away from zero, `cvt.rna` semantics, in integer ops), as DeepGEMM's wgmma on the H200 reads it
 (hc_prenorm_ref.py says how that was measured), so `tl.dot`'s own TF32 input conversion is exact and the
 result does not depend on which conversion the compiler or the tensor core applies. No host logic depends
@@ -37,16 +38,21 @@ def default_config(m: int) -> dict:
 
 
 @triton.jit
-def _hc_prenorm_kernel(a_ptr, b_ptr, d_ptr, s_ptr, M, N, K, k_share, stride_am, stride_bn,
+def _hc_prenorm_kernel(a_ptr, b_ptr, d_ptr, s_ptr, M, N, K, outer_share, inner_share, INNER, stride_am, stride_bn,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (row block, split * INNER + j): rows x K in [split * outer_share + j * inner_share, + inner_share),
+    clipped to its caller split's range and to K (INNER 1: the caller's splits as they are). A range past K writes
+    zeros."""
     pid_m = tl.program_id(0)
-    split = tl.program_id(1)
+    sub = tl.program_id(1)
+    split = sub // INNER
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    k_lo = split * k_share
-    k_hi = tl.minimum(k_lo + k_share, K)
+    outer_hi = tl.minimum(split * outer_share + outer_share, K)
+    k_lo = split * outer_share + (sub % INNER) * inner_share
+    k_hi = tl.minimum(k_lo + inner_share, outer_hi)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -60,7 +66,7 @@ def _hc_prenorm_kernel(a_ptr, b_ptr, d_ptr, s_ptr, M, N, K, k_share, stride_am, 
         b = tl.where(b == b, ((b.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True), b)
         acc = tl.dot(a, b, acc, input_precision="tf32")
         sq += tl.sum(a * a, axis=1)
-    out = (split * M + rows).to(tl.int64)
+    out = (sub * M + rows).to(tl.int64)
     tl.store(d_ptr + out[:, None] * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
     tl.store(s_ptr + out, sq, mask=row_ok)
 
@@ -74,7 +80,10 @@ def _check(cond: bool, what: str, found, expected):
 def hc_prenorm(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, sqrsum: torch.Tensor,
                num_splits: Optional[int] = None, config: Optional[dict] = None) -> None:
     """Fill d and sqrsum in place (shapes in the module docstring); config overrides default_config's tiles
-    (block_m, block_k: powers of two >= 16; num_warps, num_stages)."""
+    (block_m, block_k: powers of two >= 16; num_warps, num_stages) and may set inner_splits (default 1): each of
+    the caller's splits cut into that many K shares more, as programs of their own, into a scratch buffer whose
+    shares are then added in a fixed order (deterministic). For prefill, where mhc_pre asks for one split and 64-row
+    blocks leave one program per SM (8192 tokens: 128 on an H200's 132 SMs) with one load stream each."""
     m, k = a.shape
     n = b.shape[0]
     splits = 1 if num_splits is None else int(num_splits)
@@ -96,8 +105,21 @@ def hc_prenorm(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, sqrsum: torch.
     for key in ("block_m", "block_k"):
         v = int(cfg[key])
         _check(v >= 16 and v & (v - 1) == 0, f"config {key}", v, "a power of two >= 16")
-    k_share = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
-    _hc_prenorm_kernel[(triton.cdiv(m, block_m), splits)](
-        a, b, d, sqrsum, m, n, k, k_share, a.stride(0), b.stride(0),
-        BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_K=block_k,
-        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+    inner = int(cfg.get("inner_splits", 1))
+    _check(inner >= 1, "config inner_splits", inner, ">= 1")
+    # the caller's split s covers K blocks [s * share, (s + 1) * share); its inner shares cut that range again,
+    # so each of them is a sub-range of exactly one caller split and the fixed-order sum below rebuilds d's layout
+    blocks_k = triton.cdiv(k, block_k)
+    share = triton.cdiv(blocks_k, splits)
+    k_share = triton.cdiv(share, inner) * block_k
+    dd, ss = (d, sqrsum) if inner == 1 else (
+        torch.empty((splits * inner, m, n), dtype=torch.float32, device=a.device),
+        torch.empty((splits * inner, m), dtype=torch.float32, device=a.device))
+    launch = dict(BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_K=block_k,
+                  num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+    _hc_prenorm_kernel[(triton.cdiv(m, block_m), splits * inner)](
+        a, b, dd, ss, m, n, k, share * block_k, k_share, inner, a.stride(0), b.stride(0), **launch)
+    if inner == 1:
+        return
+    torch.sum(dd.view(splits, inner, m, n), dim=1, out=d.view(splits, m, n))
+    torch.sum(ss.view(splits, inner, m), dim=1, out=sqrsum.view(splits, m))
