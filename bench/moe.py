@@ -196,6 +196,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", default=",".join(map(str, DECODE + PREFILL)))
     ap.add_argument("--experts", type=int, default=E)
+    ap.add_argument("--inter", type=int, default=I_PP,
+                    help="expert intermediate width per rank: 512 at TP4 (the default), 2048 at TP1 (bench/e2e.py's "
+                         "full-width checkpoint on one GPU)")
     ap.add_argument("--only", default="",
                     help="with --variants: only the variants whose name contains this (alternatives joined by |)")
     ap.add_argument("--variants", action="store_true",
@@ -212,7 +215,7 @@ def main(argv=None) -> int:
 
     from dsv4_sm80.kernels.w4a8_moe import repack_mxfp4_for_w4a8, shift_refs, w4a8_moe
 
-    e = args.experts
+    e, inter = args.experts, args.inter
     gen = torch.Generator(device="cuda").manual_seed(0)
     dev = "cuda"
 
@@ -220,8 +223,8 @@ def main(argv=None) -> int:
         w = torch.randint(0, 256, (e, n, k // 2), generator=gen, device=dev, dtype=torch.int32).to(torch.int8)
         return w, mxfp4_like_scales(torch, e, n, k, gen).view(torch.float8_e8m0fnu)
 
-    w13, s13 = experts(2 * I_PP, H)
-    w2, s2 = experts(H, I_PP)
+    w13, s13 = experts(2 * inter, H)
+    w2, s2 = experts(H, inter)
     ours = [repack_mxfp4_for_w4a8(w13.clone()), s13, repack_mxfp4_for_w4a8(w2.clone()), s2]
     erefs = {"w13_eref": shift_refs(s13), "w2_eref": shift_refs(s2)}
     no_shift = {"w13_eref": torch.zeros_like(erefs["w13_eref"]), "w2_eref": torch.zeros_like(erefs["w2_eref"])}
@@ -233,12 +236,13 @@ def main(argv=None) -> int:
         layer.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
     prepare_moe_mxfp4_layer_for_marlin(layer)
     workspace = marlin_make_workspace(torch.device(dev), max_blocks_per_sm=4)
-    bytes_per_expert = (2 * I_PP * H + H * I_PP) * (1 / 2 + 1 / 32)
+    bytes_per_expert = (2 * inter * H + H * inter) * (1 / 2 + 1 / 32)
 
     record = {"gpu": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
-              "shapes": {"experts": e, "hidden": H, "intermediate_per_rank": I_PP, "top_k": TOP_K},
+              "shapes": {"experts": e, "hidden": H, "intermediate_per_rank": inter, "top_k": TOP_K},
               "peaks": peaks(torch), "rows": []}
     pk = record["peaks"]
+    print(f"moe bench on {record['gpu']}: {e} experts, hidden {H}, intermediate {inter} per rank, top-{TOP_K}")
     print(f"moe bench on {record['gpu']}: peaks INT8 {pk['int8_tops']:.0f} TOP/s, BF16 {pk['bf16_tflops']:.0f} "
           f"TFLOP/s, copy {pk['copy_gbps']:.0f} GB/s, empty kernel {pk['empty_kernel_us']:.1f} us")
     print(f"{'tokens':>6s} {'experts':>7s} {'int8 us':>9s} {'marlin us':>9s} {'int8/marlin':>11s}  "
@@ -275,7 +279,7 @@ def main(argv=None) -> int:
             row["rel_diff"] = float((a - b).norm() / b.norm())
         touched = int(torch.unique(ids).numel())
         nbytes = touched * bytes_per_expert + m * H * 2 * 2
-        flops = 2 * m * TOP_K * (2 * I_PP * H + H * I_PP)
+        flops = 2 * m * TOP_K * (2 * inter * H + H * inter)
         row.update(experts_touched=touched, bytes=nbytes, flops=flops,
                    floor_s=pk["empty_kernel_us"] / 1e6 + nbytes / (pk["copy_gbps"] * 1e9))
         record["rows"].append(row)

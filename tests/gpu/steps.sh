@@ -10,6 +10,7 @@
 #   tests/gpu/steps.sh moe-engine  engine_bed patched with each MoE backend vs the native oracle
 #   tests/gpu/steps.sh moe-bench   bench/moe.py
 #   tests/gpu/steps.sh moe-sweep   bench/moe.py at decode sizes: the decode tile sweep and a per-kernel profile
+#   tests/gpu/steps.sh moe-wide    the same at TP1 full width (intermediate 2048: e2e-bench's experts)
 #   tests/gpu/steps.sh attention   SGLang's DSV4 attention test kit on the patched backend + BF16 pool (tripwire on)
 #   tests/gpu/steps.sh oracle      the native record $ORACLE (engine_bed, patch off), unless it exists
 #   tests/gpu/steps.sh e2e         engine_bed with the whole SM80 datapath (tripwire on) vs the native oracle
@@ -464,6 +465,11 @@ case ${1:?step} in
     # every size, with the launches fused and the per-pair outputs in BF16 beside the default (session 11: fused io
     # is the decode default now; prefill decides with these rows)
     run moe-bench timeout 540 python bench/moe.py --variants --only "'fused io|pair bf16'" --out "$OUT/moe.json" ;;
+  moe-wide)
+    # the experts of bench/e2e.py's full-width checkpoint on one GPU (intermediate 2048, TP1): the decode tiles and
+    # each kernel's time against Marlin at the batch where e2e-bench's decode fell behind (16 tokens, session 12)
+    run moe-wide timeout 540 python bench/moe.py --inter 2048 --tokens 1,16,64 --variants --only decode- --profile \
+      --out "$OUT/moe-wide.json" ;;
   moe-sweep)
     run moe-sweep timeout 540 python bench/moe.py --tokens 1,4,16,64 --variants --only decode- --profile \
       --out "$OUT/moe-sweep.json" ;;
