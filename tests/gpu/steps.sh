@@ -112,7 +112,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
   ( eval "$@" ) >"$OUT/$name.log" 2>&1 || { echo "=== $name: exit $?"; rc=1; }
-  grep -E "^(  A/B|fault_kill|hygiene|mhc_check|mhc bench|soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|layer_trace|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|Error|passed|failed|watchdog timeout" \
+  grep -E "^(  A/B|fault_kill|hygiene|mhc_check|mhc bench|soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|layer_trace|attention_kit|attention bench|prefill|native|c4 |c128|engine_bed|e2e |kernels per|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|us of kernels per decode step|Error|passed|failed|watchdog timeout" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
 }
 jit_tar() {  # the JIT caches into $OUT/jit.tar.xz; the device tool returns files of at most 16 MiB, so a
