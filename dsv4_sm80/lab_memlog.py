@@ -1,13 +1,16 @@
 """Lab (soak): GPU memory inside a serving process, over time. With DSV4_SM80_LAB_MEMLOG=FILE each model
 runner (after its CUDA graphs; footprint.log_startup starts it) appends one JSON line every INTERVAL seconds:
 
-    {"t": unix time, "pid", "rank", "role", "used": device bytes in use (cudaMemGetInfo),
+    {"t": unix time, "pid", "rank", "role", "used": bytes this process holds on its GPU (NVML's per-process
+     figure; the device's whole use where NVML does not list the process, e.g. another PID namespace),
      "reserved": PyTorch's caching allocator, "allocated": live tensors, "segments", "retries"}
 
 used - reserved is what PyTorch's allocator does not hold (CUDA context, loaded kernel modules, cuBLAS and NCCL
-workspaces, other processes on the same GPU). A server whose `used` grows under a steady load either caches
-more in the allocator (reserved grows with it: its working set has not been seen whole yet, or it fragments)
-or loads or leaks outside it (reserved flat): `summarize` says which. Never for serving.
+workspaces). A server whose `used` grows under a steady load either caches more in the allocator (reserved grows
+with it: its working set has not been seen whole yet, or it fragments) or loads or leaks outside it (reserved
+flat): `summarize` says which. The sampling thread makes no CUDA runtime call (NVML and the allocator's own
+counters only): a draft model may be capturing CUDA graphs in global capture mode while it runs. Never for
+serving.
 """
 
 from __future__ import annotations
@@ -22,33 +25,42 @@ MIB = 1 << 20
 _started = set()
 
 
-def cuda_sample() -> dict:
+def cuda_sampler():
+    """sample() for this process's current CUDA device, resolved here (the caller's thread); the sample itself
+    reads NVML and the caching allocator's counters only."""
+    import pynvml
     import torch
 
-    free, total = torch.cuda.mem_get_info()
-    st = torch.cuda.memory_stats()
-    return {"used": total - free, "reserved": torch.cuda.memory_reserved(), "allocated": torch.cuda.memory_allocated(),
-            "segments": int(st.get("segment.all.current", 0)), "retries": int(st.get("num_alloc_retries", 0))}
+    device = torch.cuda.current_device()
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else "GPU-" + uuid)
+    pid = os.getpid()
+
+    def sample() -> dict:
+        mine = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                if p.pid == pid and p.usedGpuMemory is not None]
+        used = sum(mine) if mine else pynvml.nvmlDeviceGetMemoryInfo(handle).used
+        st = torch.cuda.memory_stats(device)
+        return {"used": int(used), "used_is": "process" if mine else "device",
+                "reserved": int(st.get("reserved_bytes.all.current", 0)),
+                "allocated": int(st.get("allocated_bytes.all.current", 0)),
+                "segments": int(st.get("segment.all.current", 0)), "retries": int(st.get("num_alloc_retries", 0))}
+
+    return sample
 
 
-def start(path: str, rank: int, role: str, interval: float = 10.0, sample=cuda_sample) -> threading.Thread | None:
+def start(path: str, rank: int, role: str, interval: float = 10.0, sample=None) -> threading.Thread | None:
     """One daemon thread per (process, role) appending a line to `path` every `interval` s; its first line at
-    once. sample(): the figures (a CUDA device is made current in the thread first, the caller's)."""
+    once. sample(): the figures (default: `cuda_sampler()` for the current device)."""
     key = (os.getpid(), role)
     if key in _started:
         return None
     _started.add(key)
-    device = None
-    if sample is cuda_sample:
-        import torch
-
-        device = torch.cuda.current_device()
+    if sample is None:
+        sample = cuda_sampler()
 
     def loop():
-        if device is not None:
-            import torch
-
-            torch.cuda.set_device(device)
         while True:
             try:
                 line = {"t": round(time.time(), 2), "pid": os.getpid(), "rank": rank, "role": role, **sample()}
