@@ -3,7 +3,8 @@ one run, on a full-width checkpoint (DSV4-Flash widths, few layers: `make-tiny -
 
 Each path runs in its own process (the patch state is read at interpreter start): `--child native`
 with ENABLE_SGLANG_DSV4_A100_PATCH=0 (SGLang's SM90 path: FP8, MXFP4 Marlin, FlashMLA) and `--child
-patched` with the patch on in lab mode (an explicit override of the gate on this GPU, never a default).
+patched` with the patch on, in lab mode on an SM90 GPU (an explicit override of the gate, never a default),
+without the capability override on an SM80 one (there: no native mode, it does not run on SM80).
 Both use CUDA graphs (SGLang's defaults for DSV4), TP1, the tokenizer skipped, greedy sampling with EOS
 ignored so every request decodes exactly --decode tokens.
 
@@ -40,8 +41,21 @@ MODES = {"native": None, "patched": {},
          "patched-fp8": {"SGLANG_DSV4_A100_DENSE": "fp8_marlin"}}
 
 
-def mode_env(mode: str, tp: int, base: dict) -> dict:
-    """The environment of one mode's child process."""
+def gpu_cc() -> str | None:
+    """The first GPU's compute capability ("8.0", "9.0") from nvidia-smi (no CUDA context in this process);
+    None where it cannot tell."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        return out[0] if out else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def mode_env(mode: str, tp: int, base: dict, cc: str | None = None) -> dict:
+    """The environment of one mode's child process. cc: the GPU's compute capability; on SM80 (an A800, the
+    product's own GPU) the patched modes run without the lab's capability override, which the gate would
+    refuse there."""
     if mode not in MODES:
         raise SystemExit(f"e2e bench: unknown mode {mode!r}; known: {', '.join(MODES)}")
     env = dict(base, PYTHONPATH=ROOT + os.pathsep + base.get("PYTHONPATH", ""), SGLANG_JIT_DEEPGEMM_PRECOMPILE="0")
@@ -49,6 +63,8 @@ def mode_env(mode: str, tp: int, base: dict) -> dict:
         env["ENABLE_SGLANG_DSV4_A100_PATCH"] = "0"
         return env
     env.update(LAB)
+    if cc is not None and cc.startswith("8."):
+        env.pop("DSV4_SM80_LAB_CC")
     env.update(MODES[mode])
     env.pop("DSV4_SM80_LAB_GPU_COUNT", None)  # an inherited override must not outvote --tp
     if tp != 4:  # 4 is the gate's production count: no override needed
@@ -168,8 +184,9 @@ def main(argv=None) -> int:
         mode_env(mode, args.tp, {})  # unknown modes refused before anything is generated or started
     ensure(args.ckpt, "wide", fast_experts=True, head_scale=PEAKED_HEAD_SCALE["wide"])  # as steps.sh wide makes it
     results = {}
+    cc = gpu_cc()
     for mode in modes:
-        env = mode_env(mode, args.tp, dict(os.environ))
+        env = mode_env(mode, args.tp, dict(os.environ), cc)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--ckpt", args.ckpt,
                "--batches", ",".join(map(str, args.batches)), "--prompt-len", str(args.prompt_len),
                "--decode", str(args.decode), "--reps", str(args.reps), "--mem-fraction", str(args.mem_fraction),

@@ -28,6 +28,10 @@ def test_each_mode_switches_one_stage_and_native_turns_the_patch_off():
     assert e2e.mode_env("patched-marlin", 1, {})["SGLANG_DSV4_MXFP4_MOE_BACKEND"] == "marlin"
     assert e2e.mode_env("patched-fp8", 1, {})["SGLANG_DSV4_A100_DENSE"] == "fp8_marlin"
     assert REPO in e2e.mode_env("patched", 1, {})["PYTHONPATH"].split(os.pathsep)
+    assert pat["DSV4_SM80_LAB_CC"] == "9.0"  # an H200 (or cc unknown): the lab's override of the gate
+    a800 = e2e.mode_env("patched", 4, {}, cc="8.0")
+    assert "DSV4_SM80_LAB_CC" not in a800 and a800["ENABLE_SGLANG_DSV4_A100_PATCH"] == "1"  # the gate's own GPU
+    assert e2e.mode_env("patched", 4, {}, cc="9.0")["DSV4_SM80_LAB_CC"] == "9.0"
     with pytest.raises(SystemExit, match="unknown mode 'bogus'"):
         e2e.mode_env("bogus", 1, {})
 
