@@ -32,8 +32,10 @@ def run_step(tmp_path, step, env=None, files=()):
     log = tmp_path / f"{step}.jsonl"
     log.write_text("")
     (tmp_path / "wide.ok").write_text("")  # a complete full-width checkpoint, as far as the steps can tell
+    (tmp_path / "prev.json").write_text("{}")  # an earlier machine's native record (step machines)
     e = dict(os.environ, PATH=f"{shim}:{os.environ['PATH']}", OUT=str(out), NO_JIT_TAR="1",
-             ORACLE=str(out / "native.json"), SHIM_LOG=str(log), WIDE=str(tmp_path / "wide"))
+             ORACLE=str(out / "native.json"), SHIM_LOG=str(log), WIDE=str(tmp_path / "wide"),
+             PREV=str(tmp_path / "prev.json"))
     e.update(env or {})
     res = subprocess.run(["bash", "tests/gpu/steps.sh", step], cwd=REPO, env=e, capture_output=True, text=True,
                          timeout=120)
@@ -49,7 +51,7 @@ def options_of(script):
 STEPS = {  # step: files it expects from earlier steps
     "kernels": (), "moe-bench": (), "moe-sweep": (), "mhc-bench": (), "attn-bench": (), "cold": (),
     "e2e-floors": ("engine-e2e.json",), "trace": (), "e2e": (), "oracle": (), "soak": (), "soak-native": (),
-    "wide-parity": (), "e2e-bench": (), "moe-wide": (),
+    "wide-parity": (), "e2e-bench": (), "moe-wide": (), "machines": (),
 }
 
 
@@ -100,3 +102,18 @@ def test_trace_compares_against_the_pinned_run_with_the_perturbed_floor(tmp_path
     compares = [[os.path.basename(x) for x in a[2:]] for a in calls if a[:2] == ["-m", "dsv4_sm80.lab_trace"]]
     assert ["trace-pinned", "trace-patched", "--floor", "trace-perturbed"] in compares
     assert ["trace-pinned", "trace-perturbed"] in compares
+
+
+def test_machines_holds_the_patched_run_to_both_floors(tmp_path):
+    calls, _ = run_step(tmp_path, "machines")
+    beds = [a for a in calls if a[0] == "tests/gpu/engine_bed.py"]
+    prev = str(tmp_path / "prev.json")
+    assert all(a[a.index("--teacher-from") + 1] == prev for a in beds) and len(beds) == 3
+    compares = [a for a in calls if a[0] == "tests/gpu/compare.py"]
+    (vs_prev,) = [a for a in compares if a[1] == prev and "--floor" in a]
+    floors = [vs_prev[i + 1] for i, x in enumerate(vs_prev) if x == "--floor"]
+    assert [os.path.basename(f) for f in floors] == ["native-here.json", "native-here-alone.json"]
+    other = tmp_path / "without"
+    other.mkdir()
+    calls, stdout = run_step(other, "machines", env={"PREV": str(tmp_path / "missing.json")})
+    assert calls == [] and "an earlier machine's native engine_bed record" in stdout

@@ -19,6 +19,8 @@
 #                                  BF16 ulp in PERTURB (1e-4 1e-3) of its entries (lab_perturb: its sensitivity to
 #                                  a rounding-level input change); e2e against the oracle with each floor in turn;
 #                                  then each path against itself with that change (which one is the noisy one)
+#   tests/gpu/steps.sh machines    the across-machines floor: native teacher-forcing an earlier machine's native record
+#                                  ($PREV), alone too, and patched on the same sequences; each against each
 #   tests/gpu/steps.sh attn-bench  bench/attention.py
 #   tests/gpu/steps.sh cold        the patched engine's first start on empty JIT caches (a fresh HOME) with SGLang's
 #                                  own 300 s scheduler watchdog: does a user's first request survive the compiling?
@@ -201,6 +203,28 @@ case ${1:?step} in
         python tests/gpu/compare.py "$ref" "$moved" 2>&1 | tee -a "$OUT/e2e-floors.log"
       done
     fi ;;
+  machines)
+    # the floor across machines the end-to-end issue names beside batch composition: this machine's native teacher-
+    # forcing an earlier machine's native record ($PREV: same generated checkpoint, same sequences and batch), its
+    # one-at-a-time run, and the patched path on the same sequences; stage $PREV outside /tmp/stage (setup.sh
+    # empties that): carry [".dev/jit", ".dev/prev"], `mkdir -p /tmp/prev && cp .dev/prev/* /tmp/prev/`
+    PREV=${PREV:-/tmp/prev/native-s11.json}
+    [ -s "$PREV" ] || { echo "=== machines: no $PREV (an earlier machine's native engine_bed record)"; exit 1; }
+    run machines-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 300 python tests/gpu/engine_bed.py \
+      --out "$OUT/native-here.json" --teacher-from "$PREV"
+    run machines-alone env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 300 python tests/gpu/engine_bed.py \
+      --out "$OUT/native-here-alone.json" --teacher-from "$PREV" --teacher-mode alone
+    run machines-patched env $LAB DSV4_SM80_TRIPWIRE=1 timeout 300 python tests/gpu/engine_bed.py \
+      --out "$OUT/patched-here.json" --teacher-from "$PREV"
+    {
+      echo "=== native here against native on the earlier machine (the across-machines floor)"
+      python tests/gpu/compare.py "$PREV" "$OUT/native-here.json"
+      echo "=== patched here against native on the earlier machine; floors: native here, native here one at a time"
+      python tests/gpu/compare.py "$PREV" "$OUT/patched-here.json" --floor "$OUT/native-here.json" \
+        --floor "$OUT/native-here-alone.json"
+      echo "=== patched here against native here; floor: native here one at a time (batch composition only)"
+      python tests/gpu/compare.py "$OUT/native-here.json" "$OUT/patched-here.json" --floor "$OUT/native-here-alone.json"
+    } 2>&1 | tee "$OUT/machines.log" | grep -E "^(===|verdict|confident)" ;;
   attn-bench)
     run attn-bench timeout 500 python bench/attention.py --variants --out "$OUT/attention.json" ;;
   floor)
