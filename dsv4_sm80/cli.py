@@ -132,6 +132,28 @@ def redact(argv):
     return out
 
 
+FIRST_START_WATCHDOG_S = 1800
+
+
+def first_start_args(rest: list, environ=None) -> tuple:
+    """(rest, note): on a host whose Triton cache holds none of this path's kernels (jitcache.ours_built: a cold
+    first start), SGLang's scheduler watchdog (300 s) would kill the first forward while it compiles (native
+    SGLang's cold first forward of this model: still compiling after 7.5 minutes on an H200, session 11), so
+    --watchdog-timeout FIRST_START_WATCHDOG_S is added for this start, with a note saying so. A user's own
+    --watchdog-timeout always wins; a warm cache changes nothing."""
+    from . import jitcache
+
+    if _flag_value(rest, "--watchdog-timeout") is not None:
+        return rest, None
+    triton = next((f for f in jitcache.facts(environ) if f.label.startswith("Triton")), None)
+    if triton is None or triton.ours_built:
+        return rest, None
+    return [*rest, "--watchdog-timeout", str(FIRST_START_WATCHDOG_S)], (
+        f"serve: first start on this host (no SM80 kernel in the Triton cache at {triton.path}): the first "
+        f"forward compiles for minutes, so SGLang's scheduler watchdog is {FIRST_START_WATCHDOG_S} s for this "
+        "start (--watchdog-timeout to choose; keep the cache directories to start warm next time)")
+
+
 def serve(args, rest) -> int:
     import compat_check
 
@@ -170,6 +192,9 @@ def serve(args, rest) -> int:
     rc = compat_check.run(model, patch_environ=launch_env)
     if rc:
         return rc
+    rest, note = first_start_args(rest, launch_env)
+    if note:
+        print(note, flush=True)
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, *rest]
     print("serve:", " ".join(redact(cmd)), flush=True)
     os.execvpe(sys.executable, cmd, launch_env)

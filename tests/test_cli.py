@@ -132,3 +132,21 @@ def test_redact_and_doctor_keep_secrets_out():
     p = cli("doctor", "--json", HF_TOKEN="hf_secret_token_9", SGLANG_API_KEY="sk-env-secret")
     assert "hf_secret_token_9" not in p.stdout + p.stderr and "sk-env-secret" not in p.stdout + p.stderr
     assert json.loads(p.stdout)["ok"] in (True, False)
+
+
+def test_a_cold_first_start_gets_a_longer_watchdog(tmp_path):
+    """No SM80 kernel in Triton's cache: SGLang's 300 s scheduler watchdog would kill the compiling first
+    forward (native's took over 7.5 minutes cold on an H200), so serve raises it for that start and says so;
+    a warm cache or the user's own --watchdog-timeout changes nothing."""
+    from dsv4_sm80.cli import FIRST_START_WATCHDOG_S, first_start_args
+
+    cold = {"TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    rest, note = first_start_args(["--port", "30000"], cold)
+    assert rest == ["--port", "30000", "--watchdog-timeout", str(FIRST_START_WATCHDOG_S)]
+    assert "first start on this host" in note and str(tmp_path / "triton") in note
+    for mine in (["--watchdog-timeout", "600"], ["--watchdog-timeout=600"]):
+        assert first_start_args(mine, cold) == (mine, None)
+    build = tmp_path / "triton" / "ABCDEF"
+    build.mkdir(parents=True)
+    (build / "_sparse_attn_kernel.json").write_text("{}")
+    assert first_start_args(["--port", "30000"], cold) == (["--port", "30000"], None)
