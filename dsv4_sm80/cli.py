@@ -136,8 +136,8 @@ FIRST_START_WATCHDOG_S = 1800
 
 
 def first_start_args(rest: list, environ=None) -> tuple:
-    """(rest, note): on a host whose Triton cache holds none of this path's kernels (jitcache.ours_built: a cold
-    first start), SGLang's scheduler watchdog (300 s) would kill the first forward while it compiles (native
+    """(rest, note): on a host whose Triton cache holds none of this path's kernels (jitcache.ours_built) or whose
+    SGLang JIT (tvm-ffi) cache is empty (a cold first start), SGLang's scheduler watchdog (300 s) would kill the first forward while it compiles (native
     SGLang's cold first forward of this model: still compiling after 7.5 minutes on an H200, session 11), so
     --watchdog-timeout FIRST_START_WATCHDOG_S is added for this start, with a note saying so. A user's own
     --watchdog-timeout always wins; a warm cache changes nothing."""
@@ -145,13 +145,27 @@ def first_start_args(rest: list, environ=None) -> tuple:
 
     if _flag_value(rest, "--watchdog-timeout") is not None:
         return rest, None
-    triton = next((f for f in jitcache.facts(environ) if f.label.startswith("Triton")), None)
-    if triton is None or triton.ours_built:
+    facts = jitcache.facts(environ)
+    cold = []
+    for f in facts:
+        if f.label.startswith("Triton") and not f.ours_built:
+            cold.append(f"no SM80 kernel in the Triton cache at {f.path}")
+        if f.label.startswith("SGLang JIT") and not _has_entries(f.path):
+            cold.append(f"SGLang's JIT cache at {f.path} is empty")
+    if not cold:
         return rest, None
     return [*rest, "--watchdog-timeout", str(FIRST_START_WATCHDOG_S)], (
-        f"serve: first start on this host (no SM80 kernel in the Triton cache at {triton.path}): the first "
-        f"forward compiles for minutes, so SGLang's scheduler watchdog is {FIRST_START_WATCHDOG_S} s for this "
-        "start (--watchdog-timeout to choose; keep the cache directories to start warm next time)")
+        f"serve: first start on this host ({'; '.join(cold)}): the first forward compiles for minutes, so "
+        f"SGLang's scheduler watchdog is {FIRST_START_WATCHDOG_S} s for this start (--watchdog-timeout to choose; "
+        "keep the cache directories to start warm next time)")
+
+
+def _has_entries(path: str) -> bool:
+    try:
+        with os.scandir(path) as it:
+            return any(True for _ in it)
+    except OSError:
+        return False
 
 
 def serve(args, rest) -> int:

@@ -140,13 +140,16 @@ def test_a_cold_first_start_gets_a_longer_watchdog(tmp_path):
     a warm cache or the user's own --watchdog-timeout changes nothing."""
     from dsv4_sm80.cli import FIRST_START_WATCHDOG_S, first_start_args
 
-    cold = {"TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    cold = {"TRITON_CACHE_DIR": str(tmp_path / "triton"), "TVM_FFI_CACHE_DIR": str(tmp_path / "tvm")}
     rest, note = first_start_args(["--port", "30000"], cold)
     assert rest == ["--port", "30000", "--watchdog-timeout", str(FIRST_START_WATCHDOG_S)]
-    assert "first start on this host" in note and str(tmp_path / "triton") in note
+    assert "first start on this host" in note and str(tmp_path / "triton") in note and "is empty" in note
     for mine in (["--watchdog-timeout", "600"], ["--watchdog-timeout=600"]):
         assert first_start_args(mine, cold) == (mine, None)
     build = tmp_path / "triton" / "ABCDEF"
     build.mkdir(parents=True)
     (build / "_sparse_attn_kernel.json").write_text("{}")
+    rest, note = first_start_args(["--port", "30000"], cold)  # our Triton kernels built, SGLang's JIT not yet
+    assert "--watchdog-timeout" in rest and "Triton" not in note and str(tmp_path / "tvm") in note
+    (tmp_path / "tvm" / "sgl_compress").mkdir(parents=True)
     assert first_start_args(["--port", "30000"], cold) == (["--port", "30000"], None)
