@@ -13,6 +13,10 @@ ignored so every request decodes exactly --decode tokens.
 Measured per batch size (1 and 16 by default), best of --reps:
   TTFT      wall time of a generate() of --prompt-len ids with max_new_tokens=1 (the batch at once)
   decode    (time of max_new_tokens=--decode) - TTFT, as batch * (decode - 1) / that time  [tok/s]
+  GB/s      the weight bytes one decode step reads (dense linears and head whole in the mode's format, the
+            routed experts each token batch touches on average: E * (1 - (1 - k/E)^batch) of E per layer) per
+            step time, against the device-copy peak measured in the same run (KV reads are left out: at these
+            lengths under 1 % of the step's bytes)
 The goal of the end-to-end issue: patched / native decode >= 0.9.
 
 Modes (--modes, comma-joined): native; patched (the image defaults); patched-marlin (routed experts on SGLang's
@@ -70,6 +74,36 @@ def mode_env(mode: str, tp: int, base: dict, cc: str | None = None) -> dict:
     if tp != 4:  # 4 is the gate's production count: no override needed
         env["DSV4_SM80_LAB_GPU_COUNT"] = str(tp)
     return env
+
+
+DENSE_OF_MODE = {"native": "native", "patched": "bf16", "patched-marlin": "bf16", "patched-fp8": "fp8_marlin"}
+
+
+def step_bytes(config: dict, tp: int, mode: str, batch: int) -> float:
+    """Weight bytes one GPU reads per decode step of `batch` tokens in `mode` (footprint.weights' per-rank
+    arithmetic of the checkpoint): every dense linear, norm and the head, plus the expected share of routed
+    experts touched (uniform routing, num_experts_per_tok of n_routed_experts per token), plus `batch`
+    embedding rows. The draft model is not counted (no speculation here)."""
+    from dsv4_sm80.footprint import weights
+
+    w = weights(config, tp=tp, dense=DENSE_OF_MODE[mode])["main"]
+    e, k = int(config["n_routed_experts"]), int(config["num_experts_per_tok"])
+    touched = 1.0 - (1.0 - k / e) ** batch
+    rest = sum(v for c, v in w.items() if c not in ("experts", "embedding"))
+    return rest + w.get("experts", 0.0) * touched + batch * int(config["hidden_size"]) * 2
+
+
+def measured_copy_gbps() -> float | None:
+    """The device-copy peak (bench/common.py), measured in a process of its own so that no CUDA context stays
+    in this one beside the engines; None where it fails."""
+    code = ("import json, sys; sys.path.insert(0, %r); import common; print('PEAK', json.dumps(common.copy_gbps()))"
+            % os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout
+        line = next((x for x in out.splitlines() if x.startswith("PEAK ")), None)
+        return float(json.loads(line[5:])) if line else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
 
 
 def kernel_times(trace_paths: list) -> dict:
@@ -185,6 +219,8 @@ def main(argv=None) -> int:
     ensure(args.ckpt, "wide", fast_experts=True, head_scale=PEAKED_HEAD_SCALE["wide"])  # as steps.sh wide makes it
     results = {}
     cc = gpu_cc()
+    peak = measured_copy_gbps()
+    config = json.load(open(os.path.join(args.ckpt, "config.json")))
     for mode in modes:
         env = mode_env(mode, args.tp, dict(os.environ), cc)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--ckpt", args.ckpt,
@@ -217,16 +253,23 @@ def main(argv=None) -> int:
         results[mode] = json.loads(line[len("E2E_RESULT "):])
     print(f"e2e bench ({args.ckpt}; TP{args.tp}; prompt {args.prompt_len} ids, decode {args.decode} tokens, "
           "CUDA graphs on)")
-    print(f"{'batch':>5s} {'mode':>14s} {'TTFT ms':>9s} {'decode tok/s':>13s} {'patched/native':>15s}")
+    print(f"device copy peak {peak:.0f} GB/s (measured now)" if peak else "device copy peak: not measured")
+    print(f"{'batch':>5s} {'mode':>14s} {'TTFT ms':>9s} {'decode tok/s':>13s} {'step ms':>8s} {'GB/step':>8s} "
+          f"{'GB/s (%pk)':>12s} {'patched/native':>15s}")
     for i, b in enumerate(args.batches):
         nat = results.get("native", {}).get("rows", [None] * len(args.batches))[i]
         for mode in modes:
             r = results.get(mode, {}).get("rows", [None] * len(args.batches))[i]
             if r is None:
                 continue
+            step = b / r["decode_tok_s"]  # seconds per decode step of the whole batch
+            r["step_bytes"] = step_bytes(config, args.tp, mode, b)
+            r["gbps"] = r["step_bytes"] / step / 1e9
+            pct = f" ({100 * r['gbps'] / peak:3.0f}%)" if peak else ""
             ratio = (f"{r['decode_tok_s'] / nat['decode_tok_s']:.2f} decode, "
                      f"{nat['ttft_s'] / r['ttft_s']:.2f} TTFT") if mode != "native" and nat else ""
-            print(f"{b:5d} {mode:>14s} {r['ttft_s'] * 1e3:9.1f} {r['decode_tok_s']:13.1f} {ratio:>15s}")
+            print(f"{b:5d} {mode:>14s} {r['ttft_s'] * 1e3:9.1f} {r['decode_tok_s']:13.1f} {step * 1e3:8.2f} "
+                  f"{r['step_bytes'] / 1e9:8.2f} {r['gbps']:6.0f}{pct:>6s} {ratio:>15s}")
     if args.profile:
         import glob
 
@@ -245,7 +288,7 @@ def main(argv=None) -> int:
                               for m, t in per_mode.items()}
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+            json.dump({"args": vars(args), "copy_gbps": peak, "results": results}, f, indent=1)
     return 0 if all("rows" in r for r in results.values()) else 1
 
 

@@ -74,3 +74,22 @@ def test_start_profile_keywords_are_profilereq_fields():
         kws = {k.arg for k in c.keywords}
         assert kws <= fields, kws - fields
         assert "profile_by_stage" in kws  # the stage trigger is what stops the profiler by itself
+
+
+def test_step_bytes_from_the_checkpoint_arithmetic():
+    """Session 12's full-width checkpoint at TP1: the BF16 dense path reads more per step than native's FP8, the
+    routed experts' share grows with the batch as E * (1 - (1 - k/E)^b) of E, and FP8-Marlin sits between."""
+    from dsv4_sm80.footprint import weights
+    from dsv4_sm80.tiny.generate import PRESETS, tiny_config
+
+    cfg = tiny_config(PRESETS["wide"])
+    w_nat, w_bf = weights(cfg, tp=1, dense="native")["main"], weights(cfg, tp=1, dense="bf16")["main"]
+    b1 = {m: e2e.step_bytes(cfg, 1, m, 1) for m in e2e.DENSE_OF_MODE}
+    b16 = {m: e2e.step_bytes(cfg, 1, m, 16) for m in e2e.DENSE_OF_MODE}
+    assert b1["native"] < b1["patched-fp8"] < b1["patched"] == b1["patched-marlin"]
+    experts = w_bf["experts"]
+    assert w_nat["experts"] == experts  # MXFP4 either way
+    assert abs((b16["patched"] - b1["patched"]) - experts * ((1 - (250 / 256) ** 16) - 6 / 256)
+               - 15 * 4096 * 2) < 1.0
+    assert 80 < 256 * (1 - (250 / 256) ** 16) < 81  # ~80 experts of each layer at batch 16 (docs/gpu-runs.md)
+    assert 5e9 < b16["patched"] < 8e9  # the wide model's step at batch 16: ~6.6 GB
