@@ -33,6 +33,11 @@ BIAS_VL_STD = 0.1
 PEAKED_HEAD_SCALE = {"tiny": 12.0, "unit": 12.0, "wide": round(12.0 * (512 / 4096) ** 0.5, 3)}
 
 
+def head_scale_for(preset: str, asked: float | None) -> float:
+    """The head scale a GPU bed generates or expects: the one asked for, else the preset's peaked one."""
+    return PEAKED_HEAD_SCALE[preset] if asked is None else asked
+
+
 @dataclass(frozen=True)
 class TinySize:
     hidden: int = 512

@@ -102,12 +102,9 @@ def main(argv=None) -> int:
     from dsv4_sm80 import env, linear
     from reference import dequant_fp8_bf16, load_raw
 
-    from dsv4_sm80.tiny.generate import ensure
+    from dsv4_sm80.tiny.generate import ensure, head_scale_for
 
-    if args.head_scale is None:  # peaked outputs at every width (generate.PEAKED_HEAD_SCALE)
-        from dsv4_sm80.tiny.generate import PEAKED_HEAD_SCALE
-
-        args.head_scale = PEAKED_HEAD_SCALE[args.preset]
+    args.head_scale = head_scale_for(args.preset, args.head_scale)  # peaked outputs at every width
     ensure(args.ckpt, args.preset, head_scale=args.head_scale)
 
     patch, dense = env.patch_enabled(), env.get(env.DENSE)

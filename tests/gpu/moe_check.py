@@ -49,12 +49,9 @@ def main(argv=None) -> int:
     from dsv4_sm80.kernels import w4a8_moe_ref as ref
     from reference import load_raw
 
-    from dsv4_sm80.tiny.generate import ensure
+    from dsv4_sm80.tiny.generate import ensure, head_scale_for
 
-    if args.head_scale is None:  # peaked outputs at every width (generate.PEAKED_HEAD_SCALE)
-        from dsv4_sm80.tiny.generate import PEAKED_HEAD_SCALE
-
-        args.head_scale = PEAKED_HEAD_SCALE[args.preset]
+    args.head_scale = head_scale_for(args.preset, args.head_scale)  # peaked outputs at every width
     ensure(args.ckpt, args.preset, head_scale=args.head_scale)
     cfg = json.load(open(os.path.join(args.ckpt, "config.json")))
     top_k, scaling = int(cfg["num_experts_per_tok"]), float(cfg["routed_scaling_factor"])
