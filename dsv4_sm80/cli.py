@@ -145,27 +145,13 @@ def first_start_args(rest: list, environ=None) -> tuple:
 
     if _flag_value(rest, "--watchdog-timeout") is not None:
         return rest, None
-    facts = jitcache.facts(environ)
-    cold = []
-    for f in facts:
-        if f.label.startswith("Triton") and not f.ours_built:
-            cold.append(f"no SM80 kernel in the Triton cache at {f.path}")
-        if f.label.startswith("SGLang JIT") and not _has_entries(f.path):
-            cold.append(f"SGLang's JIT cache at {f.path} is empty")
+    cold = jitcache.cold_reasons(environ)
     if not cold:
         return rest, None
     return [*rest, "--watchdog-timeout", str(FIRST_START_WATCHDOG_S)], (
         f"serve: first start on this host ({'; '.join(cold)}): the first forward compiles for minutes, so "
         f"SGLang's scheduler watchdog is {FIRST_START_WATCHDOG_S} s for this start (--watchdog-timeout to choose; "
         "keep the cache directories to start warm next time)")
-
-
-def _has_entries(path: str) -> bool:
-    try:
-        with os.scandir(path) as it:
-            return any(True for _ in it)
-    except OSError:
-        return False
 
 
 def serve(args, rest) -> int:

@@ -113,6 +113,26 @@ def ours_built(triton_dir: str) -> bool:
     return False
 
 
+def _has_entries(path: str) -> bool:
+    try:
+        with os.scandir(path) as it:
+            return any(True for _ in it)
+    except OSError:
+        return False
+
+
+def cold_reasons(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """Why a start on this host would compile for minutes before its first forward ends (empty: warm): none of
+    this path's kernels in Triton's cache, or an empty SGLang JIT (tvm-ffi) cache."""
+    out = []
+    for f in facts(environ):
+        if f.label.startswith("Triton") and not f.ours_built:
+            out.append(f"no SM80 kernel in the Triton cache at {f.path}")
+        if f.label.startswith("SGLang JIT") and not _has_entries(f.path):
+            out.append(f"SGLang's JIT cache at {f.path} is empty")
+    return out
+
+
 def facts(environ: Optional[Mapping[str, str]] = None) -> list[CacheDirFacts]:
     out = [probe(label, path) for label, path in cache_dirs(environ).items()]
     for f in out:
