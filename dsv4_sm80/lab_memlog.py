@@ -62,11 +62,11 @@ def start(path: str, rank: int, role: str, interval: float = 10.0, sample=None) 
 
     def loop():
         while True:
+            line = {"t": round(time.time(), 2), "pid": os.getpid(), "rank": rank, "role": role}
             try:
-                line = {"t": round(time.time(), 2), "pid": os.getpid(), "rank": rank, "role": role, **sample()}
+                line.update(sample())
             except Exception as e:  # diagnostics only: say so once and stop
-                line = {"t": round(time.time(), 2), "pid": os.getpid(), "rank": rank, "role": role,
-                        "error": f"{type(e).__name__}: {e}"}
+                line["error"] = f"{type(e).__name__}: {e}"
             with open(path, "a") as f:
                 f.write(json.dumps(line) + "\n")
             if "error" in line:

@@ -32,6 +32,8 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lab_server import ROOT, descendants, lab_server  # noqa: E402
 
+sys.path.insert(0, ROOT)  # dsv4_sm80 (the lab model for --native, the memory log's reader)
+
 KEY = "soak-key"
 GROWTH_LIMIT = 4.0  # MiB/min over the run's second half: ~5.6 GiB a day, a leak that ends an A800 server in days
 
@@ -143,7 +145,6 @@ def main(argv=None) -> int:
     if args.dspark:
         serve_args += ["--speculative-algorithm", "DSPARK"]
     if args.native:  # SGLang's own launch_server: the model lab mode's serve would pick, named
-        sys.path.insert(0, ROOT)
         from dsv4_sm80.cli import _lab_model
 
         serve_args += ["--model-path", _lab_model()]
@@ -228,7 +229,6 @@ def main(argv=None) -> int:
     stable = memory_stable(first, last) and slope is not None and slope < GROWTH_LIMIT
     inside = None
     if os.path.exists(memlog):  # the patched server's own view (lab_memlog); native SGLang writes none
-        sys.path.insert(0, ROOT)
         from dsv4_sm80 import lab_memlog
 
         inside = lab_memlog.summarize(lab_memlog.read(memlog), since=t0)
