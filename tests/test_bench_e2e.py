@@ -93,3 +93,10 @@ def test_step_bytes_from_the_checkpoint_arithmetic():
                - 15 * 4096 * 2) < 1.0
     assert 80 < 256 * (1 - (250 / 256) ** 16) < 81  # ~80 experts of each layer at batch 16 (docs/gpu-runs.md)
     assert 5e9 < b16["patched"] < 8e9  # the wide model's step at batch 16: ~6.6 GB
+
+
+def test_exit_status_counts_modes_only():
+    rows = {"rows": [{}]}
+    assert e2e.measured_all({"native": rows, "patched": rows, "profile": {"native": {}}}, ["native", "patched"])
+    assert not e2e.measured_all({"native": rows, "patched": {"error": "timeout"}}, ["native", "patched"])
+    assert not e2e.measured_all({"native": rows}, ["native", "patched"])
