@@ -49,7 +49,7 @@ def options_of(script):
 
 
 STEPS = {  # step: files it expects from earlier steps
-    "kernels": (), "moe-bench": (), "moe-sweep": (), "mhc-bench": (), "attn-bench": (), "cold": (),
+    "kernels": (), "moe-bench": (), "moe-sweep": (), "mhc-bench": (), "attn-bench": (), "idx-bench": (), "cold": (),
     "e2e-floors": ("engine-e2e.json",), "trace": (), "e2e": (), "oracle": (), "soak": (), "soak-native": (),
     "wide-parity": (), "e2e-bench": (), "moe-wide": (), "machines": (),
 }

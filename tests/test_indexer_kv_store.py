@@ -89,8 +89,10 @@ def test_store_index_k_int8_page_layout(kern):
     assert (cache.view(-1, 64 * 132)[~mask] == 0).all()
 
 
-@pytest.mark.parametrize("lens", [[130, 5, 0, 64], [1, 192, 65, 3]])
-def test_paged_mqa_logits_int8(kern, lens):
+@pytest.mark.parametrize("lens,splits", [([130, 5, 0, 64], None), ([1, 192, 65, 3], None), ([250, 129, 0, 64], 1),
+                                         ([250, 129, 0, 64], 3)])
+def test_paged_mqa_logits_int8(kern, lens, splits):
+    """splits 1 and 3: each program walks several pages of its token (stride 3 over 4 pages: 0 and 3, 1, 2)."""
     _, idx = kern
     n_pages = 8
     entries = list(range(n_pages * 64))
@@ -102,7 +104,7 @@ def test_paged_mqa_logits_int8(kern, lens):
     page_table = torch.stack([torch.randperm(n_pages, generator=g)[:4] for _ in range(t)]).to(torch.int32)
     seq = torch.tensor(lens, dtype=torch.int32)
     max_len = 250  # not a multiple of 64: the last page is cut
-    out = idx.paged_mqa_logits_int8(*dev(q8, cache, w, seq.view(-1, 1), page_table), max_len).cpu()
+    out = idx.paged_mqa_logits_int8(*dev(q8, cache, w, seq.view(-1, 1), page_table), max_len, splits=splits).cpu()
     want = ref.logits_ref(q8[:, 0], cache, w, seq, page_table, max_len)
     for r, n in enumerate(lens):
         assert torch.allclose(out[r, :n].double(), want[r, :n], rtol=1e-5, atol=1e-3), r
@@ -120,6 +122,7 @@ def build(fn, sig, consts):
     p = r.asm["ptx"]
     return {"sm80": ".target sm_80" in p, "fp8": "e4m3" in p or "e5m2" in p,
             "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]m16n8k32[.]row[.]col([.]satfinite)?[.]s32[.]s8[.]s8[.]s32", p)),
+            "bf16_mma": bool(re.search(r"mma[.]sync[.]aligned[.]m16n8k16[.]row[.]col[.]f32[.]bf16[.]bf16[.]f32", p)),
             "shared": r.metadata.shared}
 out = {
   "k_norm_rope_store": build(ks._k_norm_rope_store_kernel, {"kv_ptr": "*bf16", "stride_kv": "i32", "w_ptr": "*bf16",
@@ -127,13 +130,17 @@ out = {
       "HALF": "constexpr", "ROPE_PAIRS": "constexpr"}, {"HALF": 256, "ROPE_PAIRS": 32}),
   "q_rope_hadamard_int8": build(ix._q_rope_hadamard_int8_kernel, {"q_ptr": "*bf16", "stride_qt": "i32",
       "stride_qh": "i32", "w_ptr": "*bf16", "stride_wt": "i32", "freqs_ptr": "*fp32", "pos_ptr": "*i64",
-      "he_ptr": "*fp32", "ho_ptr": "*fp32", "qo_ptr": "*i8", "wo_ptr": "*fp32", "heads": "i32",
-      "weight_scale": "fp32", "BLOCK_H": "constexpr"}, {"BLOCK_H": 64}),
+      "he_ptr": "*bf16", "ho_ptr": "*bf16", "qo_ptr": "*i8", "wo_ptr": "*fp32", "heads": "i32",
+      "weight_scale": "fp32", "BLOCK_H": "constexpr", "DOT_F32": "constexpr"}, {"BLOCK_H": 64, "DOT_F32": False}),
+  "compress_store_index_k": build(ix._compress_store_index_k_kernel, {"kv_ptr": "*fp32", "plan_ptr": "*i32",
+      "n_rows": "i32", "out_loc_ptr": "*i64", "w_ptr": "*fp32", "eps": "fp32", "freqs_ptr": "*fp32", "he_ptr": "*bf16",
+      "ho_ptr": "*bf16", "cache_ptr": "*i8", "cache_f32_ptr": "*fp32", "IS_DECODE": "constexpr", "RATIO": "constexpr",
+      "BLOCK_R": "constexpr", "DOT_F32": "constexpr"}, {"IS_DECODE": True, "RATIO": 4, "BLOCK_R": 16, "DOT_F32": False}),
   "store_index_k": build(ix._store_index_k_kernel, {"x_ptr": "*fp32", "stride_x": "i32", "loc_ptr": "*i32",
       "cache_ptr": "*i8", "cache_f32_ptr": "*fp32"}, {}),
   "logits": build(ix._logits_int8_kernel, {"q_ptr": "*i8", "kv_ptr": "*i8", "kv_f32_ptr": "*fp32", "w_ptr": "*fp32",
       "lens_ptr": "*i32", "pt_ptr": "*i32", "stride_pt": "i32", "out_ptr": "*fp32", "stride_out": "i32",
-      "max_len": "i32", "HEADS": "constexpr"}, {"HEADS": 64}),
+      "max_len": "i32", "splits": "i32", "HEADS": "constexpr"}, {"HEADS": 64}),
 }
 print(json.dumps(out))
 """
@@ -146,3 +153,18 @@ def test_compile_for_sm80():
     for name, r in out.items():
         assert r["sm80"] and not r["fp8"] and r["shared"] <= 163 * 1024, (name, r)
     assert out["logits"]["int8_mma"], out["logits"]
+    # the Hadamard on tensor cores (BF16 MMA, three parts), not an fp32 product on CUDA cores (session 13: 208 us)
+    for name in ("q_rope_hadamard_int8", "compress_store_index_k"):
+        assert out[name]["bf16_mma"], (name, out[name])
+
+
+def test_logits_grid_is_bounded_by_the_device_not_the_max_length():
+    """Programs per token: about 4 per SM over the batch (8 SMs stand in on the CPU), at least one, never more
+    than the pages of the static max length; the grid never grows with the max length (session 13: a program
+    per page of 262,144 entries, 16 x 4097 programs, 40 us per decode step on the H200)."""
+    from dsv4_sm80.kernels.indexer_int8 import logits_splits
+
+    assert logits_splits(1, 262144, "cpu") == 32
+    assert logits_splits(16, 262144, "cpu") == 2 and logits_splits(64, 262144, "cpu") == 1
+    assert logits_splits(1, 100, "cpu") == 2  # two pages of keys: two programs, not 32
+    assert logits_splits(0, 0, "cpu") == 1

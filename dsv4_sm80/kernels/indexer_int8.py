@@ -11,14 +11,17 @@ row scale, and the logits run on INT8 tensor cores.
   block's first position, Hadamard/sqrt(128)) fused with the INT8 store; rows and their slots come from
   SGLang's compress plan, as its JIT `compress_norm_rope_store` takes them (FP8 there).
 - `paged_mqa_logits_int8`: logits[t, j] = s_k[j] * sum_h ReLU(q8[t,h] . k8[j]) * weights[t,h], j <
-  seq_len[t]: one program per (token, page of 64 keys), all 64 heads as the MMA's M; pages past the
-  token's length exit at once (causal skipping). The grid width is the (static) max length, so the
-  kernel is capture-safe.
+  seq_len[t]: all 64 heads as the MMA's M, a page of 64 keys as its N; each token gets `logits_splits`
+  programs that walk its pages with that stride up to its own length (causal skipping). The grid depends
+  on the token count and the static max length only, so the kernel is capture-safe.
+
+The Hadamard products run on BF16 tensor cores at fp32 accuracy (`_bf16x3_dot`); SM80 has no FP8.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -29,21 +32,67 @@ from .common import rope_table, round_int8
 PAGE = 64
 IDX_DIM = 128
 PAGE_BYTES = PAGE * (IDX_DIM + 4)
+# Triton's CPU interpreter (TRITON_INTERPRET=1, the CI) mis-multiplies BF16 tl.dot operands (as in
+# sparse_attn.py); there the three BF16 parts are widened to fp32 before the product (same sums: they are exact)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
 def _hadamard_halves(device: str):
-    """(H128 / sqrt(128)) split by the input's even and odd dims, transposed: [64, 128] each."""
+    """H128 (entries +-1, exact in BF16) split by the input's even and odd dims, transposed: [64, 128] BF16
+    each; the kernels apply the 1/sqrt(128) in fp32 after the product."""
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < IDX_DIM:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    h = (h / IDX_DIM ** 0.5).to(torch.float32)
+    h = h.to(torch.bfloat16)
     return h[:, 0::2].t().contiguous().to(device), h[:, 1::2].t().contiguous().to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: str) -> int:
+    """Streaming multiprocessors of the device (the interpreter's stand-in: 8)."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    return 8
+
+
+@triton.jit
+def _bf16x3_dot(y, h, acc, DOT_F32: tl.constexpr):
+    """acc + y @ h for fp32 y and a BF16 h of +-1 entries, on BF16 tensor cores at fp32 accuracy: y is cut into
+    three BF16 parts (hi + mid + lo = y to 24 bits), each product with +-1 is exact and the MMA accumulates in
+    fp32. (The fp32 `ieee` tl.dot these kernels had runs on CUDA cores: the Q kernel took 208 us per call for
+    16 tokens x 64 heads on the H200, 6 % of a batch-16 decode step; session 13.)"""
+    hi = y.to(tl.bfloat16)
+    r = y - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    if DOT_F32:
+        hf = h.to(tl.float32)
+        acc = tl.dot(lo.to(tl.float32), hf, acc)
+        acc = tl.dot(mid.to(tl.float32), hf, acc)
+        return tl.dot(hi.to(tl.float32), hf, acc)
+    acc = tl.dot(lo, h, acc)
+    acc = tl.dot(mid, h, acc)
+    return tl.dot(hi, h, acc)
+
+
+@triton.jit
+def _hadamard128(y0, y1, he_ptr, ho_ptr, DOT_F32: tl.constexpr):
+    """[R, 128] = interleave(y0, y1) @ H128.T / sqrt(128) for y0, y1 [R, 64] fp32 (the even and odd dims)."""
+    i = tl.arange(0, 64)
+    j = tl.arange(0, 128)
+    he = tl.load(he_ptr + i[:, None] * 128 + j[None, :])
+    ho = tl.load(ho_ptr + i[:, None] * 128 + j[None, :])
+    acc = tl.zeros([y0.shape[0], 128], dtype=tl.float32)
+    acc = _bf16x3_dot(y0, he, acc, DOT_F32)
+    acc = _bf16x3_dot(y1, ho, acc, DOT_F32)
+    return acc * 0.08838834764831845  # 1 / sqrt(128)
 
 
 @triton.jit
 def _q_rope_hadamard_int8_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, freqs_ptr, pos_ptr, he_ptr, ho_ptr,
-                                 qo_ptr, wo_ptr, heads, weight_scale, BLOCK_H: tl.constexpr):
+                                 qo_ptr, wo_ptr, heads, weight_scale, BLOCK_H: tl.constexpr,
+                                 DOT_F32: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < heads
@@ -60,9 +109,7 @@ def _q_rope_hadamard_int8_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, 
     y0 = x0 * fr[None, :] - x1 * fi[None, :]
     y1 = x0 * fi[None, :] + x1 * fr[None, :]
     j = tl.arange(0, 128)
-    he = tl.load(he_ptr + i[:, None] * 128 + j[None, :])
-    ho = tl.load(ho_ptr + i[:, None] * 128 + j[None, :])
-    z = tl.dot(y0, he, input_precision="ieee") + tl.dot(y1, ho, input_precision="ieee")  # [BLOCK_H, 128]
+    z = _hadamard128(y0, y1, he_ptr, ho_ptr, DOT_F32)  # [BLOCK_H, 128]
     s = tl.maximum(tl.max(tl.abs(z), axis=1), 1e-4) / 127.0
     q = round_int8(z / s[:, None])
     tl.store(qo_ptr + (t * heads + offs_h[:, None]) * 128 + j[None, :], q, mask=h_ok[:, None])
@@ -84,7 +131,7 @@ def q_rope_hadamard_int8(q: torch.Tensor, weight: torch.Tensor, weight_scale: fl
         block_h = 64 if heads >= 64 else 16
         _q_rope_hadamard_int8_kernel[(t_total, triton.cdiv(heads, block_h))](
             q, q.stride(0), q.stride(1), weight, weight.stride(0), freqs, positions, he, ho, q_out, w_out, heads,
-            float(weight_scale), BLOCK_H=block_h)
+            float(weight_scale), BLOCK_H=block_h, DOT_F32=_INTERPRETED)
     return q_out, w_out
 
 
@@ -115,32 +162,40 @@ def store_index_k_int8(x: torch.Tensor, out_loc: torch.Tensor, cache: torch.Tens
 
 @triton.jit
 def _logits_int8_kernel(q_ptr, kv_ptr, kv_f32_ptr, w_ptr, lens_ptr, pt_ptr, stride_pt, out_ptr, stride_out,
-                        max_len, HEADS: tl.constexpr):
+                        max_len, splits, HEADS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    jb = tl.program_id(1)
     n = tl.load(lens_ptr + t)
-    if jb * 64 >= n:
-        return
-    page = tl.load(pt_ptr + t * stride_pt + jb).to(tl.int64)
     j = tl.arange(0, 64)
     d = tl.arange(0, 128)
     h = tl.arange(0, HEADS)
-    k = tl.load(kv_ptr + page * (64 * 132) + j[:, None] * 128 + d[None, :])
     q = tl.load(q_ptr + (t * HEADS + h[:, None]) * 128 + d[None, :])
-    dots = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)  # [HEADS, 64]
     w = tl.load(w_ptr + t * HEADS + h)
-    score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
-    sk = tl.load(kv_f32_ptr + page * (64 * 33) + 64 * 32 + j)
-    col = jb * 64 + j
-    tl.store(out_ptr + t * stride_out + col, tl.where(col < n, score * sk, 0.0), mask=col < max_len)
+    for jb in range(tl.program_id(1), tl.cdiv(n, 64), splits):  # this program's pages of the token's keys
+        page = tl.load(pt_ptr + t * stride_pt + jb).to(tl.int64)
+        k = tl.load(kv_ptr + page * (64 * 132) + j[:, None] * 128 + d[None, :])
+        dots = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)  # [HEADS, 64]
+        score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
+        sk = tl.load(kv_f32_ptr + page * (64 * 33) + 64 * 32 + j)
+        col = jb * 64 + j
+        tl.store(out_ptr + t * stride_out + col, tl.where(col < n, score * sk, 0.0), mask=col < max_len)
+
+
+def logits_splits(t_total: int, max_seq_len: int, device: str) -> int:
+    """Programs per token of the logits grid: about four per SM over the batch, never more than the pages of
+    the longest key row. The grid stays a function of (tokens, max length): capture-safe, while the work
+    follows each token's real length (session 13: a program per page of the static max length, 16 x 4097
+    programs that mostly exit at once, cost 40 us per decode step on the H200)."""
+    pages = triton.cdiv(max_seq_len, PAGE)
+    return max(1, min(pages, triton.cdiv(4 * _sm_count(device), max(t_total, 1))))
 
 
 def paged_mqa_logits_int8(q_int8: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                           seq_lens: torch.Tensor, page_table: torch.Tensor, max_seq_len: int,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """q_int8 [T, 64, 128] (or [T, 1, 64, 128]); kv_cache the page buffer (any view); weights [T, 64]
     (or [T, 64, 1]) fp32; seq_lens [T] (or [T, 1]); page_table int32 [T, max_pages] -> logits fp32
-    [T, max_seq_len]; entries at j >= seq_len are 0 in pages the kernel visits, unspecified past them."""
+    [T, max_seq_len]; entries at j >= seq_len are 0 in pages the kernel visits, unspecified past them.
+    splits: programs per token (default `logits_splits`)."""
     q = q_int8.reshape(q_int8.shape[0], -1, IDX_DIM)
     t_total, heads, _ = q.shape
     if heads < 16 or heads & (heads - 1):
@@ -148,16 +203,18 @@ def paged_mqa_logits_int8(q_int8: torch.Tensor, kv_cache: torch.Tensor, weights:
     raw = kv_cache.view(torch.uint8).view(-1)
     out = torch.empty((t_total, max_seq_len), dtype=torch.float32, device=q.device) if out is None else out
     if t_total and max_seq_len:
-        _logits_int8_kernel[(t_total, triton.cdiv(max_seq_len, PAGE))](
+        splits = splits or logits_splits(t_total, max_seq_len, str(q.device))
+        _logits_int8_kernel[(t_total, splits)](
             q, raw.view(torch.int8), raw.view(torch.float32), weights.reshape(t_total, heads).float(),
-            seq_lens.reshape(-1), page_table, page_table.stride(0), out, out.stride(0), max_seq_len, HEADS=heads)
+            seq_lens.reshape(-1), page_table, page_table.stride(0), out, out.stride(0), max_seq_len, splits,
+            HEADS=heads)
     return out
 
 
 @triton.jit
 def _compress_store_index_k_kernel(kv_ptr, plan_ptr, n_rows, out_loc_ptr, w_ptr, eps, freqs_ptr, he_ptr, ho_ptr,
                                    cache_ptr, cache_f32_ptr, IS_DECODE: tl.constexpr, RATIO: tl.constexpr,
-                                   BLOCK_R: tl.constexpr):
+                                   BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = r < n_rows
     seq = tl.load(plan_ptr + r * 4, mask=in_range, other=-1)  # u32 seq_len (0xFFFFFFFF = padding row)
@@ -185,9 +242,7 @@ def _compress_store_index_k_kernel(kv_ptr, plan_ptr, n_rows, out_loc_ptr, w_ptr,
     z0 = y0 * fr - y1 * fi
     z1 = y0 * fi + y1 * fr
     j = tl.arange(0, 128)
-    he = tl.load(he_ptr + i[:, None] * 128 + j[None, :])
-    ho = tl.load(ho_ptr + i[:, None] * 128 + j[None, :])
-    h = tl.dot(z0, he, input_precision="ieee") + tl.dot(z1, ho, input_precision="ieee")  # [BLOCK_R, 128]
+    h = _hadamard128(z0, z1, he_ptr, ho_ptr, DOT_F32)  # [BLOCK_R, 128]
     s = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-4) / 127.0
     slot64 = tl.where(valid, slot, 0).to(tl.int64)
     page = slot64 // 64
@@ -217,4 +272,4 @@ def compress_store_index_k_int8(kv: torch.Tensor, plan_rows: torch.Tensor, is_de
     block_r = 16
     _compress_store_index_k_kernel[(triton.cdiv(n, block_r),)](
         kv, plan, n, out_loc, norm_weight.float(), float(eps), freqs, he, ho, raw.view(torch.int8),
-        raw.view(torch.float32), IS_DECODE=bool(is_decode), RATIO=ratio, BLOCK_R=block_r)
+        raw.view(torch.float32), IS_DECODE=bool(is_decode), RATIO=ratio, BLOCK_R=block_r, DOT_F32=_INTERPRETED)
