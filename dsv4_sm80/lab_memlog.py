@@ -98,9 +98,13 @@ def read(path: str) -> list:
     return out
 
 
-def summarize(lines: list, since: float | None = None) -> dict:
+def summarize(lines: list, since: float | None = None, flushed: float | None = None) -> dict:
     """Per (pid, role): MiB of used / reserved / allocated / outside the allocator at the first and last line
-    at or after `since` (unix time; e.g. the load's start), and their growth; `where` names what grew."""
+    at or after `since` (unix time; e.g. the load's start) and before `flushed` (when the load ended and the
+    cache was flushed), and their growth; `where` names what grew. With `flushed`: `allocated_after_flush`, the
+    live tensors at the first line after it, and `released`: whether the flush gave the growth of live
+    tensors back (within 16 MiB of the start). A prefix cache holds GPU index tensors per cached token (its
+    size bounded by the KV pool): growth it releases is cache state, growth that stays is a leak."""
     groups = {}
     for x in lines:
         if "error" in x or (since is not None and x["t"] < since):
@@ -109,17 +113,24 @@ def summarize(lines: list, since: float | None = None) -> dict:
     out = {}
     for (pid, role), xs in groups.items():
         xs.sort(key=lambda x: x["t"])
-        a, b = xs[0], xs[-1]
+        during = [x for x in xs if flushed is None or x["t"] < flushed]
+        if not during:
+            continue
+        a, b = during[0], during[-1]
 
         def mib(x, k):
             return round((x["used"] - x["reserved"]) / MIB, 1) if k == "outside" else round(x[k] / MIB, 1)
 
-        row = {"rank": a["rank"], "seconds": round(b["t"] - a["t"], 1), "samples": len(xs)}
+        row = {"rank": a["rank"], "seconds": round(b["t"] - a["t"], 1), "samples": len(during)}
         for k in ("used", "reserved", "allocated", "outside"):
             row[k] = [mib(a, k), mib(b, k)]
             row[k + "_growth"] = round(mib(b, k) - mib(a, k), 1)
         row["retries"] = b["retries"]
         grew = [k for k in ("reserved", "outside") if row[k + "_growth"] > 16]
         row["where"] = " and ".join(grew) if grew else "nothing over 16 MiB"
+        if flushed is not None:
+            after = [x for x in xs if x["t"] >= flushed]
+            row["allocated_after_flush"] = mib(after[0], "allocated") if after else None
+            row["released"] = bool(after) and row["allocated_after_flush"] <= row["allocated"][0] + 16
         out[f"{role} rank {a['rank']} pid {pid}"] = row
     return out

@@ -104,3 +104,29 @@ def test_memlog_lines_and_what_grew(tmp_path):
     lab_memlog.start(broken, 1, "draft", interval=0.01, sample=fails).join(5)
     (line,) = lab_memlog.read(broken)  # said once, then the thread ends
     assert "no device" in line["error"] and lab_memlog.summarize([line]) == {}
+
+
+def test_growth_the_flush_releases_is_cache_state():
+    """Session 13's shape (native and patched both +25 MiB/min, inside the allocator's live tensors): the
+    growth counts as cache state only when the flush gives the live tensors back and nothing grew outside."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    from dsv4_sm80 import lab_memlog
+
+    M = lab_memlog.MIB
+
+    def line(t, alloc, outside=2924):
+        return {"t": t, "pid": 7, "rank": 0, "role": "target", "used": (104758 + alloc + outside) * M,
+                "reserved": (104758 + alloc) * M, "allocated": (104364 + alloc) * M, "segments": 1, "retries": 0}
+
+    run = [line(t, 25 * t // 60) for t in range(0, 240, 10)]
+    released = lab_memlog.summarize(run + [line(245, 3)], since=0, flushed=241)
+    (row,) = released.values()
+    assert row["allocated_growth"] == 95.0 and row["allocated_after_flush"] == 104367.0 and row["released"]
+    assert soak.held_by_cache(released)
+    kept = lab_memlog.summarize(run + [line(245, 90)], since=0, flushed=241)
+    assert not list(kept.values())[0]["released"] and not soak.held_by_cache(kept)
+    outside = lab_memlog.summarize(run[:-1] + [line(235, 95, outside=3000), line(245, 3, outside=3000)],
+                                   since=0, flushed=241)
+    assert list(outside.values())[0]["released"] and not soak.held_by_cache(outside)  # grew outside the allocator
+    no_line_after = lab_memlog.summarize(run, since=0, flushed=241)
+    assert not soak.held_by_cache(no_line_after) and not soak.held_by_cache(None)  # native: no log
