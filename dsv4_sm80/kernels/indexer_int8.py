@@ -180,13 +180,18 @@ def _logits_int8_kernel(q_ptr, kv_ptr, kv_f32_ptr, w_ptr, lens_ptr, pt_ptr, stri
         tl.store(out_ptr + t * stride_out + col, tl.where(col < n, score * sk, 0.0), mask=col < max_len)
 
 
+LOGITS_PAGES_PER_PROGRAM = 64  # at most this many pages of the static max length walked by one program
+
+
 def logits_splits(t_total: int, max_seq_len: int, device: str) -> int:
-    """Programs per token of the logits grid: about four per SM over the batch, never more than the pages of
-    the longest key row. The grid stays a function of (tokens, max length): capture-safe, while the work
-    follows each token's real length (session 13: a program per page of the static max length, 16 x 4097
-    programs that mostly exit at once, cost 40 us per decode step on the H200)."""
+    """Programs per token of the logits grid: about four per SM over the batch, and enough that none walks more
+    than LOGITS_PAGES_PER_PROGRAM pages (a long prefill's last tokens), never more than the pages of the
+    longest key row. The grid is a function of (tokens, max length) only: capture-safe, while the work follows
+    each token's real length (session 13: a program per page of the static max length, 16 x 4097 programs
+    that mostly exit at once, cost 40 us per decode step on the H200)."""
     pages = triton.cdiv(max_seq_len, PAGE)
-    return max(1, min(pages, triton.cdiv(4 * _sm_count(device), max(t_total, 1))))
+    want = max(triton.cdiv(4 * _sm_count(device), max(t_total, 1)), triton.cdiv(pages, LOGITS_PAGES_PER_PROGRAM))
+    return max(1, min(pages, want))
 
 
 def paged_mqa_logits_int8(q_int8: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
