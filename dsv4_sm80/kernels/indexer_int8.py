@@ -128,7 +128,9 @@ def q_rope_hadamard_int8(q: torch.Tensor, weight: torch.Tensor, weight_scale: fl
     q_out = torch.empty((t_total, heads, IDX_DIM), dtype=torch.int8, device=q.device)
     w_out = torch.empty((t_total, heads, 1), dtype=torch.float32, device=q.device)
     if t_total:
-        block_h = 64 if heads >= 64 else 16
+        # 32 heads a program: at 64, sm_80's build spills the fp32 accumulator and the three BF16 parts to local
+        # memory (455 LDL / 353 STL in its SASS, Triton 3.6); at 32 none (tests/test_indexer_kv_store.py)
+        block_h = 32 if heads >= 32 else 16
         _q_rope_hadamard_int8_kernel[(t_total, triton.cdiv(heads, block_h))](
             q, q.stride(0), q.stride(1), weight, weight.stride(0), freqs, positions, he, ho, q_out, w_out, heads,
             float(weight_scale), BLOCK_H=block_h, DOT_F32=_INTERPRETED)
