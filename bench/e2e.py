@@ -21,14 +21,15 @@ The goal of the end-to-end issue: patched / native decode >= 0.9.
 
 Modes (--modes, comma-joined): native; patched (the image defaults); patched-marlin (routed experts on SGLang's
 MXFP4 Marlin, W4A16) and patched-fp8 (dense linears on FP8-Marlin) to tell which stage a gap comes from.
---profile DIR: after the timings, each mode's engine records --profile-steps decode steps of the largest batch
-with SGLang's own profiler (Engine.start_profile by stage, GPU activity only) into DIR/MODE; the table printed
-is the GPU time per decode step by kernel, each mode's top kernels and its total against native's.
+--profile DIR: after the timings, each mode's engine records --profile-steps decode steps of each batch with
+SGLang's own profiler (Engine.start_profile by stage, GPU activity only) into DIR/MODE/bBATCH; the tables printed
+(one per batch) are the GPU time per decode step by kernel, each mode's top kernels and its total against native's.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import signal
@@ -135,6 +136,26 @@ def profile_table(per_mode: dict, steps: int, top: int = 12) -> list:
     return lines
 
 
+def profile_report(root: str, modes: list, batches: list, steps: int, results: dict) -> tuple:
+    """(lines, record): per batch, each mode's kernels per decode step from its traces under ROOT/MODE/bBATCH
+    (profile_table), and the top 40 kernels' times per batch and mode for the record; a mode without a trace
+    says so, with the profile error its child reported."""
+    lines, record = [], {}
+    for b in batches:
+        per_mode = {}
+        for mode in modes:
+            paths = glob.glob(os.path.join(root, mode, f"b{b}", "*DECODE*.json*"))
+            if paths:
+                per_mode[mode] = kernel_times(paths)
+            else:
+                err = results.get(mode, {}).get("profile_errors", {}).get(str(b), "")
+                lines.append(f"e2e {mode}: no profile trace at batch {b} {err}".rstrip())
+        lines.append(f"kernels per decode step (batch {b}, {steps} steps recorded by SGLang's profiler)")
+        lines += profile_table(per_mode, steps)
+        record[b] = {m: dict(sorted(t.items(), key=lambda kv: -kv[1])[:40]) for m, t in per_mode.items()}
+    return lines, record
+
+
 def child(args) -> dict:
     sys.path.insert(0, ROOT)
     import random
@@ -172,17 +193,22 @@ def child(args) -> dict:
             out["rows"].append({"batch": b, "ttft_s": ttft, "total_s": total,
                                 "decode_tok_s": b * (args.decode - 1) / max(total - ttft, 1e-9)})
         if args.profile:
-            # SGLang's profiler by stage: the prefill and the first --profile-steps decode steps of the largest
-            # batch, each stage in its own trace file (*-EXTEND, *-DECODE); it stops itself after the steps
-            # (scheduler_components/profiler_manager.py _profile_batch_predicate), so no stop_profile here
-            b = max(args.batches)
-            d = os.path.join(args.profile, args.child)
-            os.makedirs(d, exist_ok=True)
-            engine.start_profile(output_dir=d, activities=["GPU"], with_stack=False, record_shapes=False,
-                                 profile_by_stage=True, num_steps=args.profile_steps)
-            params = {"temperature": 0.0, "max_new_tokens": args.profile_steps + 4, "ignore_eos": True}
-            engine.generate(input_ids=prompts[:b], sampling_params=params)
-            out["profile_dir"] = d
+            # SGLang's profiler by stage: the prefill and the first --profile-steps decode steps of each batch,
+            # each stage in its own trace file (*-EXTEND, *-DECODE) under MODE/bBATCH; it stops itself after the
+            # steps (scheduler_components/profiler_manager.py _profile_batch_predicate), so no stop_profile here.
+            # A profile that fails is said in the record; the timed rows above stand.
+            out["profile_dirs"] = {}
+            for b in args.batches:
+                d = os.path.join(args.profile, args.child, f"b{b}")
+                try:
+                    os.makedirs(d, exist_ok=True)
+                    engine.start_profile(output_dir=d, activities=["GPU"], with_stack=False, record_shapes=False,
+                                         profile_by_stage=True, num_steps=args.profile_steps)
+                    params = {"temperature": 0.0, "max_new_tokens": args.profile_steps + 4, "ignore_eos": True}
+                    engine.generate(input_ids=prompts[:b], sampling_params=params)
+                    out["profile_dirs"][b] = d
+                except Exception as e:
+                    out.setdefault("profile_errors", {})[b] = f"{type(e).__name__}: {e}"[:500]
     finally:
         engine.shutdown()
     return out
@@ -271,21 +297,8 @@ def main(argv=None) -> int:
             print(f"{b:5d} {mode:>14s} {r['ttft_s'] * 1e3:9.1f} {r['decode_tok_s']:13.1f} {step * 1e3:8.2f} "
                   f"{r['step_bytes'] / 1e9:8.2f} {r['gbps']:6.0f}{pct:>6s} {ratio:>15s}")
     if args.profile:
-        import glob
-
-        per_mode = {}
-        for mode in modes:
-            paths = glob.glob(os.path.join(args.profile, mode, "*DECODE*.json*"))
-            if paths:
-                per_mode[mode] = kernel_times(paths)
-            else:
-                print(f"e2e {mode}: no profile trace under {os.path.join(args.profile, mode)}")
-        print(f"kernels per decode step (batch {max(args.batches)}, {args.profile_steps} steps recorded by "
-              "SGLang's profiler)")
-        lines = profile_table(per_mode, args.profile_steps)
+        lines, results["profile"] = profile_report(args.profile, modes, args.batches, args.profile_steps, results)
         print("\n".join(lines))
-        results["profile"] = {m: {k: v for k, v in sorted(t.items(), key=lambda kv: -kv[1])[:40]}
-                              for m, t in per_mode.items()}
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "copy_gbps": peak, "results": results}, f, indent=1)

@@ -100,3 +100,23 @@ def test_exit_status_counts_modes_only():
     assert e2e.measured_all({"native": rows, "patched": rows, "profile": {"native": {}}}, ["native", "patched"])
     assert not e2e.measured_all({"native": rows, "patched": {"error": "timeout"}}, ["native", "patched"])
     assert not e2e.measured_all({"native": rows}, ["native", "patched"])
+
+
+def test_profile_report_per_batch_from_the_trace_folders(tmp_path):
+
+    def trace(path, kernels):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        events = [{"cat": "kernel", "ph": "X", "name": n, "dur": d} for n, d in kernels]
+        with gzip.open(path, "wt") as f:
+            json.dump({"traceEvents": events}, f)
+
+    trace(str(tmp_path / "native" / "b1" / "1-TP-0-DECODE.trace.json.gz"), [("k1", 40.0), ("k1", 40.0)])
+    trace(str(tmp_path / "patched" / "b1" / "1-TP-0-DECODE.trace.json.gz"), [("k2", 100.0)])
+    trace(str(tmp_path / "native" / "b16" / "1-TP-0-DECODE.trace.json.gz"), [("k1", 300.0)])
+    results = {"patched": {"rows": [], "profile_errors": {"16": "RuntimeError: busy"}}}
+    lines, record = e2e.profile_report(str(tmp_path), ["native", "patched"], [1, 16], 4, results)
+    text = "\n".join(lines)
+    assert "kernels per decode step (batch 1," in text and "kernels per decode step (batch 16," in text
+    assert "patched: 25.0 us of kernels per decode step (1.25x native)" in text  # 100 / 4 against 80 / 4
+    assert "e2e patched: no profile trace at batch 16 RuntimeError: busy" in text
+    assert record[1] == {"native": {"k1": 80.0}, "patched": {"k2": 100.0}} and record[16] == {"native": {"k1": 300.0}}
