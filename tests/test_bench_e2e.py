@@ -103,7 +103,6 @@ def test_exit_status_counts_modes_only():
 
 
 def test_profile_report_per_batch_from_the_trace_folders(tmp_path):
-
     def trace(path, kernels):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         events = [{"cat": "kernel", "ph": "X", "name": n, "dur": d} for n, d in kernels]
