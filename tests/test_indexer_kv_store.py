@@ -48,10 +48,11 @@ def test_k_norm_rope_store_bf16(kern):
     assert (cache[untouched] == 5.0).all()  # -1 rows wrote nothing
 
 
-def test_q_rope_hadamard_int8(kern):
+@pytest.mark.parametrize("h", [64, 48, 16])  # two programs of 32 heads; the second one part-masked; 16 a program
+def test_q_rope_hadamard_int8(kern, h):
     _, idx = kern
     g = torch.Generator().manual_seed(2)
-    t, h = 3, 64
+    t = 3
     q = torch.randn(t, h, 128, generator=g).to(torch.bfloat16)
     w = torch.randn(t, h, generator=g).to(torch.bfloat16)
     f = freqs(50, 32, seed=3)
