@@ -172,7 +172,7 @@ def test_default_splits_depend_on_static_shapes_only(k):
 def test_default_splits_on_a_gpu_shape(k, monkeypatch):
     """With a GPU's SM count (132: an H200; an A800 has 108): about two waves of programs, at least 64
     list entries per split, at most 32 splits (the counts session 4's H200 bench measured fastest)."""
-    monkeypatch.setattr(k, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(k, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)  # a device object only
     assert k.default_splits(1, 16, 640, cuda) == 10  # batch-1 decode, C4 layer: 640 // 64
     assert k.default_splits(8, 16, 640, cuda) == 10

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import rope_table, round_int8
+from .common import rope_table, round_int8, sm_count
 
 PAGE = 64
 IDX_DIM = 128
@@ -46,14 +46,6 @@ def _hadamard_halves(device: str):
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     h = h.to(torch.bfloat16)
     return h[:, 0::2].t().contiguous().to(device), h[:, 1::2].t().contiguous().to(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: str) -> int:
-    """Streaming multiprocessors of the device (the interpreter's stand-in: 8)."""
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-    return 8
 
 
 @triton.jit
@@ -192,7 +184,8 @@ def logits_splits(t_total: int, max_seq_len: int, device: str) -> int:
     each token's real length (session 13: a program per page of the static max length, 16 x 4097 programs
     that mostly exit at once, cost 40 us per decode step on the H200)."""
     pages = triton.cdiv(max_seq_len, PAGE)
-    want = max(triton.cdiv(4 * _sm_count(device), max(t_total, 1)), triton.cdiv(pages, LOGITS_PAGES_PER_PROGRAM))
+    sms = sm_count(device) or 8  # the interpreter's stand-in: 8
+    want = max(triton.cdiv(4 * sms, max(t_total, 1)), triton.cdiv(pages, LOGITS_PAGES_PER_PROGRAM))
     return max(1, min(pages, want))
 
 

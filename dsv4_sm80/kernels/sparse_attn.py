@@ -16,12 +16,13 @@ finishes in place. Shapes never reach host logic, no autotuning: capture-safe fo
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from .common import sm_count
 
 HEAD_DIM = 512
 BLOCK_H = 16
@@ -175,17 +176,12 @@ def default_splits(rows: int, heads: int, width: int, device, waves: int = 2, mi
     measured neighbour 4 rather than 5) were faster on 7 of the 9 distinct decode shapes (batch 64, 640
     entries: 28 us vs 39 us; batch 1, 4224 entries: 23 us vs 27 us) and 1.2-1.4 us slower on 2 (a 160-entry
     list at batch 1 and 8). Not yet re-run as the default; to re-tune on an A800 (108 SMs)."""
-    if not (isinstance(device, torch.device) and device.type == "cuda") and not str(device).startswith("cuda"):
+    sms = sm_count(device)
+    if sms is None:
         return 1
-    sms = _sm_count(torch.device(device).index or 0)
     programs = rows * triton.cdiv(heads, BLOCK_H)
     want = triton.cdiv(waves * sms, max(programs, 1))
     return int(max(1, min(want, width // min_keys, max_splits)))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=None, extra_lens=None, sink=None,
