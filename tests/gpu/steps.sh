@@ -374,7 +374,7 @@ case ${1:?step} in
   e2e-bench)
     [ -f "$WIDE.ok" ] || { echo "=== e2e-bench: no complete $WIDE (step wide first)"; exit 1; }
     # every mode (native, the SM80 path, and it with the experts on Marlin or the dense linears on FP8-Marlin) and
-    # each one's kernels over 16 decode steps at batch 16: which stage a gap to native comes from
+    # each one's kernels over 16 decode steps at each batch: which stage a gap to native comes from
     run e2e-bench timeout 1000 python bench/e2e.py --ckpt "$WIDE" --out "$OUT/e2e.json" --tp ${E2E_TP:-1} \
       --modes ${E2E_MODES:-native,patched,patched-marlin,patched-fp8} --profile "$OUT/e2e-prof" ${E2E_ARGS:-}
     grep -A60 "^kernels per decode step" "$OUT/e2e-bench.log" > "$OUT/e2e-kernels.txt" ;;
