@@ -98,6 +98,13 @@ def read(path: str) -> list:
     return out
 
 
+def logged_since(lines: list, t: float) -> bool:
+    """Every (process, role) in the log has a line at or after t (each thread keeps its own 10 s cadence)."""
+    live = [x for x in lines if "error" not in x]
+    keys = {(x["pid"], x["role"]) for x in live}
+    return all(any(x["t"] >= t for x in live if (x["pid"], x["role"]) == k) for k in keys)
+
+
 def summarize(lines: list, since: float | None = None, flushed: float | None = None) -> dict:
     """Per (pid, role): MiB of used / reserved / allocated / outside the allocator at the first and last line
     at or after `since` (unix time; e.g. the load's start) and before `flushed` (when the load ended and the

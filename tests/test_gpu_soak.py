@@ -130,3 +130,14 @@ def test_growth_the_flush_releases_is_cache_state():
     assert list(outside.values())[0]["released"] and not soak.held_by_cache(outside)  # grew outside the allocator
     no_line_after = lab_memlog.summarize(run, since=0, flushed=241)
     assert not soak.held_by_cache(no_line_after) and not soak.held_by_cache(None)  # native: no log
+
+
+def test_memlog_caught_up_waits_for_every_process_and_role():
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    from dsv4_sm80 import lab_memlog
+
+    target = [{"t": t, "pid": 1, "role": "target"} for t in (0, 10, 20)]
+    draft = [{"t": t, "pid": 1, "role": "draft"} for t in (5, 15)]
+    assert lab_memlog.logged_since(target + draft, 12)
+    assert not lab_memlog.logged_since(target + draft, 18)  # the draft's next line is still to come
+    assert lab_memlog.logged_since(target + draft + [{"error": "x", "pid": 2, "role": "target"}], 12)

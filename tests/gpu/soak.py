@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lab_server import ROOT, descendants, lab_server  # noqa: E402
 
 sys.path.insert(0, ROOT)  # dsv4_sm80 (the lab model for --native, the memory log's reader)
+from dsv4_sm80 import lab_memlog  # noqa: E402
 
 KEY = "soak-key"
 GROWTH_LIMIT = 4.0  # MiB/min over the run's second half: ~5.6 GiB a day, a leak that ends an A800 server in days
@@ -105,8 +106,6 @@ def server_gpu_mib(root: int):
 
 
 def read_memlog(path: str) -> list:
-    from dsv4_sm80 import lab_memlog
-
     return lab_memlog.read(path) if os.path.exists(path) else []
 
 
@@ -239,8 +238,8 @@ def main(argv=None) -> int:
         t_flush = time.time()  # the memory log's lines from here on see the flushed cache
         time.sleep(2)
         after = list(find(get_json(args.port, "/v1/loads"), "num_used_tokens"))
-        for _ in range(30):  # the memory log's first line after the flush (it writes one every 10 s)
-            if not os.path.exists(memlog) or any(x.get("t", 0) >= t_flush for x in read_memlog(memlog)):
+        for _ in range(30):  # each process's first memory-log line after the flush (one every 10 s each)
+            if not os.path.exists(memlog) or lab_memlog.logged_since(read_memlog(memlog), t_flush):
                 break
             time.sleep(1)
         alive = server.poll() is None
@@ -249,8 +248,6 @@ def main(argv=None) -> int:
     slope = growth_mib_per_min([(t, m) for t, m, _ in mem])
     inside = None
     if os.path.exists(memlog):  # the patched server's own view (lab_memlog); native SGLang writes none
-        from dsv4_sm80 import lab_memlog
-
         inside = lab_memlog.summarize(read_memlog(memlog), since=t0, flushed=t_flush)
     held = held_by_cache(inside)
     stable = memory_stable(first, last) and slope is not None and (slope < GROWTH_LIMIT or held)
