@@ -5,8 +5,9 @@ heads of 128 dims, the INT8 cache of 132-byte entries, one C4 entry per 4 tokens
   compress compress_store_index_k_int8 for a decode plan of 1, 16, 64 rows (every row completes a block)
   logits   paged_mqa_logits_int8 for 1, 16, 64 tokens at 4K, 64K and 512K context, with the static max length
            a serving engine captures its graphs with (--max-len, 1M context: 262,144 entries): the default
-           grid (logits_splits programs per token) and one program per page of the max length (the grid of
-           sessions 12-13, whose mostly-empty programs cost 40 us a decode step on the H200)
+           grid (logits_splits programs per token), the grid with at most 4 / 16 / 64 pages a program, and one
+           program per page of the max length (the grid of sessions 12-13, whose mostly-empty programs cost
+           40 us a decode step on the H200)
 
 Each row: microseconds, GB/s of bytes read and written against the measured copy peak, and the floor =
 empty-kernel time + bytes / peak. Native's counterpart (DeepGEMM's fp8_paged_mqa_logits and the FP8 Q
@@ -41,6 +42,7 @@ def main(argv=None) -> int:
     import common
     from common import timed
     from dsv4_sm80.kernels import indexer_int8 as ix
+    from dsv4_sm80.kernels.common import sm_count
 
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -93,9 +95,16 @@ def main(argv=None) -> int:
             sec = timed(lambda: ix.paged_mqa_logits_int8(q8, cache, w, lens, table, max_len, out=out))
             r, line = row("logits", sec, nbytes, context=ctx, tokens=t, splits=ix.logits_splits(t, max_len, dev))
             per_page = -(-max_len // 64)
+            r["variants_us"] = {}
+            by_sms = -(-4 * sm_count(dev) // t)  # logits_splits' first term
+            for cap in (4, 16, 64):  # logits_splits with another cap on the pages a program walks
+                sp = min(per_page, max(by_sms, -(-per_page // cap)))
+                r["variants_us"][f"{cap} pages a program"] = timed(lambda: ix.paged_mqa_logits_int8(
+                    q8, cache, w, lens, table, max_len, out=out, splits=sp)) * 1e6
             r["per_page_us"] = timed(lambda: ix.paged_mqa_logits_int8(q8, cache, w, lens, table, max_len, out=out,
                                                                       splits=per_page)) * 1e6
-            print(f"logits   {t:5d} tokens {ctx:7d} ctx {line}  (a program per page: {r['per_page_us']:8.1f} us)")
+            alts = "  ".join(f"{n} {v:.1f}" for n, v in r["variants_us"].items())
+            print(f"logits   {t:5d} tokens {ctx:7d} ctx {line}  (a program per page: {r['per_page_us']:8.1f} us; {alts})")
             del cache, table, out
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:

@@ -169,13 +169,14 @@ def test_compile_for_sm80():
 
 def test_logits_grid_is_bounded_by_the_device_not_the_max_length():
     """Programs per token: about 4 per SM over the batch (8 SMs stand in on the CPU) and enough that none walks
-    more than 64 pages, at least one, never more than the pages of the static max length (session 13: a program
+    more than 16 pages, at least one, never more than the pages of the static max length (session 13: a program
     per page of 262,144 entries, 16 x 4097 programs, 40 us per decode step on the H200)."""
-    from dsv4_sm80.kernels.indexer_int8 import logits_splits
+    from dsv4_sm80.kernels.indexer_int8 import LOGITS_PAGES_PER_PROGRAM, logits_splits
 
-    assert logits_splits(1, 262144, "cpu") == 64  # 4096 pages: 64 programs of at most 64 pages
-    assert logits_splits(16, 262144, "cpu") == 64 and logits_splits(64, 262144, "cpu") == 64
+    assert LOGITS_PAGES_PER_PROGRAM == 16
+    assert logits_splits(1, 262144, "cpu") == 256  # 4096 pages: 256 programs of at most 16 pages
+    assert logits_splits(16, 262144, "cpu") == 256 and logits_splits(64, 262144, "cpu") == 256
     assert logits_splits(1, 1024, "cpu") == 16  # 16 pages, 32 wanted: one program a page
     assert logits_splits(1, 100, "cpu") == 2
-    assert logits_splits(8192, 16384, "cpu") == 4  # a 64K-context prefill chunk: 256 pages, 64 a program
+    assert logits_splits(8192, 16384, "cpu") == 16  # a 64K-context prefill chunk: 256 pages, 16 a program
     assert logits_splits(0, 0, "cpu") == 1

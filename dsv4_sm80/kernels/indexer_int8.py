@@ -174,7 +174,10 @@ def _logits_int8_kernel(q_ptr, kv_ptr, kv_f32_ptr, w_ptr, lens_ptr, pt_ptr, stri
         tl.store(out_ptr + t * stride_out + col, tl.where(col < n, score * sk, 0.0), mask=col < max_len)
 
 
-LOGITS_PAGES_PER_PROGRAM = 64  # at most this many pages of the static max length walked by one program
+# at most this many pages of the static max length walked by one program: its loop is not software-pipelined
+# (no cp.async in the sm_80 SASS), so a program has one page load in flight; one token whose 2,048 pages (512K
+# context) fill the max length gets 128 programs at 16 a program, 32 at 64. bench/indexer.py times 4 / 16 / 64.
+LOGITS_PAGES_PER_PROGRAM = 16
 
 
 def logits_splits(t_total: int, max_seq_len: int, device: str) -> int:
