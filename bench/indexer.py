@@ -5,8 +5,8 @@ heads of 128 dims, the INT8 cache of 132-byte entries, one C4 entry per 4 tokens
   compress compress_store_index_k_int8 for a decode plan of 1, 16, 64 rows (every row completes a block)
   logits   paged_mqa_logits_int8 for 1, 16, 64 tokens at 4K, 64K and 512K context, with the static max length
            a serving engine captures its graphs with (--max-len, 1M context: 262,144 entries): the default
-           grid (logits_splits programs per token), the grid with at most 4 / 16 / 64 pages a program, and one
-           program per page of the max length (the grid of sessions 12-13, whose mostly-empty programs cost
+           grid (logits_splits programs per token), the grid with at most 4 / 16 / 64 pages a program, the
+           default with the next page prefetched, and one program per page of the max length (the grid of sessions 12-13, whose mostly-empty programs cost
            40 us a decode step on the H200)
 
 Each row: microseconds, GB/s of bytes read and written against the measured copy peak, and the floor =
@@ -101,6 +101,8 @@ def main(argv=None) -> int:
                 sp = min(per_page, max(by_sms, -(-per_page // cap)))
                 r["variants_us"][f"{cap} pages a program"] = timed(lambda: ix.paged_mqa_logits_int8(
                     q8, cache, w, lens, table, max_len, out=out, splits=sp)) * 1e6
+            r["variants_us"]["prefetch"] = timed(lambda: ix.paged_mqa_logits_int8(
+                q8, cache, w, lens, table, max_len, out=out, prefetch=True)) * 1e6
             r["per_page_us"] = timed(lambda: ix.paged_mqa_logits_int8(q8, cache, w, lens, table, max_len, out=out,
                                                                       splits=per_page)) * 1e6
             alts = "  ".join(f"{n} {v:.1f}" for n, v in r["variants_us"].items())

@@ -90,10 +90,12 @@ def test_store_index_k_int8_page_layout(kern):
     assert (cache.view(-1, 64 * 132)[~mask] == 0).all()
 
 
-@pytest.mark.parametrize("lens,splits", [([130, 5, 0, 64], None), ([1, 192, 65, 3], None), ([250, 129, 0, 64], 1),
-                                         ([250, 129, 0, 64], 3)])
-def test_paged_mqa_logits_int8(kern, lens, splits):
-    """splits 1 and 3: each program walks several pages of its token (stride 3 over 4 pages: 0 and 3, 1, 2)."""
+@pytest.mark.parametrize("lens,splits,prefetch", [([130, 5, 0, 64], None, False), ([1, 192, 65, 3], None, False),
+                                                  ([250, 129, 0, 64], 1, False), ([250, 129, 0, 64], 3, False),
+                                                  ([250, 129, 0, 64], 1, True), ([250, 129, 0, 64], 3, True)])
+def test_paged_mqa_logits_int8(kern, lens, splits, prefetch):
+    """splits 1 and 3: each program walks several pages of its token (stride 3 over 4 pages: 0 and 3, 1, 2);
+    prefetch: the next page loaded before the current one's product (masked past the token's pages)."""
     _, idx = kern
     n_pages = 8
     entries = list(range(n_pages * 64))
@@ -105,7 +107,8 @@ def test_paged_mqa_logits_int8(kern, lens, splits):
     page_table = torch.stack([torch.randperm(n_pages, generator=g)[:4] for _ in range(t)]).to(torch.int32)
     seq = torch.tensor(lens, dtype=torch.int32)
     max_len = 250  # not a multiple of 64: the last page is cut
-    out = idx.paged_mqa_logits_int8(*dev(q8, cache, w, seq.view(-1, 1), page_table), max_len, splits=splits).cpu()
+    out = idx.paged_mqa_logits_int8(*dev(q8, cache, w, seq.view(-1, 1), page_table), max_len, splits=splits,
+                                    prefetch=prefetch).cpu()
     want = ref.logits_ref(q8[:, 0], cache, w, seq, page_table, max_len)
     for r, n in enumerate(lens):
         assert torch.allclose(out[r, :n].double(), want[r, :n], rtol=1e-5, atol=1e-3), r
@@ -118,6 +121,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from dsv4_sm80.kernels import indexer_int8 as ix, kv_store as ks
 t = GPUTarget("cuda", 80, 32)
+LOGITS_SIG = {"q_ptr": "*i8", "kv_ptr": "*i8", "kv_f32_ptr": "*fp32", "w_ptr": "*fp32", "lens_ptr": "*i32",
+    "pt_ptr": "*i32", "stride_pt": "i32", "out_ptr": "*fp32", "stride_out": "i32", "max_len": "i32", "splits": "i32",
+    "HEADS": "constexpr", "PREFETCH": "constexpr"}
 nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
 def spills(cubin):
     d = tempfile.mkdtemp()
@@ -146,9 +152,8 @@ out = {
       "BLOCK_R": "constexpr", "DOT_F32": "constexpr"}, {"IS_DECODE": True, "RATIO": 4, "BLOCK_R": 16, "DOT_F32": False}),
   "store_index_k": build(ix._store_index_k_kernel, {"x_ptr": "*fp32", "stride_x": "i32", "loc_ptr": "*i32",
       "cache_ptr": "*i8", "cache_f32_ptr": "*fp32"}, {}),
-  "logits": build(ix._logits_int8_kernel, {"q_ptr": "*i8", "kv_ptr": "*i8", "kv_f32_ptr": "*fp32", "w_ptr": "*fp32",
-      "lens_ptr": "*i32", "pt_ptr": "*i32", "stride_pt": "i32", "out_ptr": "*fp32", "stride_out": "i32",
-      "max_len": "i32", "splits": "i32", "HEADS": "constexpr"}, {"HEADS": 64}),
+  "logits": build(ix._logits_int8_kernel, LOGITS_SIG, {"HEADS": 64, "PREFETCH": False}),
+  "logits prefetch": build(ix._logits_int8_kernel, LOGITS_SIG, {"HEADS": 64, "PREFETCH": True}),
 }
 print(json.dumps(out))
 """
@@ -161,7 +166,7 @@ def test_compile_for_sm80():
     for name, r in out.items():
         # no local-memory spills in any (LDL/STL in the sm_80 SASS; the fp32 Hadamard products spilled thousands)
         assert r["sm80"] and not r["fp8"] and r["shared"] <= 163 * 1024 and r["spills"] == 0, (name, r)
-    assert out["logits"]["int8_mma"], out["logits"]
+    assert out["logits"]["int8_mma"] and out["logits prefetch"]["int8_mma"], out
     # the Hadamard on tensor cores (BF16 MMA, three parts), not an fp32 product on CUDA cores (session 13: 208 us)
     for name in ("q_rope_hadamard_int8", "compress_store_index_k"):
         assert out[name]["bf16_mma"], (name, out[name])

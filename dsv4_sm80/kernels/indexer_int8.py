@@ -155,21 +155,39 @@ def store_index_k_int8(x: torch.Tensor, out_loc: torch.Tensor, cache: torch.Tens
 
 
 @triton.jit
+def _page_keys(kv_ptr, kv_f32_ptr, pt_ptr, row, jb, ok):
+    """One page of a token's INT8 keys [64, 128] and their fp32 scales [64] (zeros where not ok)."""
+    j = tl.arange(0, 64)
+    d = tl.arange(0, 128)
+    page = tl.load(pt_ptr + row + jb, mask=ok, other=0).to(tl.int64)
+    k = tl.load(kv_ptr + page * (64 * 132) + j[:, None] * 128 + d[None, :], mask=ok, other=0)
+    sk = tl.load(kv_f32_ptr + page * (64 * 33) + 64 * 32 + j, mask=ok, other=0.0)
+    return k, sk
+
+
+@triton.jit
 def _logits_int8_kernel(q_ptr, kv_ptr, kv_f32_ptr, w_ptr, lens_ptr, pt_ptr, stride_pt, out_ptr, stride_out,
-                        max_len, splits, HEADS: tl.constexpr):
+                        max_len, splits, HEADS: tl.constexpr, PREFETCH: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     n = tl.load(lens_ptr + t)
+    n_pages = tl.cdiv(n, 64)
     j = tl.arange(0, 64)
     d = tl.arange(0, 128)
     h = tl.arange(0, HEADS)
     q = tl.load(q_ptr + (t * HEADS + h[:, None]) * 128 + d[None, :])
     w = tl.load(w_ptr + t * HEADS + h)
-    for jb in range(tl.program_id(1), tl.cdiv(n, 64), splits):  # this program's pages of the token's keys
-        page = tl.load(pt_ptr + t * stride_pt + jb).to(tl.int64)
-        k = tl.load(kv_ptr + page * (64 * 132) + j[:, None] * 128 + d[None, :])
+    row = t * stride_pt
+    if PREFETCH:  # the next page's loads issued before this page's product: two in flight per program
+        k_next, sk_next = _page_keys(kv_ptr, kv_f32_ptr, pt_ptr, row, tl.program_id(1),
+                                     tl.program_id(1) < n_pages)
+    for jb in range(tl.program_id(1), n_pages, splits):  # this program's pages of the token's keys
+        if PREFETCH:
+            k, sk = k_next, sk_next
+            k_next, sk_next = _page_keys(kv_ptr, kv_f32_ptr, pt_ptr, row, jb + splits, jb + splits < n_pages)
+        else:
+            k, sk = _page_keys(kv_ptr, kv_f32_ptr, pt_ptr, row, jb, True)
         dots = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)  # [HEADS, 64]
         score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
-        sk = tl.load(kv_f32_ptr + page * (64 * 33) + 64 * 32 + j)
         col = jb * 64 + j
         tl.store(out_ptr + t * stride_out + col, tl.where(col < n, score * sk, 0.0), mask=col < max_len)
 
@@ -194,11 +212,13 @@ def logits_splits(t_total: int, max_seq_len: int, device: str) -> int:
 
 def paged_mqa_logits_int8(q_int8: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                           seq_lens: torch.Tensor, page_table: torch.Tensor, max_seq_len: int,
-                          out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, splits: int | None = None,
+                          prefetch: bool = False) -> torch.Tensor:
     """q_int8 [T, 64, 128] (or [T, 1, 64, 128]); kv_cache the page buffer (any view); weights [T, 64]
     (or [T, 64, 1]) fp32; seq_lens [T] (or [T, 1]); page_table int32 [T, max_pages] -> logits fp32
     [T, max_seq_len]; entries at j >= seq_len are 0 in pages the kernel visits, unspecified past them.
-    splits: programs per token (default `logits_splits`)."""
+    splits: programs per token (default `logits_splits`); prefetch: each program loads its next page before
+    multiplying the current one (a bench variant until a GPU run times it)."""
     q = q_int8.reshape(q_int8.shape[0], -1, IDX_DIM)
     t_total, heads, _ = q.shape
     if heads < 16 or heads & (heads - 1):
@@ -210,7 +230,7 @@ def paged_mqa_logits_int8(q_int8: torch.Tensor, kv_cache: torch.Tensor, weights:
         _logits_int8_kernel[(t_total, splits)](
             q, raw.view(torch.int8), raw.view(torch.float32), weights.reshape(t_total, heads).float(),
             seq_lens.reshape(-1), page_table, page_table.stride(0), out, out.stride(0), max_seq_len, splits,
-            HEADS=heads)
+            HEADS=heads, PREFETCH=bool(prefetch))
     return out
 
 
