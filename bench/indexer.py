@@ -6,8 +6,8 @@ heads of 128 dims, the INT8 cache of 132-byte entries, one C4 entry per 4 tokens
   logits   paged_mqa_logits_int8 for 1, 16, 64 tokens at 4K, 64K and 512K context, with the static max length
            a serving engine captures its graphs with (--max-len, 1M context: 262,144 entries): the default
            grid (logits_splits programs per token), the grid with at most 4 / 16 / 64 pages a program, the
-           default with the next page prefetched, and one program per page of the max length (the grid of sessions 12-13, whose mostly-empty programs cost
-           40 us a decode step on the H200)
+           default with the next page prefetched, and one program per page of the max length (the grid of
+           sessions 12-13, whose mostly-empty programs cost 40 us a decode step on the H200)
 
 Each row: microseconds, GB/s of bytes read and written against the measured copy peak, and the floor =
 empty-kernel time + bytes / peak. Native's counterpart (DeepGEMM's fp8_paged_mqa_logits and the FP8 Q
