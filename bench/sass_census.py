@@ -51,9 +51,16 @@ def sass(consts: dict, num_warps: int, num_stages: int = 3, gated: bool = True) 
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p in DIV16}
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 80, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    return disassemble(c.asm["cubin"])
+
+
+def disassemble(cubin: bytes) -> str:
+    """A compiled kernel's SASS, through the nvdisasm Triton bundles (no GPU needed)."""
+    import triton
+
     d = tempfile.mkdtemp()
     with open(f"{d}/k.cubin", "wb") as f:
-        f.write(c.asm["cubin"])
+        f.write(cubin)
     nvd = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
     return subprocess.run([nvd, "-c", "-g", f"{d}/k.cubin"], capture_output=True, text=True, check=True).stdout
 
