@@ -130,16 +130,24 @@ def test_kernel_equals_int8_emulation(k, seed, t, top_k, input_group, cfg):
     assert int(off.sum()) <= max(1, t // 4) and float(per_token.max()) < 1e-2, per_token.tolist()
 
 
-@pytest.mark.parametrize("rows,cols,group", [(3, 256, 0), (5, 256, 64), (1, 4096, 0), (4, 96, 32), (0, 128, 0)])
-def test_fused_quantize_equals_the_reference_rounding(k, rows, cols, group):
-    """The one-launch activation quantizer (fused_io) against the reference's INT8 round trip written from
-    the math: the same q * s bit for bit (IEEE division in the kernel), zero rows and huge values included."""
-    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols + group)) * 3
-    if rows > 1:
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("rows,cols,group", [(3, 256, 0), (5, 256, 64), (1, 4096, 0), (4, 96, 32), (0, 128, 0),
+                                             (7, 128, 0)])
+def test_quantizers_equal_the_reference_rounding(k, rows, cols, group, fused):
+    """Both activation quantizers (the one-launch kernel of fused_io, the torch one of the prefill tiles)
+    against the reference's INT8 round trip written from the math: the same q * s bit for bit (IEEE division
+    in both), zero rows and huge values included. (7, 128, 0) is the row set whose scale came out one ulp off
+    on the H200 when the torch quantizer divided by the Python scalar 127 (CUDA multiplies by its reciprocal)
+    and so flipped a code: session 14, test_bf16_pair_outputs_stay_within_their_rounding's case."""
+    if (rows, cols) == (7, 128):
+        x = case(t=7, top_k=3, seed=37)[0].float()
+    else:
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols + group)) * 3
+    if rows > 1 and cols != 128:
         x[1] = 0.0
         x[0, :5] = torch.tensor([1e30, -1e30, 65504.0, 1e-30, -0.0])
     x = x.to(torch.bfloat16)
-    q, s = k.quantize_rows_int8_fused(dev(x), group)
+    q, s = (k.quantize_rows_int8_fused if fused else k.quantize_rows_int8)(dev(x), group)
     q, s = q.cpu(), s.cpu()
     assert q.dtype == torch.int8 and s.shape == (rows, cols // (group or cols))
     back = (q.float().view(rows, cols // (group or cols), group or cols) * s.unsqueeze(-1)).view(rows, cols)
@@ -147,7 +155,7 @@ def test_fused_quantize_equals_the_reference_rounding(k, rows, cols, group):
     assert q.abs().max() <= 127 if rows else True
     if group:
         with pytest.raises(ValueError, match="not a whole number of groups"):
-            k.quantize_rows_int8_fused(dev(torch.zeros(1, cols + group // 2, dtype=torch.bfloat16)), group)
+            (k.quantize_rows_int8_fused if fused else k.quantize_rows_int8)(dev(torch.zeros(1, cols + group // 2, dtype=torch.bfloat16)), group)
 
 
 @pytest.mark.parametrize("cfg", [DECODE, PREFILL])
