@@ -121,8 +121,16 @@ LAB_MEMLOG = Knob(
     "tell allocator growth from growth outside it. Never for serving.",
 )
 
+LAB_MEMSITES = Knob(
+    "DSV4_SM80_LAB_MEMSITES", "0", ("0", "1"),
+    "Lab (soak), with DSV4_SM80_LAB_MEMLOG: record the Python stack of every GPU block allocated after start-up "
+    "(PyTorch's memory history, live blocks only) and answer the soak's requests with the live bytes per "
+    "allocating site, so memory that grows under load names the code holding it (dsv4_sm80/lab_memlog.py). "
+    "Slows every allocation; never for serving.",
+)
+
 KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC, LOAD_REPORT, TRIPWIRE,
-         ALLOW_OPEN_BIND, VISION, LAB_POISON, LAB_ROUTE_TRACE, LAB_NATIVE_ROUNDING, LAB_MEMLOG)
+         ALLOW_OPEN_BIND, VISION, LAB_POISON, LAB_ROUTE_TRACE, LAB_NATIVE_ROUNDING, LAB_MEMLOG, LAB_MEMSITES)
 
 
 def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:

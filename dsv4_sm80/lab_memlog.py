@@ -11,6 +11,12 @@ with it: its working set has not been seen whole yet, or it fragments) or loads 
 flat): `summarize` says which. The sampling thread makes no CUDA runtime call (NVML and the allocator's own
 counters only): a draft model may be capturing CUDA graphs in global capture mode while it runs. Never for
 serving.
+
+With DSV4_SM80_LAB_MEMSITES=1 as well, PyTorch's allocator records the Python stack of every block allocated
+from the end of start-up on (`torch.cuda.memory._record_memory_history(enabled="state")`: live blocks only, no
+event trace), and the log's thread answers requests (`request_sites(path, tag)`, e.g. before a load and after
+it) with the live bytes per allocating site (`sites`): the growth between two tags names the code that holds it
+(`sites_growth`). A request is answered between samples; taking the snapshot reads the allocator's own tables.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import json
 import os
 import threading
 import time
+
+from . import env
 
 ENV = "DSV4_SM80_LAB_MEMLOG"
 MIB = 1 << 20
@@ -50,15 +58,18 @@ def cuda_sampler():
     return sample
 
 
-def start(path: str, rank: int, role: str, interval: float = 10.0, sample=None) -> threading.Thread | None:
+def start(path: str, rank: int, role: str, interval: float = 10.0, sample=None,
+          snapshot=None) -> threading.Thread | None:
     """One daemon thread per (process, role) appending a line to `path` every `interval` s; its first line at
-    once. sample(): the figures (default: `cuda_sampler()` for the current device)."""
+    once. sample(): the figures (default: `cuda_sampler()` for the current device). snapshot(): the allocator's
+    snapshot (`torch.cuda.memory._snapshot` shape) for answering site requests; None: requests go unanswered."""
     key = (os.getpid(), role)
     if key in _started:
         return None
     _started.add(key)
     if sample is None:
         sample = cuda_sampler()
+    answered = set()
 
     def loop():
         while True:
@@ -71,7 +82,14 @@ def start(path: str, rank: int, role: str, interval: float = 10.0, sample=None) 
                 f.write(json.dumps(line) + "\n")
             if "error" in line:
                 return
-            time.sleep(interval)
+            until = time.time() + interval
+            while True:
+                if snapshot is not None:
+                    _answer_requests(path, rank, role, snapshot, answered)
+                left = until - time.time()
+                if left <= 0:
+                    break
+                time.sleep(min(left, 0.5))
 
     t = threading.Thread(target=loop, name="dsv4-sm80-memlog", daemon=True)
     t.start()
@@ -85,7 +103,121 @@ def maybe_start(runner) -> None:
         return
     role = "draft" if getattr(runner, "is_draft_worker", False) else "target"
     rank = getattr(getattr(runner, "ps", None), "tp_rank", getattr(runner, "tp_rank", 0))
-    start(path, int(rank or 0), role)
+    snapshot = None
+    if env.get(env.LAB_MEMSITES) == "1":
+        import torch
+
+        # live blocks only ("state"), each with the Python stack that allocated it; blocks from before this
+        # point (weights, pools, CUDA graphs) carry none
+        torch.cuda.memory._record_memory_history(enabled="state", context="alloc", stacks="python")
+        device = torch.cuda.current_device()
+
+        def snapshot():
+            return {"device": device, **torch.cuda.memory._snapshot()}
+    start(path, int(rank or 0), role, snapshot=snapshot)
+
+
+# frames of these files are where memory is allocated, not who holds it: a site is the first frame outside them
+_PLUMBING = ("/torch/", "/contextlib.py", "/functools.py", "/threading.py", "/dsv4_sm80/lab_memlog.py")
+
+
+def _short(filename: str) -> str:
+    """A frame's file from its package on (an installed package, a checkout of ours or of SGLang)."""
+    for anchor in ("/site-packages/", "/dist-packages/"):
+        if anchor in filename:
+            return filename.split(anchor, 1)[1]
+    for pkg in ("dsv4_sm80", "vision_backport", "sglang"):
+        if f"/{pkg}/" in filename:
+            return f"{pkg}/" + filename.rsplit(f"/{pkg}/", 1)[1]
+    return os.path.basename(filename)
+
+
+def site_of(frames: list, depth: int = 2) -> str:
+    """A block's allocating site: its innermost frame outside PyTorch and the standard library's plumbing, and
+    the `depth` - 1 frames that called it ("file:line function < caller ..."). Frames come innermost first."""
+    own = [f for f in frames if not any(p in f.get("filename", "") for p in _PLUMBING)] or frames
+    return " < ".join(f"{_short(f.get('filename', '?'))}:{f.get('line', '?')} {f.get('name', '?')}"
+                      for f in own[:depth]) or "?"
+
+
+def sites(snapshot: dict, device: int | None = None) -> dict:
+    """Live (allocated) bytes and blocks per allocating site of a `torch.cuda.memory._snapshot()` (on `device`,
+    default the snapshot's own "device" or every device); blocks without a recorded stack (allocated before
+    the recording began) are summed under "untracked"."""
+    device = snapshot.get("device") if device is None else device
+    out = {"untracked": {"bytes": 0, "blocks": 0}}
+    for seg in snapshot.get("segments", []):
+        if device is not None and seg.get("device", device) != device:
+            continue
+        for b in seg.get("blocks", []):
+            if b.get("state") != "active_allocated":
+                continue
+            frames = b.get("frames") or (b.get("history") or [{}])[0].get("frames") or []  # (torch < 2.1: history)
+            key = site_of(frames) if frames else "untracked"
+            row = out.setdefault(key, {"bytes": 0, "blocks": 0})
+            row["bytes"] += int(b.get("size", 0))
+            row["blocks"] += 1
+    return out
+
+
+def sites_growth(before: dict, after: dict, top: int = 10) -> list:
+    """[(site, MiB grown, blocks grown)] between two `sites` answers, largest growth first (shrinking sites
+    after it, at most `top` rows in all)."""
+    keys = set(before) | set(after)
+    rows = [(k, round((after.get(k, {}).get("bytes", 0) - before.get(k, {}).get("bytes", 0)) / MIB, 2),
+             after.get(k, {}).get("blocks", 0) - before.get(k, {}).get("blocks", 0)) for k in keys]
+    rows = [r for r in rows if r[1] or r[2]]
+    rows.sort(key=lambda r: -r[1])
+    return rows[:top]
+
+
+def request_sites(path: str, tag: str) -> None:
+    """Ask every process logging to `path` (with DSV4_SM80_LAB_MEMSITES=1) for its live bytes per site now,
+    under `tag` (letters, digits, - and _); each answers into `sites_file(path, tag, pid, role)`."""
+    if not tag or not all(c.isalnum() or c in "-_" for c in tag):
+        raise ValueError(f"site request tag {tag!r}: letters, digits, - and _ only")
+    with open(path + ".sites-requests", "a") as f:
+        f.write(tag + "\n")
+
+
+def sites_file(path: str, tag: str, pid: int, role: str) -> str:
+    return f"{path}.sites-{tag}-{pid}-{role}.json"
+
+
+def read_sites(path: str, tag: str) -> dict:
+    """{"pid role": sites answer} for every process that answered the request `tag`."""
+    import glob
+
+    out = {}
+    for f in sorted(glob.glob(glob.escape(path) + f".sites-{tag}-*.json")):
+        try:
+            with open(f) as fh:
+                got = json.load(fh)
+        except (OSError, ValueError):  # being written: the caller waits and reads again
+            continue
+        out[f"{got['pid']} {got['role']}"] = got
+    return out
+
+
+def _answer_requests(path: str, rank: int, role: str, snapshot, answered: set) -> None:
+    try:
+        with open(path + ".sites-requests") as f:
+            tags = [t.strip() for t in f if t.endswith("\n") and t.strip()]
+    except OSError:
+        return
+    for tag in tags:
+        if tag in answered:
+            continue
+        answered.add(tag)
+        got = {"tag": tag, "pid": os.getpid(), "rank": rank, "role": role, "t": round(time.time(), 2)}
+        try:
+            got["sites"] = sites(snapshot())
+        except Exception as e:  # diagnostics only
+            got["error"] = f"{type(e).__name__}: {e}"
+        final = sites_file(path, tag, os.getpid(), role)
+        with open(final + ".part", "w") as f:
+            json.dump(got, f)
+        os.replace(final + ".part", final)  # whole or absent for the reader
 
 
 def read(path: str) -> list:

@@ -4,7 +4,10 @@ must not count them) and the stability rule."""
 import os
 import subprocess
 import sys
+import time
 import types
+
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
 import soak  # noqa: E402
@@ -141,3 +144,71 @@ def test_memlog_caught_up_waits_for_every_process_and_role():
     assert lab_memlog.logged_since(target + draft, 12)
     assert not lab_memlog.logged_since(target + draft, 18)  # the draft's next line is still to come
     assert lab_memlog.logged_since(target + draft + [{"error": "x", "pid": 2, "role": "target"}], 12)
+
+
+def _snapshot(blocks, device=0):
+    """A `torch.cuda.memory._snapshot()`-shaped dict (segments of blocks; frames innermost first)."""
+    return {"device": device, "segments": [{"device": device, "blocks": blocks},
+                                           {"device": device + 1, "blocks": [dict(blocks[0], size=1 << 40)]}]}
+
+
+def _frame(filename, line, name):
+    return {"filename": filename, "line": line, "name": name}
+
+
+TORCH = _frame("/venv/lib/python3.12/site-packages/torch/utils/_device.py", 104, "__torch_function__")
+RADIX = _frame("/sgl/python/sglang/srt/mem_cache/radix_cache.py", 321, "insert")
+SCHED = _frame("/venv/lib/python3.12/site-packages/sglang/srt/managers/scheduler.py", 900, "run_batch")
+OURS = _frame("/work/dsv4_sm80/attention.py", 77, "init_forward_metadata")
+
+
+def test_allocation_sites_name_the_code_outside_torch():
+    from dsv4_sm80 import lab_memlog
+
+    assert lab_memlog.site_of([TORCH, RADIX, SCHED]) == (
+        "sglang/srt/mem_cache/radix_cache.py:321 insert < sglang/srt/managers/scheduler.py:900 run_batch")
+    assert lab_memlog.site_of([TORCH, OURS], depth=1) == "dsv4_sm80/attention.py:77 init_forward_metadata"
+    assert lab_memlog.site_of([TORCH]).startswith("torch/utils/_device.py:104")  # nothing else: torch's own
+    snap = _snapshot([
+        {"size": 512, "state": "active_allocated", "frames": []},  # before the recording: untracked
+        {"size": 1024, "state": "active_allocated", "frames": [TORCH, RADIX, SCHED]},
+        {"size": 2048, "state": "active_allocated", "frames": [RADIX, SCHED]},
+        {"size": 4096, "state": "inactive", "frames": [OURS]},  # free in the cache: not live
+        {"size": 8192, "state": "active_allocated", "frames": [OURS]},
+    ])
+    got = lab_memlog.sites(snap)  # the snapshot's own device only
+    radix = "sglang/srt/mem_cache/radix_cache.py:321 insert < sglang/srt/managers/scheduler.py:900 run_batch"
+    assert got == {"untracked": {"bytes": 512, "blocks": 1}, radix: {"bytes": 3072, "blocks": 2},
+                   "dsv4_sm80/attention.py:77 init_forward_metadata": {"bytes": 8192, "blocks": 1}}
+    later = {**got, radix: {"bytes": 3072 + 5 * lab_memlog.MIB, "blocks": 40}, "untracked": {"bytes": 0, "blocks": 0}}
+    rows = lab_memlog.sites_growth(got, later)
+    assert rows[0] == (radix, 5.0, 38) and rows[-1] == ("untracked", 0.0, -1)
+    assert len(rows) == 2  # unchanged sites are left out
+
+
+def test_site_requests_are_answered_once_per_process_and_tag(tmp_path):
+    from dsv4_sm80 import lab_memlog
+
+    path = str(tmp_path / "m.jsonl")
+    blocks = [{"size": 1024, "state": "active_allocated", "frames": [RADIX]}]
+    sample = lambda: {"used": 3, "reserved": 2, "allocated": 1, "segments": 1, "retries": 0}  # noqa: E731
+    taken = []
+
+    def snapshot():
+        taken.append(1)
+        return _snapshot(blocks)
+
+    lab_memlog._started.discard((os.getpid(), "sitetest"))
+    lab_memlog.start(path, 0, "sitetest", interval=0.05, sample=sample, snapshot=snapshot)
+    with pytest.raises(ValueError, match="letters, digits"):
+        lab_memlog.request_sites(path, "../x")
+    assert soak.ask_sites(path + ".absent", "before") == {}  # no memory log (native): nothing asked
+    before = soak.ask_sites(path, "before", timeout=10)
+    blocks.append({"size": 3 * lab_memlog.MIB, "state": "active_allocated", "frames": [OURS]})
+    after = soak.ask_sites(path, "after", timeout=10)
+    key = f"{os.getpid()} sitetest"
+    assert set(before) == set(after) == {key}
+    assert lab_memlog.sites_growth(before[key]["sites"], after[key]["sites"]) == [
+        ("dsv4_sm80/attention.py:77 init_forward_metadata", 3.0, 1)]
+    time.sleep(0.3)
+    assert len(taken) == 2  # each tag answered once, however often the thread looks

@@ -15,12 +15,16 @@ a 74 MiB step then ~37 MiB/min) OR the growth was cache state: the patched serve
 it PyTorch's allocator holds (DSV4_SM80_LAB_MEMLOG, dsv4_sm80/lab_memlog.py), and when the final cache flush
 gives the live tensors' growth back (nothing grew outside the allocator) the growth was the prefix cache's
 GPU index tensors, bounded by the KV pool, not a leak. --native runs the same load on SGLang's own path as
-the A/B (session 13: native +25.5 MiB/min, patched +25.8, in the allocator's live tensors).
+the A/B (session 13: native +25.5 MiB/min, patched +25.8, in the allocator's live tensors). Session 14: the
+flush did not give it back (live tensors +99 MiB after it), so it is not the prefix cache's; the patched server
+now also records each block's allocating Python stack (DSV4_SM80_LAB_MEMSITES) and the soak prints the sites
+whose live bytes grew from before the load to after the flush (`growth_sites`).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -116,6 +120,22 @@ def held_by_cache(inside: dict | None) -> bool:
     return bool(inside) and all(r.get("released") and r["outside_growth"] <= 16 for r in inside.values())
 
 
+def ask_sites(memlog: str, tag: str, timeout: float = 30.0) -> dict:
+    """Every logging process's live GPU bytes per allocating site now (lab_memlog.request_sites; the server
+    records stacks with DSV4_SM80_LAB_MEMSITES=1): waits until each (pid, role) in the memory log has answered,
+    or `timeout`. Native SGLang logs nothing: {}."""
+    if not os.path.exists(memlog):
+        return {}
+    lab_memlog.request_sites(memlog, tag)
+    end = time.time() + timeout
+    while True:
+        got = lab_memlog.read_sites(memlog, tag)
+        logging = {f"{x['pid']} {x['role']}" for x in read_memlog(memlog) if "error" not in x}
+        if (got and logging <= set(got)) or time.time() > end:
+            return got
+        time.sleep(0.5)
+
+
 def memory_stable(first: list, last: list, slack_mib: int = 512, ratio: float = 1.05) -> bool:
     """The last minute's peak within 5 % (+ 512 MiB) of the first minute's: SGLang allocates its pools at start,
     so a server that keeps growing under a steady load leaks."""
@@ -164,17 +184,18 @@ def main(argv=None) -> int:
 
         serve_args += ["--model-path", _lab_model()]
     memlog = os.path.splitext(os.path.abspath(args.out))[0] + ".memlog.jsonl"
-    if os.path.exists(memlog):
-        os.remove(memlog)
+    for old in glob.glob(glob.escape(memlog) + "*"):  # the log, its site requests and answers
+        os.remove(old)
     stats = {"done": 0, "cancelled": 0, "errors": [], "nonfinite": 0, "tokens": 0}
     lock = threading.Lock()
     mem = []
     log_path = os.path.splitext(os.path.abspath(args.out))[0] + ".server.log"  # soak and soak-dspark each keep theirs
-    with lab_server(args.port, serve_args, log_path, {"DSV4_SM80_LAB_MEMLOG": memlog},
-                    native=args.native) as (server, _):
+    lab_env = {"DSV4_SM80_LAB_MEMLOG": memlog, "DSV4_SM80_LAB_MEMSITES": "1"}
+    with lab_server(args.port, serve_args, log_path, lab_env, native=args.native) as (server, _):
         t0 = time.time()
         post(args.port, "/flush_cache", {}).read()
         idle = list(find(get_json(args.port, "/v1/loads"), "num_used_tokens"))
+        sites_before = ask_sites(memlog, "before")
         prefixes = [[random.Random(p).randrange(1000, 120000) for _ in range(2048)] for p in range(4)]
         deadline = time.time() + 60 * args.minutes
         issued = [0]
@@ -242,6 +263,7 @@ def main(argv=None) -> int:
             if not os.path.exists(memlog) or lab_memlog.logged_since(read_memlog(memlog), t_flush):
                 break
             time.sleep(1)
+        sites_after = ask_sites(memlog, "after")
         alive = server.poll() is None
     own = [m for t, m, _ in mem if m is not None]
     first, last = own[:6], own[-6:]
@@ -250,6 +272,8 @@ def main(argv=None) -> int:
     if os.path.exists(memlog):  # the patched server's own view (lab_memlog); native SGLang writes none
         inside = lab_memlog.summarize(read_memlog(memlog), since=t0, flushed=t_flush)
     held = held_by_cache(inside)
+    growth_sites = {who: lab_memlog.sites_growth(sites_before[who]["sites"], got["sites"])
+                    for who, got in sites_after.items() if "sites" in got and "sites" in sites_before.get(who, {})}
     stable = memory_stable(first, last) and slope is not None and (slope < GROWTH_LIMIT or held)
     report = {"minutes": args.minutes, "dspark": args.dspark, "native": args.native,
               "done": stats["done"], "cancelled": stats["cancelled"],
@@ -259,7 +283,7 @@ def main(argv=None) -> int:
               "growth_mib_per_min_second_half": None if slope is None else round(slope, 1),
               "growth_limit_mib_per_min": GROWTH_LIMIT, "growth_released_by_flush": held, "memory_stable": stable,
               "server_gpu_mib": [(t, m) for t, m, _ in mem], "device_gpu_mib": [(t, d) for t, _, d in mem],
-              "inside_server": inside, "server_alive": alive}
+              "inside_server": inside, "growth_sites": growth_sites, "server_alive": alive}
     ok = (report["errors"] == 0 and report["nonfinite_logprobs"] == 0 and after == idle and alive
           and report["done"] > 0 and stable)
     rate = "too short to tell" if slope is None else f"{slope:+.1f} MiB/min"
@@ -276,6 +300,10 @@ def main(argv=None) -> int:
               f", outside the allocator {row['outside'][0]} -> {row['outside'][1]} (grew: {row['where']}; "
               f"alloc retries {row['retries']}); allocated after the flush {row.get('allocated_after_flush')} "
               f"(released: {row.get('released')})")
+    for who, rows in growth_sites.items():  # what holds the growth, from the load's start to after the flush
+        print(f"soak: live GPU memory by allocating site, {who}, before the load -> after the flush:")
+        for site, mib, blocks in rows[:8]:
+            print(f"soak:   {mib:+10.2f} MiB {blocks:+6d} blocks  {site[:160]}")
     for e in report["error_samples"]:
         print("  error:", e)
     with open(args.out, "w") as f:
