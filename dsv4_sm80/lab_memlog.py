@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 
@@ -105,16 +106,26 @@ def maybe_start(runner) -> None:
     rank = getattr(getattr(runner, "ps", None), "tp_rank", getattr(runner, "tp_rank", 0))
     snapshot = None
     if env.get(env.LAB_MEMSITES) == "1":
-        import torch
-
-        # live blocks only ("state"), each with the Python stack that allocated it; blocks from before this
-        # point (weights, pools, CUDA graphs) carry none
-        torch.cuda.memory._record_memory_history(enabled="state", context="alloc", stacks="python")
-        device = torch.cuda.current_device()
-
-        def snapshot():
-            return {"device": device, **torch.cuda.memory._snapshot()}
+        try:
+            snapshot = _record_sites()
+        except Exception as e:  # the memory log itself still runs
+            print(f"dsv4-sm80 memlog: allocation sites not recorded ({type(e).__name__}: {e})", file=sys.stderr,
+                  flush=True)
     start(path, int(rank or 0), role, snapshot=snapshot)
+
+
+def _record_sites():
+    """Start PyTorch's memory history for live blocks only ("state"), each with the Python stack that allocated
+    it (blocks from before this point, weights, pools and CUDA graphs, carry none); returns the snapshot taker."""
+    import torch
+
+    torch.cuda.memory._record_memory_history(enabled="state", context="alloc", stacks="python")
+    device = torch.cuda.current_device()
+
+    def snapshot():
+        return {"device": device, **torch.cuda.memory._snapshot()}
+
+    return snapshot
 
 
 # frames of these files are where memory is allocated, not who holds it: a site is the first frame outside them

@@ -212,3 +212,29 @@ def test_site_requests_are_answered_once_per_process_and_tag(tmp_path):
         ("dsv4_sm80/attention.py:77 init_forward_metadata", 3.0, 1)]
     time.sleep(0.3)
     assert len(taken) == 2  # each tag answered once, however often the thread looks
+
+
+def test_memlog_runs_when_the_sites_cannot_be_recorded(tmp_path, monkeypatch, capsys):
+    """DSV4_SM80_LAB_MEMSITES=1 where PyTorch's memory history cannot start (here: it raises): the memory log
+    still runs and says why there are no sites."""
+    from dsv4_sm80 import lab_memlog
+
+    path = str(tmp_path / "m.jsonl")
+    monkeypatch.setenv("DSV4_SM80_LAB_MEMLOG", path)
+    monkeypatch.setenv("DSV4_SM80_LAB_MEMSITES", "1")
+    monkeypatch.setattr(lab_memlog, "cuda_sampler",
+                        lambda: lambda: {"used": 1, "reserved": 1, "allocated": 1, "segments": 1, "retries": 0})
+
+    def no_history():
+        raise RuntimeError("no memory history here")
+
+    monkeypatch.setattr(lab_memlog, "_record_sites", no_history)
+    lab_memlog._started.discard((os.getpid(), "draft"))
+    lab_memlog.maybe_start(types.SimpleNamespace(is_draft_worker=True, tp_rank=1))
+    for _ in range(50):
+        if os.path.exists(path) and lab_memlog.read(path):
+            break
+        time.sleep(0.05)
+    (line,) = lab_memlog.read(path)[:1]
+    assert line["role"] == "draft" and line["rank"] == 1 and "error" not in line
+    assert "allocation sites not recorded (RuntimeError: no memory history here)" in capsys.readouterr().err
