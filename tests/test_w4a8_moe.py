@@ -637,3 +637,13 @@ def test_every_bench_variant_computes_the_moe(k):
                          out=dev(torch.empty(x.shape, dtype=torch.float32)), **erefs).cpu()
         err = (out - want[group]).norm(dim=-1) / want[group].norm(dim=-1).clamp_min(1e-30)
         assert float(err.max()) < 1e-2, (name, err.tolist())
+
+
+@pytest.mark.parametrize("cfg", [DECODE, PREFILL, dict(PREFILL, fused_io=False), dict(DECODE, fused_io=True)])
+def test_no_tokens_gives_an_empty_output(k, cfg):
+    """An empty batch (a rank with no tokens this step) returns [0, H], with either activation quantizer (the
+    torch one failed its 0-row view before session 14)."""
+    x, w13, s13, w2, s2, tw, ids = case(t=3, top_k=3, seed=1)
+    a, b = k.repack_mxfp4_for_w4a8(dev(w13.clone())), k.repack_mxfp4_for_w4a8(dev(w2.clone()))
+    got = k.w4a8_moe(*dev(x[:0], a, s13, b, s2, tw[:0], ids[:0]), routed_scaling_factor=1.5, config=cfg)
+    assert got.shape == (0, x.shape[1]) and got.dtype == x.dtype
