@@ -200,6 +200,12 @@ def test_site_requests_are_answered_once_per_process_and_tag(tmp_path):
 
     lab_memlog._started.discard((os.getpid(), "sitetest"))
     lab_memlog.start(path, 0, "sitetest", interval=0.05, sample=sample, snapshot=snapshot)
+    # wait for the thread's first line: a server has logged long before the soak asks, and ask_sites reads a
+    # missing log as a server that keeps none (native)
+    for _ in range(100):
+        if os.path.exists(path) and lab_memlog.read(path):
+            break
+        time.sleep(0.05)
     with pytest.raises(ValueError, match="letters, digits"):
         lab_memlog.request_sites(path, "../x")
     assert soak.ask_sites(path + ".absent", "before") == {}  # no memory log (native): nothing asked
