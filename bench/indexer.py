@@ -42,7 +42,6 @@ def main(argv=None) -> int:
     import common
     from common import timed
     from dsv4_sm80.kernels import indexer_int8 as ix
-    from dsv4_sm80.kernels.common import sm_count
 
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -96,9 +95,8 @@ def main(argv=None) -> int:
             r, line = row("logits", sec, nbytes, context=ctx, tokens=t, splits=ix.logits_splits(t, max_len, dev))
             per_page = -(-max_len // 64)
             r["variants_us"] = {}
-            by_sms = -(-4 * sm_count(dev) // t)  # logits_splits' first term
             for cap in (4, 16, 64):  # logits_splits with another cap on the pages a program walks
-                sp = min(per_page, max(by_sms, -(-per_page // cap)))
+                sp = ix.logits_splits(t, max_len, dev, pages_per_program=cap)
                 r["variants_us"][f"{cap} pages a program"] = timed(lambda: ix.paged_mqa_logits_int8(
                     q8, cache, w, lens, table, max_len, out=out, splits=sp)) * 1e6
             r["variants_us"]["prefetch"] = timed(lambda: ix.paged_mqa_logits_int8(

@@ -201,15 +201,16 @@ def _logits_int8_kernel(q_ptr, kv_ptr, kv_f32_ptr, w_ptr, lens_ptr, pt_ptr, stri
 LOGITS_PAGES_PER_PROGRAM = 16
 
 
-def logits_splits(t_total: int, max_seq_len: int, device: str) -> int:
+def logits_splits(t_total: int, max_seq_len: int, device: str,
+                  pages_per_program: int = LOGITS_PAGES_PER_PROGRAM) -> int:
     """Programs per token of the logits grid: about four per SM over the batch, and enough that none walks more
-    than LOGITS_PAGES_PER_PROGRAM pages (a long prefill's last tokens), never more than the pages of the
-    longest key row. The grid is a function of (tokens, max length) only: capture-safe, while the work follows
+    than `pages_per_program` pages (a long prefill's last tokens; bench/indexer.py times other caps), never more
+    than the pages of the longest key row. The grid is a function of (tokens, max length) only: capture-safe, while the work follows
     each token's real length (session 13: a program per page of the static max length, 16 x 4097 programs
     that mostly exit at once, cost 40 us per decode step on the H200)."""
     pages = triton.cdiv(max_seq_len, PAGE)
     sms = sm_count(device) or 8  # the interpreter's stand-in: 8
-    want = max(triton.cdiv(4 * sms, max(t_total, 1)), triton.cdiv(pages, LOGITS_PAGES_PER_PROGRAM))
+    want = max(triton.cdiv(4 * sms, max(t_total, 1)), triton.cdiv(pages, pages_per_program))
     return max(1, min(pages, want))
 
 
