@@ -112,15 +112,21 @@ def shift_refs(scale: torch.Tensor, experts_per_step: int = 16) -> torch.Tensor:
     return out
 
 
+def _group_cols(cols: int, group: int) -> int:
+    """Columns per quantization group (group 0: the whole row); cols must be a whole number of groups."""
+    gcols = group or cols
+    if cols % gcols:
+        raise ValueError(f"{cols} columns are not a whole number of groups of {gcols}")
+    return gcols
+
+
 def quantize_rows_int8(x: torch.Tensor, group: int = 0):
     """Symmetric INT8 per row (group=0) or per row and `group` columns: x ~ q * s, s = max|x| / 127
     (fp32; all-zero groups get s = 1). Rounds half away from zero, as the kernel's epilogue does.
     Returns q [rows, cols] int8 and s [rows, groups] fp32."""
     xf = x.float()
     rows, cols = xf.shape
-    gcols = group or cols
-    if cols % gcols:
-        raise ValueError(f"{cols} columns are not a whole number of groups of {gcols}")
+    gcols = _group_cols(cols, group)
     g = xf.view(rows, cols // gcols, gcols)  # explicit sizes: a view of 0 rows cannot infer a -1
     amax = g.abs().amax(dim=-1, keepdim=True)
     # a tensor divisor: PyTorch's CUDA division by a Python scalar multiplies by its reciprocal, one ulp off the
@@ -152,9 +158,7 @@ def _quantize_rows_kernel(x_ptr, stride_x, q_ptr, s_ptr, cols, groups,
 def quantize_rows_int8_fused(x: torch.Tensor, group: int = 0):
     """`quantize_rows_int8` as one Triton launch (the same q and s)."""
     rows, cols = x.shape
-    gcols = group or cols
-    if cols % gcols:
-        raise ValueError(f"{cols} columns are not a whole number of groups of {gcols}")
+    gcols = _group_cols(cols, group)
     groups = cols // gcols
     if x.stride(1) != 1:
         x = x.contiguous()
