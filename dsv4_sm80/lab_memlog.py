@@ -206,8 +206,13 @@ def read_sites(path: str, tag: str) -> dict:
                 got = json.load(fh)
         except (OSError, ValueError):  # being written: the caller waits and reads again
             continue
-        out[f"{got['pid']} {got['role']}"] = got
+        out[process_key(got)] = got
     return out
+
+
+def process_key(x: dict) -> str:
+    """"pid role" of a memory-log line or a sites answer: one logging thread."""
+    return f"{x['pid']} {x['role']}"
 
 
 def _answer_requests(path: str, rank: int, role: str, snapshot, answered: set) -> None:

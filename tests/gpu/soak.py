@@ -130,7 +130,7 @@ def ask_sites(memlog: str, tag: str, timeout: float = 30.0) -> dict:
     end = time.time() + timeout
     while True:
         got = lab_memlog.read_sites(memlog, tag)
-        logging = {f"{x['pid']} {x['role']}" for x in read_memlog(memlog) if "error" not in x}
+        logging = {lab_memlog.process_key(x) for x in read_memlog(memlog) if "error" not in x}
         if (got and logging <= set(got)) or time.time() > end:
             return got
         time.sleep(0.5)
