@@ -17,10 +17,16 @@ from the end of start-up on (`torch.cuda.memory._record_memory_history(enabled="
 event trace), and the log's thread answers requests (`request_sites(path, tag)`, e.g. before a load and after
 it) with the live bytes per allocating site (`sites`): the growth between two tags names the code that holds it
 (`sites_growth`). A request is answered between samples; taking the snapshot reads the allocator's own tables.
+A request may ask for a full garbage collection first (`collect=True`): SGLang's radix tree is a web of
+reference cycles (parent <-> children, LRU links), so a flushed tree and the GPU index tensors its nodes hold
+stay allocated until Python's cyclic collector runs, which for old objects can take a long time; the answer
+then carries the live bytes before and after `gc.collect()` (session 15: the growth the soak's flush "kept"
+sat in the flushed tree's nodes).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -86,7 +92,7 @@ def start(path: str, rank: int, role: str, interval: float = 10.0, sample=None,
             until = time.time() + interval
             while True:
                 if snapshot is not None:
-                    _answer_requests(path, rank, role, snapshot, answered)
+                    _answer_requests(path, rank, role, snapshot, answered, sample)
                 left = until - time.time()
                 if left <= 0:
                     break
@@ -182,13 +188,15 @@ def sites_growth(before: dict, after: dict, top: int = 10) -> list:
     return rows[:top]
 
 
-def request_sites(path: str, tag: str) -> None:
+def request_sites(path: str, tag: str, collect: bool = False) -> None:
     """Ask every process logging to `path` (with DSV4_SM80_LAB_MEMSITES=1) for its live bytes per site now,
-    under `tag` (letters, digits, - and _); each answers into `sites_file(path, tag, pid, role)`."""
+    under `tag` (letters, digits, - and _); each answers into `sites_file(path, tag, pid, role)`, with its
+    allocator's live bytes (`allocated`). collect: a full `gc.collect()` first, the live bytes before it in
+    `allocated_before_gc` (what only unreachable Python objects still held)."""
     if not tag or not all(c.isalnum() or c in "-_" for c in tag):
         raise ValueError(f"site request tag {tag!r}: letters, digits, - and _ only")
     with open(path + ".sites-requests", "a") as f:
-        f.write(tag + "\n")
+        f.write(tag + (" gc" if collect else "") + "\n")
 
 
 def sites_file(path: str, tag: str, pid: int, role: str) -> str:
@@ -215,18 +223,22 @@ def process_key(x: dict) -> str:
     return f"{x['pid']} {x['role']}"
 
 
-def _answer_requests(path: str, rank: int, role: str, snapshot, answered: set) -> None:
+def _answer_requests(path: str, rank: int, role: str, snapshot, answered: set, sample=None) -> None:
     try:
         with open(path + ".sites-requests") as f:
-            tags = [t.strip() for t in f if t.endswith("\n") and t.strip()]
+            asked = [t.split() for t in f if t.endswith("\n") and t.strip()]
     except OSError:
         return
-    for tag in tags:
+    for tag, *how in asked:
         if tag in answered:
             continue
         answered.add(tag)
         got = {"tag": tag, "pid": os.getpid(), "rank": rank, "role": role, "t": round(time.time(), 2)}
         try:
+            if "gc" in how:
+                got["allocated_before_gc"] = sample()["allocated"] if sample else None
+                got["gc_unreachable"] = gc.collect()
+            got["allocated"] = sample()["allocated"] if sample else None
             got["sites"] = sites(snapshot())
         except Exception as e:  # diagnostics only
             got["error"] = f"{type(e).__name__}: {e}"

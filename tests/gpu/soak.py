@@ -6,19 +6,26 @@
 64 concurrent streams of `/generate` (streaming, with logprobs): random prompt lengths up to the context
 limit, random max_tokens, a third of the prompts sharing long prefixes (radix-cache hits), one in ten
 cancelled mid-stream by closing the connection, small chunked-prefill chunks so long prompts span several
-batches. Reported: requests done, errors (anything but a deliberate cancellation; must be 0), NaN/Inf in the
-returned logprobs (must be 0), the KV pool's used tokens after the run and a cache flush (must be the idle
-value: no leaked pages), and the server's GPU memory over the run: stable when the last minute's peak is
-within 5 % + 512 MiB of the first minute's AND its growth over the second half of the run is under
-GROWTH_LIMIT MiB/min (session 12: 107.6 -> 107.8 GB in 4 minutes passed the first rule while it grew steadily,
-a 74 MiB step then ~37 MiB/min) OR the growth was cache state: the patched server logs, from inside, how much of
-it PyTorch's allocator holds (DSV4_SM80_LAB_MEMLOG, dsv4_sm80/lab_memlog.py), and when the final cache flush
-gives the live tensors' growth back (nothing grew outside the allocator) the growth was the prefix cache's
-GPU index tensors, bounded by the KV pool, not a leak. --native runs the same load on SGLang's own path as
-the A/B (session 13: native +25.5 MiB/min, patched +25.8, in the allocator's live tensors). Session 14: the
-flush did not give it back (live tensors +99 MiB after it), so it is not the prefix cache's; the patched server
-now also records each block's allocating Python stack (DSV4_SM80_LAB_MEMSITES) and the soak prints the sites
-whose live bytes grew from before the load to after the flush (`growth_sites`).
+batches. The KV pool is capped (--max-total-tokens, 2^20 by default; SGLang would size it to the GPU: 83
+million tokens for the tiny model on an H200) so that the prefix cache fills within the first minute and
+evicts from then on: the steady state a production server lives in. Reported: requests done, errors
+(anything but a deliberate cancellation; must be 0), NaN/Inf in the returned logprobs (must be 0), the KV
+pool's used tokens after the run and a cache flush (must be the idle value: no leaked pages), and the
+server's GPU memory over the run: stable when the last minute's peak is within 5 % + 512 MiB of the first
+minute's AND its growth over the second half of the run is under GROWTH_LIMIT MiB/min (session 12: 107.6 ->
+107.8 GB in 4 minutes passed the first rule while it grew steadily, ~37 MiB/min); and, on the patched
+server, no leak: its live tensors after the flush and a full garbage collection back within 16 MiB of
+before the load (`leak_check`).
+
+The memory history (sessions 12-15): with SGLang's own pool size, native and patched both grew ~25-35
+MiB/min, inside the allocator's live tensors (session 13, DSV4_SM80_LAB_MEMLOG, dsv4_sm80/lab_memlog.py).
+Session 14: the flush did not give it back. Session 15 recorded each block's allocating Python stack
+(DSV4_SM80_LAB_MEMSITES): all of the growth (+127 MiB) was the radix cache's per-node GPU index tensors
+(unified_radix_cache._split_node / _add_new_node; 8 bytes per cached token per component), i.e. cache
+state bounded by the pool (83 M tokens: ~1.3 GB); the flushed tree kept them, likely because its nodes are
+reference cycles (parent <-> children, LRU links) that only Python's cyclic collector frees. Hence the capped
+pool, and a full collection before each site snapshot (lab_memlog.request_sites(collect=True)), whose answer
+says how much the collection freed.
 """
 
 from __future__ import annotations
@@ -113,20 +120,35 @@ def read_memlog(path: str) -> list:
     return lab_memlog.read(path) if os.path.exists(path) else []
 
 
-def held_by_cache(inside: dict | None) -> bool:
-    """The memory log shows the run's growth was cache state: on every process the flush gave the live
-    tensors' growth back (lab_memlog.summarize's `released`) and nothing grew outside the allocator (what is left
-    is PyTorch's allocator keeping the freed blocks for reuse). No log (native SGLang): False."""
-    return bool(inside) and all(r.get("released") and r["outside_growth"] <= 16 for r in inside.values())
+LEAK_SLACK_MIB = 16
 
 
-def ask_sites(memlog: str, tag: str, timeout: float = 30.0) -> dict:
-    """Every logging process's live GPU bytes per allocating site now (lab_memlog.request_sites; the server
-    records stacks with DSV4_SM80_LAB_MEMSITES=1): waits until each (pid, role) in the memory log has answered,
-    or `timeout`. Native SGLang logs nothing: {}."""
+def leak_check(before: dict, after: dict) -> dict:
+    """Per logging process ("pid role"), from two `ask_sites` answers taken after a full garbage collection
+    (before the load; after it and the cache flush): the allocator's live MiB then and now, what the
+    collection freed at the second one, and `released`: the live tensors back within LEAK_SLACK_MIB of
+    before the load (what stays is held by reachable objects: a leak)."""
+    out = {}
+    for who, a in after.items():
+        b = before.get(who, {})
+        if a.get("allocated") is None or b.get("allocated") is None:
+            continue
+        mib = lambda x: round(x / lab_memlog.MIB, 1)  # noqa: E731
+        freed = a.get("allocated_before_gc")
+        out[who] = {"allocated_mib_before": mib(b["allocated"]), "allocated_mib_after": mib(a["allocated"]),
+                    "grew_mib": mib(a["allocated"] - b["allocated"]),
+                    "freed_by_gc_mib": None if freed is None else mib(freed - a["allocated"]),
+                    "released": a["allocated"] - b["allocated"] <= LEAK_SLACK_MIB * lab_memlog.MIB}
+    return out
+
+
+def ask_sites(memlog: str, tag: str, timeout: float = 30.0, collect: bool = True) -> dict:
+    """Every logging process's live GPU bytes per allocating site now, after a full garbage collection
+    (lab_memlog.request_sites; the server records stacks with DSV4_SM80_LAB_MEMSITES=1): waits until each
+    (pid, role) in the memory log has answered, or `timeout`. Native SGLang logs nothing: {}."""
     if not os.path.exists(memlog):
         return {}
-    lab_memlog.request_sites(memlog, tag)
+    lab_memlog.request_sites(memlog, tag, collect=collect)
     end = time.time() + timeout
     while True:
         got = lab_memlog.read_sites(memlog, tag)
@@ -171,12 +193,17 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--port", type=int, default=30131)
+    ap.add_argument("--max-total-tokens", type=int, default=1 << 20,
+                    help="the KV pool's size in tokens (0: SGLang sizes it to the GPU); small enough that the prefix "
+                         "cache fills and evicts during the run")
     ap.add_argument("--dspark", action="store_true")
     ap.add_argument("--native", action="store_true", help="the same load on native SGLang (patch off): the A/B")
     args = ap.parse_args(argv)
 
     serve_args = ["--api-key", KEY, "--context-length", str(args.context), "--chunked-prefill-size", "1024",
                   "--max-running-requests", "64", "--moe-runner-backend", "marlin", "--mem-fraction-static", "0.7"]
+    if args.max_total_tokens:
+        serve_args += ["--max-total-tokens", str(args.max_total_tokens)]
     if args.dspark:
         serve_args += ["--speculative-algorithm", "DSPARK"]
     if args.native:  # SGLang's own launch_server: the model lab mode's serve would pick, named
@@ -271,29 +298,37 @@ def main(argv=None) -> int:
     inside = None
     if os.path.exists(memlog):  # the patched server's own view (lab_memlog); native SGLang writes none
         inside = lab_memlog.summarize(read_memlog(memlog), since=t0, flushed=t_flush)
-    held = held_by_cache(inside)
+    leaks = leak_check(sites_before, sites_after)
+    # the patched server answers site requests (its memory log exists): its leak check must have run and passed
+    leak_free = all(r["released"] for r in leaks.values()) if leaks else (None if not os.path.exists(memlog) else False)
     growth_sites = {who: lab_memlog.sites_growth(sites_before[who]["sites"], got["sites"])
                     for who, got in sites_after.items() if "sites" in got and "sites" in sites_before.get(who, {})}
-    stable = memory_stable(first, last) and slope is not None and (slope < GROWTH_LIMIT or held)
+    stable = memory_stable(first, last) and slope is not None and slope < GROWTH_LIMIT
     report = {"minutes": args.minutes, "dspark": args.dspark, "native": args.native,
               "done": stats["done"], "cancelled": stats["cancelled"],
               "errors": len(stats["errors"]), "error_samples": stats["errors"][:10], "nonfinite_logprobs": stats["nonfinite"],
               "tokens_requested": stats["tokens"], "used_tokens_idle": idle, "used_tokens_after_flush": after,
               "server_gpu_mib_first_minute": first, "server_gpu_mib_last_minute": last,
               "growth_mib_per_min_second_half": None if slope is None else round(slope, 1),
-              "growth_limit_mib_per_min": GROWTH_LIMIT, "growth_released_by_flush": held, "memory_stable": stable,
+              "growth_limit_mib_per_min": GROWTH_LIMIT, "memory_stable": stable,
+              "max_total_tokens": args.max_total_tokens, "leak_check": leaks, "leak_free": leak_free,
               "server_gpu_mib": [(t, m) for t, m, _ in mem], "device_gpu_mib": [(t, d) for t, _, d in mem],
               "inside_server": inside, "growth_sites": growth_sites, "server_alive": alive}
     ok = (report["errors"] == 0 and report["nonfinite_logprobs"] == 0 and after == idle and alive
-          and report["done"] > 0 and stable)
+          and report["done"] > 0 and stable and leak_free is not False)
     rate = "too short to tell" if slope is None else f"{slope:+.1f} MiB/min"
     print(f"soak: {'native ' if args.native else ''}{args.minutes} min{' DSPARK' if args.dspark else ''}: "
           f"{report['done']} done, {report['cancelled']} "
           f"cancelled, {report['errors']} errors, {report['nonfinite_logprobs']} non-finite logprobs; KV used tokens "
           f"idle {idle} -> after flush {after}; server GPU MiB peak first minute {max(first, default=None)}, last "
-          f"minute {max(last, default=None)}, second half {rate} (limit {GROWTH_LIMIT}"
-          f"{'; over it, but the flush released it: cache state' if held and slope is not None and slope >= GROWTH_LIMIT else ''}"
-          f"; stable {stable}); alive {alive}")
+          f"minute {max(last, default=None)}, second half {rate} (limit {GROWTH_LIMIT}; stable {stable}); "
+          f"KV pool {args.max_total_tokens or 'sized by SGLang'} tokens; alive {alive}")
+    for who, row in leaks.items():
+        print(f"soak: leak check, {who}: live tensors after a full GC {row['allocated_mib_before']} MiB before the "
+              f"load -> {row['allocated_mib_after']} after it and the flush ({row['grew_mib']:+.1f}; the GC freed "
+              f"{row['freed_by_gc_mib']} MiB); released {row['released']}")
+    if leak_free is False and not leaks:
+        print("soak: leak check: the server keeps a memory log but answered no site request")
     for who, row in (inside or {}).items():
         print(f"soak: inside the server, {who}: MiB used {row['used'][0]} -> {row['used'][1]}, allocator reserved "
               f"{row['reserved'][0]} -> {row['reserved'][1]}, allocated {row['allocated'][0]} -> {row['allocated'][1]}"
