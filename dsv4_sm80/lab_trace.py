@@ -276,7 +276,7 @@ def exact_weight(params: dict):
     return w.double() * full
 
 
-def linear_check(records: list, max_rows: int = 4096, device: str = "cpu") -> list:
+def linear_check(records: list, max_rows: int = 4096, device: str = "cpu", models: dict | None = None) -> list:
     """Each recorded linear (a record with `params` from a `params=True` trace, its first input [.., K] and its
     output [.., N]) against models of its arithmetic on its own recorded input X, W its exact weight:
       exact    X @ W^T in float64;
@@ -285,7 +285,9 @@ def linear_check(records: list, max_rows: int = 4096, device: str = "cpu") -> li
                (what native's DeepGEMM FP8 linear computes on SM90, if that reading of its sources is right).
     Relative differences (||a - b|| / ||a||): the output against each model, and each model against exact. On
     identical inputs, so input differences between two runs play no part. `device`: where the products run
-    (float64 on a GPU is quick; the figures do not depend on it beyond fp32 summation order)."""
+    (float64 on a GPU is quick; the figures do not depend on it beyond fp32 summation order). `models`: more
+    models, {name: fn(x [rows, K] on device, params, exact weight W) -> output [rows, N]}, each row's output
+    against them in `out_vs_models` (a model that raises: its error text there), e.g. `sglang_models()`."""
     import torch
 
     from .lab_rounding import ACT_GROUP, fp8_act
@@ -312,13 +314,55 @@ def linear_check(records: list, max_rows: int = 4096, device: str = "cpu") -> li
         act = None
         if k % ACT_GROUP == 0:
             act = (fp8_act(x) @ wf.t() + b32).to(out_dtype).double()
+        extra = {}
+        for name, fn in (models or {}).items():
+            try:
+                extra[name] = rel(fn(x, p, w).reshape(-1, n).double(), y)
+            except Exception as e:  # a model this GPU or this trace cannot run: say why, keep the table
+                extra[name] = f"{type(e).__name__}: {e}"[:160]
         rows.append({
             "name": r["name"], "k": k, "n": n, "fp8_weight": p["weight"].dtype == torch.float8_e4m3fn,
             "out_vs_exact": rel(exact, y), "out_vs_bf16": rel(bf16, y),
             "out_vs_act": None if act is None else rel(act, y),
             "bf16_vs_exact": rel(exact, bf16), "act_vs_exact": None if act is None else rel(exact, act),
+            "out_vs_models": extra,
         })
     return rows
+
+
+def sglang_models() -> dict:
+    """`linear_check` models from native SGLang's own FP8 code (an SM90 GPU with SGLang 0.5.16; lab only), for
+    FP8-weight linears: which part of native's FP8 linear the fp8-act model does not reproduce (session 15:
+    native's output is 2-3.5e-3 from that model on every FP8 linear, against 0 for the replay's own):
+      sglang quant   SGLang's per-token-group activation quantizer (`sglang_per_token_group_quant_fp8`, group
+                     128, the arguments deepgemm_w8a8_block_fp8_linear_with_fallback passes on SM90: fp32 scales),
+                     dequantized, then the exact weight's fp32 product rounded once to BF16;
+      sglang linear  the whole FP8 block linear native's Fp8LinearMethod dispatches to on SM90 with DeepGEMM
+                     (`deepgemm_w8a8_block_fp8_linear_with_fallback`) on the recorded FP8 weight and scale.
+    If `sglang quant` matches native, the quantizer is what the fp8-act model misses; if only `sglang linear`
+    does, DeepGEMM's product (accumulation) is."""
+    import torch
+
+    from sglang.kernels.ops.quantization.fp8_kernel import sglang_per_token_group_quant_fp8
+    from sglang.srt.layers.quantization.fp8_utils import deepgemm_w8a8_block_fp8_linear_with_fallback
+
+    def fp8_only(p):
+        if p["weight"].dtype != torch.float8_e4m3fn:
+            raise ValueError("a BF16 weight: native runs no FP8 linear here")
+
+    def quant(x, p, w):
+        fp8_only(p)
+        q, s = sglang_per_token_group_quant_fp8(x.to(torch.bfloat16).contiguous(), BLOCK)
+        deq = (q.float().unflatten(-1, (-1, BLOCK)) * s.float().unsqueeze(-1)).flatten(-2)
+        return (deq @ w.float().t()).to(torch.bfloat16)
+
+    def linear(x, p, w):
+        fp8_only(p)
+        return deepgemm_w8a8_block_fp8_linear_with_fallback(
+            x.to(torch.bfloat16).contiguous(), p["weight"].to(x.device), [BLOCK, BLOCK],
+            p["scale"].to(x.device), None, p["bias"].to(x.device) if "bias" in p else None)
+
+    return {"sglang quant": quant, "sglang linear": linear}
 
 
 def print_linears(path: str, rows: list) -> None:
@@ -329,14 +373,22 @@ def print_linears(path: str, rows: list) -> None:
     for r in rows:
         print(f"  {r['name'][:50]:50s} {r['k']:5d} {r['n']:5d} {'fp8' if r['fp8_weight'] else 'bf16':>4s} "
               f"{_fmt(r['out_vs_exact']):>9s} {_fmt(r['out_vs_bf16']):>9s} {_fmt(r['out_vs_act']):>10s} "
-              f"{_fmt(r['bf16_vs_exact']):>10s} {_fmt(r['act_vs_exact']):>12s}")
+              f"{_fmt(r['bf16_vs_exact']):>10s} {_fmt(r['act_vs_exact']):>12s}"
+              + "".join(f"  {name} {_fmt(v) if not isinstance(v, str) else 'ERR ' + v}"
+                        for name, v in r.get("out_vs_models", {}).items()))
     if rows:
         def span(key):
             v = [r[key] for r in rows if r[key] is not None]
             return f"{_fmt(min(v))}..{_fmt(max(v))}" if v else "-"
+        names = sorted({n for r in rows for n in r.get("out_vs_models", {})})
+
+        def model_span(name):
+            v = [r["out_vs_models"][name] for r in rows if not isinstance(r["out_vs_models"].get(name, ""), str)]
+            return f"{_fmt(min(v))}..{_fmt(max(v))}" if v else "-"
         print(f"lab_trace: linears: output vs exact {span('out_vs_exact')}, vs the bf16 model {span('out_vs_bf16')}, "
-              f"vs the fp8-act model {span('out_vs_act')}; the models vs exact: bf16 {span('bf16_vs_exact')}, "
-              f"fp8 act {span('act_vs_exact')}")
+              f"vs the fp8-act model {span('out_vs_act')}"
+              + "".join(f", vs {name} {model_span(name)}" for name in names)
+              + f"; the models vs exact: bf16 {span('bf16_vs_exact')}, fp8 act {span('act_vs_exact')}")
 
 
 def _fmt(x) -> str:
@@ -354,6 +406,9 @@ def main(argv=None) -> int:
     ap.add_argument("--linears", action="store_true",
                     help="each trace's linears against models of their arithmetic on their own inputs (needs a "
                          "trace taken with params: layer_trace.py does)")
+    ap.add_argument("--sglang-models", action="store_true",
+                    help="with --linears: native SGLang's own FP8 quantizer and FP8 linear as models too "
+                         "(sglang_models; an SM90 GPU)")
     args = ap.parse_args(argv)
     if args.b is None and not args.linears:
         ap.error("give a second trace to compare, or --linears")
@@ -370,9 +425,10 @@ def main(argv=None) -> int:
     if args.linears:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 models are fp32 products, not TF32 ones
+        models = sglang_models() if args.sglang_models else None
         for path, rec in ((args.a, a), (args.b, b)):
             if rec is not None:
-                print_linears(path, linear_check(rec, device=device))
+                print_linears(path, linear_check(rec, device=device, models=models))
         return 0
     rows = compare(a, b, fl)
     only_a = sorted({r["name"] for r in a} - {r["name"] for r in b})

@@ -51,7 +51,7 @@ def options_of(script):
 STEPS = {  # step: files it expects from earlier steps
     "kernels": (), "moe-bench": (), "moe-sweep": (), "mhc-bench": (), "attn-bench": (), "idx-bench": (), "cold": (),
     "e2e-floors": ("engine-e2e.json",), "trace": (), "e2e": (), "oracle": (), "soak": (), "soak-native": (),
-    "wide-parity": (), "e2e-bench": (), "moe-wide": (), "machines": (),
+    "wide-parity": (), "e2e-bench": (), "moe-wide": (), "machines": (), "trace-linears": (),
 }
 
 
@@ -102,6 +102,14 @@ def test_trace_compares_against_the_pinned_run_with_the_perturbed_floor(tmp_path
     compares = [[os.path.basename(x) for x in a[2:]] for a in calls if a[:2] == ["-m", "dsv4_sm80.lab_trace"]]
     assert ["trace-pinned", "trace-patched", "--floor", "trace-perturbed"] in compares
     assert ["trace-pinned", "trace-perturbed"] in compares
+
+
+def test_trace_linears_traces_native_once_and_asks_for_sglangs_models(tmp_path):
+    calls, _ = run_step(tmp_path, "trace-linears")
+    traced = [a for a in calls if a[0] == "tests/gpu/layer_trace.py"]
+    assert [os.path.basename(a[a.index("--out-dir") + 1]) for a in traced] == ["trace-native"]
+    (check,) = [a for a in calls if a[:2] == ["-m", "dsv4_sm80.lab_trace"]]
+    assert os.path.basename(check[2]) == "trace-native" and check[3:] == ["--linears", "--sglang-models"]
 
 
 def test_machines_holds_the_patched_run_to_both_floors(tmp_path):

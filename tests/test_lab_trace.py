@@ -247,3 +247,34 @@ def test_linear_check_tells_an_fp8_activation_linear_from_a_bf16_one(tmp_path, c
     assert lab_trace.main([str(tmp_path), "--linears"]) == 0
     out = capsys.readouterr().out
     assert "model.layers.0.self_attn" in out and "output vs exact" in out
+
+
+def test_linear_check_runs_further_models_and_keeps_the_table_when_one_cannot_run(tmp_path, capsys):
+    """`models`: each recorded linear against more models of its arithmetic (on the GPU, native SGLang's own FP8
+    quantizer and linear: sglang_models); a model that raises leaves its error in the row, not a crash."""
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+
+    torch.manual_seed(0)
+    top = Fp8Top()
+    register_forward_hooks(top, lab_trace.trace_spec(str(tmp_path), rows=ROWS, params=True))
+    with torch.no_grad():
+        top(torch.arange(ROWS), torch.arange(ROWS))
+    rec = torch.load(os.path.join(tmp_path, "forward-0-rank0.pt"), weights_only=False)
+
+    def bf16_model(x, p, w):  # the bf16 model again, written out: an fp32 product rounded once
+        return (x.float() @ w.float().t()).to(torch.bfloat16)
+
+    def broken(x, p, w):
+        raise RuntimeError("no SM90 here")
+
+    rows = {r["name"]: r for r in lab_trace.linear_check(rec, models={"again": bf16_model, "broken": broken})}
+    for r in rows.values():
+        assert r["out_vs_models"]["again"] == r["out_vs_bf16"]
+        assert r["out_vs_models"]["broken"] == "RuntimeError: no SM90 here"
+    assert rows["model.layers.1.mlp"]["out_vs_models"]["again"] < 4e-3
+    lab_trace.print_linears("t", list(rows.values()))
+    out = capsys.readouterr().out
+    assert "again 0.00e+00" in out and "ERR RuntimeError: no SM90 here" in out and ", vs again " in out
+    # SGLang's own models on this CPU: SGLang imports, its FP8 kernels do not run: every row says why
+    assert lab_trace.main([str(tmp_path), "--linears", "--sglang-models"]) == 0
+    assert "sglang quant ERR" in capsys.readouterr().out

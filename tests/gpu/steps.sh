@@ -43,6 +43,9 @@
 #                                  (DSV4_SM80_LAB_NATIVE_ROUNDING=kv, kv,act, kv,act,idx): their share of the gap
 #   tests/gpu/steps.sh trace       one prompt's prefill module by module (TRACE_LEN ids, 300): native, native pinned,
 #                                  patched, patched with native's roundings replayed; names where they part ways
+#   tests/gpu/steps.sh trace-linears  native's trace (made unless there) and its FP8 linears against native SGLang's
+#                                  own activation quantizer and FP8 linear on their recorded inputs (lab_trace
+#                                  --sglang-models): what the replay's fp8-act model misses of native's linear
 #   tests/gpu/steps.sh graphs      patched with CUDA graphs vs patched eager (decode outputs)
 #   tests/gpu/steps.sh spec        patched DSPARK vs patched without speculation (greedy tokens, acceptance), and
 #                                  native DSPARK vs native without speculation beside it (the floor)
@@ -332,6 +335,12 @@ case ${1:?step} in
     for r in native pinned perturbed patched replay; do
       [ -d "$OUT/trace-$r" ] && python -m dsv4_sm80.lab_trace "$OUT/trace-$r" --linears 2>&1 | tee "$OUT/trace-$r-linears.txt" | tail -1
     done ;;  # the traces themselves (*.pt, hundreds of MB) stay on the host; the per-module tables come back
+  trace-linears)
+    L=${TRACE_LEN:-300}
+    [ -d "$OUT/trace-native" ] || run trace-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 1200 \
+      python tests/gpu/layer_trace.py --length $L --out-dir $OUT/trace-native
+    python -m dsv4_sm80.lab_trace "$OUT/trace-native" --linears --sglang-models 2>&1 \
+      | tee "$OUT/trace-native-sglang-linears.txt" | tail -1 ;;
   graphs)
     for g in eager graph; do
       run "graphs-$g" env $LAB DSV4_SM80_TRIPWIRE=1 timeout 280 python tests/gpu/engine_bed.py \
