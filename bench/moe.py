@@ -119,6 +119,12 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
     "fused io, split_k 8": {"fused_io": True, "split_k": 8},
     "block_n2 128, warps 2, stages 4, fused io, split_k 4": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
                                                              "fused_io": True, "split_k": 4},
+    # session 11's one-token profile: ~8 us of the 32 in launches around the two GEMMs, 3.7 of them SGLang's
+    # alignment (moe_align_block_size: two kernels); pair_blocks drops it (one pair per M block)
+    "pair blocks, fused io": {"pair_blocks": True, "fused_io": True},
+    "pair blocks, fused io, split_k 2": {"pair_blocks": True, "fused_io": True, "split_k": 2},
+    "pair blocks, fused io, split_k 4": {"pair_blocks": True, "fused_io": True, "split_k": 4},
+    "pair blocks, fused io, stages 5": {"pair_blocks": True, "fused_io": True, "num_stages": 5},
 }.items()})
 PROFILE_CALLS = 10
 

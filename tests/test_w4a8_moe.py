@@ -290,6 +290,7 @@ SIG = {
     "stride_bsn": "i32", "stride_cm": "i32", "c_scale_groups": "i32", "stride_ere": "i32",
     "GATED": "constexpr", "MUL_WEIGHT": "constexpr", "A_GROUP": "constexpr", "BLOCK_M": "constexpr",
     "BLOCK_N": "constexpr", "SPAN": "constexpr", "DECODE_ASM": "constexpr", "SHIFT": "constexpr", "SPLIT_K": "constexpr",
+    "PAIR_BLOCKS": "constexpr",
 }
 
 
@@ -312,7 +313,7 @@ for name, cfg in CONFIGS.items():
             sig = dict(SIG, c_ptr="*i8" if gated else "*fp32")
             consts = {"GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": a_group, "BLOCK_M": cfg["block_m"],
                       "BLOCK_N": cfg["block_n"] if gated else cfg["block_n2"], "SPAN": span, "DECODE_ASM": asm,
-                      "SHIFT": shift, "SPLIT_K": 1}
+                      "SHIFT": shift, "SPLIT_K": 1, "PAIR_BLOCKS": False}
             c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 80, 32),
                                options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
             ptx = c.asm["ptx"]
@@ -328,13 +329,26 @@ for name, cfg in CONFIGS.items():
 # split-K gate-up at the decode tile (fp32 partials out) and its finishing kernel
 c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, c_ptr="*fp32"), constexprs={
         "GATED": True, "MUL_WEIGHT": False, "A_GROUP": 0, "BLOCK_M": 16, "BLOCK_N": 32, "SPAN": 32, "DECODE_ASM": True,
-        "SHIFT": False, "SPLIT_K": 4}), target=GPUTarget("cuda", 80, 32), options={"num_warps": 4, "num_stages": 3})
+        "SHIFT": False, "SPLIT_K": 4, "PAIR_BLOCKS": False}), target=GPUTarget("cuda", 80, 32),
+    options={"num_warps": 4, "num_stages": 3})
 ptx = c.asm["ptx"]
 out["decode-gate_up-split4-asm"] = {
     "sm80": ".target sm_80" in ptx, "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
     "prmt": "0xF4F8FAFC" in ptx, "prmt_shift": False,
     "asm_in_mma_b_layout": all("dot_op<{opIdx = 1" in l for l in asm_layouts(c.asm["ttgir"])) and bool(asm_layouts(c.asm["ttgir"])),
     "fp8": "e4m3" in ptx or "e5m2" in ptx}
+# pair blocks (no alignment) at the decode tile: gate-up and down
+for gated in (True, False):
+    c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, c_ptr="*i8" if gated else "*fp32"), constexprs={
+            "GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": 0 if gated else 32, "BLOCK_M": 16,
+            "BLOCK_N": 32 if gated else 64, "SPAN": 32, "DECODE_ASM": True, "SHIFT": False, "SPLIT_K": 1,
+            "PAIR_BLOCKS": True}), target=GPUTarget("cuda", 80, 32), options={"num_warps": 4, "num_stages": 3})
+    ptx = c.asm["ptx"]
+    out[f"decode-{'gate_up' if gated else 'down'}-pairs-asm"] = {
+        "sm80": ".target sm_80" in ptx, "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
+        "prmt": "0xF4F8FAFC" in ptx, "prmt_shift": False,
+        "asm_in_mma_b_layout": all("dot_op<{opIdx = 1" in l for l in asm_layouts(c.asm["ttgir"])) and bool(asm_layouts(c.asm["ttgir"])),
+        "fp8": "e4m3" in ptx or "e5m2" in ptx}
 io = {}  # the fused_io kernels: plain sm_80 code, IEEE division in the quantizer
 for fn, sig, consts in (
         (k._quantize_rows_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "q_ptr": "*i8", "s_ptr": "*fp32", "cols": "i32",
@@ -363,8 +377,8 @@ def test_compiles_for_sm80_with_int8_mma():
     code = COMPILE.replace("CONFIGS", repr({"decode": DECODE, "decode2": DECODE2, "prefill": PREFILL}))
     res = last_json(run_python(code, TRITON_INTERPRET="0"))
     out = res["gemm"]
-    assert len(out) == 33  # decode tiles' down has only span 32 (block_n 32); shift: 2 per kernel and config;
-    # plus the split-K gate-up
+    assert len(out) == 35  # decode tiles' down has only span 32 (block_n 32); shift: 2 per kernel and config;
+    # plus the split-K gate-up and the pair-block gate-up and down
     for name, r in out.items():
         asm = name.endswith("-asm")
         assert r == {"sm80": True, "int8_mma": True, "prmt": asm, "prmt_shift": asm and "-shift-" in name,
@@ -639,7 +653,8 @@ def test_every_bench_variant_computes_the_moe(k):
         assert float(err.max()) < 1e-2, (name, err.tolist())
 
 
-@pytest.mark.parametrize("cfg", [DECODE, PREFILL, dict(PREFILL, fused_io=False), dict(DECODE, fused_io=True)])
+@pytest.mark.parametrize("cfg", [DECODE, PREFILL, dict(PREFILL, fused_io=False), dict(DECODE, fused_io=True),
+                                 dict(DECODE, pair_blocks=True)])
 def test_no_tokens_gives_an_empty_output(k, cfg):
     """An empty batch (a rank with no tokens this step) returns [0, H], with either activation quantizer (the
     torch one failed its 0-row view before session 14)."""
@@ -647,3 +662,21 @@ def test_no_tokens_gives_an_empty_output(k, cfg):
     a, b = k.repack_mxfp4_for_w4a8(dev(w13.clone())), k.repack_mxfp4_for_w4a8(dev(w2.clone()))
     got = k.w4a8_moe(*dev(x[:0], a, s13, b, s2, tw[:0], ids[:0]), routed_scaling_factor=1.5, config=cfg)
     assert got.shape == (0, x.shape[1]) and got.dtype == x.dtype
+
+
+@pytest.mark.parametrize("t,extra", [(1, {"fused_io": True}), (4, {"fused_io": False, "split_k": 2})])
+def test_pair_blocks_equal_the_aligned_kernel_bit_for_bit(k, t, extra):
+    """pair_blocks (no sorting by expert: each pair its own M block, for tiny decode batches) computes each pair
+    with the same operations as the aligned launch, so the output is bit-equal to it, and held to the INT8
+    emulation reference written from the math as the aligned kernel is; 4 tokens over 8 experts at top-3
+    repeat experts across tokens (each pair reads its expert itself)."""
+    x, w13, s13, w2, s2, tw, ids = case(t=t, top_k=3, h=256, seed=61 + t)
+    if t > 1:
+        assert len(set(ids.flatten().tolist())) < ids.numel()  # a repeated expert
+    cfg = dict(DECODE, **extra)
+    aligned = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=cfg)
+    paired = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=dict(cfg, pair_blocks=True))
+    assert torch.equal(paired, aligned)
+    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"]).float()
+    per_token = (paired.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
+    assert float(per_token.max()) < 1e-2, per_token.tolist()

@@ -527,7 +527,7 @@ def _w4a8_moe_kernel(
     stride_am, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, c_scale_groups, stride_ere,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr = 32, DECODE_ASM: tl.constexpr = False,
-    SHIFT: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
+    SHIFT: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, PAIR_BLOCKS: tl.constexpr = False,
 ):
     """SPAN = 32: every scale group converted to fp32 on its own (needed when the activation scale
     changes every 32 columns). SPAN = 64 or 128: groups merged in int32 over the span (`_w4_span`); the
@@ -537,18 +537,23 @@ def _w4a8_moe_kernel(
     the per-group loop.
     SPLIT_K > 1 (gate-up, per-group loop only): program_id(1) takes one of SPLIT_K equal shares of K (multiples
     of 64) and c_ptr is an fp32 [SPLIT_K, pairs, 2, N] buffer of its (gate, up) partial sums; `_glu_finish_kernel`
-    adds the shares in a fixed order (deterministic) and runs the epilogue."""
+    adds the shares in a fixed order (deterministic) and runs the epilogue.
+    PAIR_BLOCKS (tiny decode batches): no alignment; M block b is pair b alone (its row 0; the other rows
+    padding) and block_expert_ptr is the flattened topk_ids [pairs], its expert; sorted_ids_ptr and
+    num_padded_ptr are not read."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid_m = pid // n_tiles
     pid_n = pid % n_tiles
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
+    if PAIR_BLOCKS:
+        ids = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ids = tl.load(sorted_ids_ptr + offs_m)
     row_ok = ids < num_pairs
     a_rows = tl.where(row_ok, ids // a_row_div, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -693,6 +698,9 @@ def w4a8_moe(
     config pair_bf16 (default off): the per-pair outputs kept in BF16 before the fp32 top-k sum (Marlin's way; half
     the traffic of the largest prefill buffer). config fused_io (default_config: decode sizes): one launch each for
     the activation quantizer and the top-k combine.
+    config pair_blocks (default off): no sorting by expert (SGLang's moe_align_block_size: two launches); each
+    (token, expert) pair is its own M block, its row 0, the rest padding: for tiny decode batches, where a
+    block holds one pair anyway and the alignment is a fixed cost (a repeated expert is read once per pair).
     config split_k (gate-up, per-group loop; default 1): K in that many shares, each its own program, their
     fp32 partial sums added in a fixed order by `_glu_finish_kernel` (deterministic): more programs when few
     experts are active (one token: 6 experts x 16 column tiles = 96 programs for the whole GPU).
@@ -715,7 +723,14 @@ def w4a8_moe(
                              "the kernel layout is addressed from its shape")
     pairs = t * top_k
     dev = x.device
-    sorted_ids, block_expert, num_padded = _align(topk_ids, e, block_m)
+    pair_blocks = bool(cfg.get("pair_blocks", False))  # one pair per M block, no alignment (tiny batches)
+    if pair_blocks:
+        block_expert = topk_ids.reshape(-1)
+        if not block_expert.is_contiguous():
+            block_expert = block_expert.contiguous()
+        sorted_ids = num_padded = block_expert  # not read in this mode
+    else:
+        sorted_ids, block_expert, num_padded = _align(topk_ids, e, block_m)
     if input_group % GROUP:
         raise ValueError(f"input_group={input_group} must be a multiple of {GROUP} (0: one scale per token)")
     merge = cfg.get("merge", False)  # per-group: faster on the H200 (docs/moe.md)
@@ -742,17 +757,18 @@ def w4a8_moe(
     hs = torch.empty((pairs, groups), dtype=torch.float32, device=dev)
     w13b, w13s = w13.view(torch.uint8), w13_scale.view(torch.uint8)
     w2b, w2s = w2.view(torch.uint8), w2_scale.view(torch.uint8)
-    blocks = block_expert.numel()
+    blocks = pairs if pair_blocks else block_expert.numel()
     part = torch.empty((split_k, pairs, 2, inter), dtype=torch.float32, device=dev) if split_k > 1 else hq
-    _w4a8_moe_kernel[(blocks * triton.cdiv(inter, block_n), split_k)](
-        xq, xs, w13b, w13s, part, hs, sorted_ids, block_expert, num_padded, topk_weights,
-        w13_eref if shift_up else w13s, inter, h, pairs, top_k, xs.shape[1], float(swiglu_limit),
-        xq.stride(0), w13b.stride(0), w13b.stride(1), w13s.stride(0), w13s.stride(1), hq.stride(0), groups,
-        w13_eref.stride(0) if shift_up else 0,
-        GATED=True, MUL_WEIGHT=False, A_GROUP=input_group, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPAN=span_up, DECODE_ASM=decode_asm, SHIFT=shift_up, SPLIT_K=split_k, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+    if blocks:  # (pair_blocks: an empty batch launches nothing; aligned, a block is always there)
+        _w4a8_moe_kernel[(blocks * triton.cdiv(inter, block_n), split_k)](
+            xq, xs, w13b, w13s, part, hs, sorted_ids, block_expert, num_padded, topk_weights,
+            w13_eref if shift_up else w13s, inter, h, pairs, top_k, xs.shape[1], float(swiglu_limit),
+            xq.stride(0), w13b.stride(0), w13b.stride(1), w13s.stride(0), w13s.stride(1), hq.stride(0), groups,
+            w13_eref.stride(0) if shift_up else 0,
+            GATED=True, MUL_WEIGHT=False, A_GROUP=input_group, BLOCK_M=block_m, BLOCK_N=block_n,
+            SPAN=span_up, DECODE_ASM=decode_asm, SHIFT=shift_up, SPLIT_K=split_k, PAIR_BLOCKS=pair_blocks,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
     if split_k > 1 and pairs:
         _glu_finish_kernel[(triton.cdiv(pairs, 16), groups)](
             part, hq, hs, pairs, inter, groups, float(swiglu_limit), SPLIT_K=split_k, BLOCK_R=16, BLOCK_N=block_n,
@@ -762,14 +778,16 @@ def w4a8_moe(
     # ([pairs, H]: 1.6 GB fp32 at 16K tokens, written once and read once), one BF16 rounding per pair
     y = torch.empty((pairs, h), dtype=torch.bfloat16 if cfg.get("pair_bf16", False) else torch.float32, device=dev)
     tw = topk_weights.reshape(-1).to(torch.float32)
-    _w4a8_moe_kernel[(blocks * triton.cdiv(h, block_n2),)](
-        hq, hs, w2b, w2s, y, y, sorted_ids, block_expert, num_padded, tw,
-        w2_eref if shift_down else w2s, h, inter, pairs, 1, groups, 0.0,
-        hq.stride(0), w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0), 0,
-        w2_eref.stride(0) if shift_down else 0,
-        GATED=False, MUL_WEIGHT=True, A_GROUP=block_n, BLOCK_M=block_m, BLOCK_N=block_n2,
-        SPAN=span_down, DECODE_ASM=decode_asm, SHIFT=shift_down, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    if blocks:
+        _w4a8_moe_kernel[(blocks * triton.cdiv(h, block_n2),)](
+            hq, hs, w2b, w2s, y, y, sorted_ids, block_expert, num_padded, tw,
+            w2_eref if shift_down else w2s, h, inter, pairs, 1, groups, 0.0,
+            hq.stride(0), w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0), 0,
+            w2_eref.stride(0) if shift_down else 0,
+            GATED=False, MUL_WEIGHT=True, A_GROUP=block_n, BLOCK_M=block_m, BLOCK_N=block_n2,
+            SPAN=span_down, DECODE_ASM=decode_asm, SHIFT=shift_down, PAIR_BLOCKS=pair_blocks,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
     if fused_io and (out is None or out.is_contiguous()):
         res = torch.empty((t, h), dtype=x.dtype, device=dev) if out is None else out
         if t:
