@@ -125,6 +125,15 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
     "pair blocks, fused io, split_k 2": {"pair_blocks": True, "fused_io": True, "split_k": 2},
     "pair blocks, fused io, split_k 4": {"pair_blocks": True, "fused_io": True, "split_k": 4},
     "pair blocks, fused io, stages 5": {"pair_blocks": True, "fused_io": True, "num_stages": 5},
+    # the one-token gate-up moves ~27 % of copy bandwidth with 96 programs: latency-bound, and pipeline depth
+    # barely moved it (session 8), so the weight loads of several K steps per iteration (unrolled)
+    "pair blocks, fused io, unroll 2": {"pair_blocks": True, "fused_io": True, "unroll": 2},
+    "pair blocks, fused io, unroll 4": {"pair_blocks": True, "fused_io": True, "unroll": 4},
+    "pair blocks, fused io, unroll 8": {"pair_blocks": True, "fused_io": True, "unroll": 8},
+    "pair blocks, fused io, split_k 2, unroll 4": {"pair_blocks": True, "fused_io": True, "split_k": 2, "unroll": 4},
+    "fused io, unroll 4": {"fused_io": True, "unroll": 4},
+    "block_n2 128, warps 2, stages 4, fused io, unroll 4": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
+                                                            "fused_io": True, "unroll": 4},
 }.items()})
 PROFILE_CALLS = 10
 

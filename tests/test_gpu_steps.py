@@ -125,3 +125,13 @@ def test_machines_holds_the_patched_run_to_both_floors(tmp_path):
     other.mkdir()
     calls, stdout = run_step(other, "machines", env={"PREV": str(tmp_path / "missing.json")})
     assert calls == [] and "an earlier machine's native engine_bed record" in stdout
+
+
+def test_moe_sweep_takes_its_sizes_and_variants_from_the_environment(tmp_path):
+    (tmp_path / "set").mkdir(), (tmp_path / "unset").mkdir()
+    calls, _ = run_step(tmp_path / "set", "moe-sweep", env={"MOE_TOKENS": "1,4", "MOE_ONLY": "fused io|pair"})
+    (bench,) = [a for a in calls if a[0] == "bench/moe.py"]
+    assert bench[bench.index("--tokens") + 1] == "1,4" and bench[bench.index("--only") + 1] == "fused io|pair"
+    calls, _ = run_step(tmp_path / "unset", "moe-sweep")
+    (bench,) = [a for a in calls if a[0] == "bench/moe.py"]
+    assert bench[bench.index("--tokens") + 1] == "1,4,16,64" and bench[bench.index("--only") + 1] == "decode-"

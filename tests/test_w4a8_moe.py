@@ -290,7 +290,7 @@ SIG = {
     "stride_bsn": "i32", "stride_cm": "i32", "c_scale_groups": "i32", "stride_ere": "i32",
     "GATED": "constexpr", "MUL_WEIGHT": "constexpr", "A_GROUP": "constexpr", "BLOCK_M": "constexpr",
     "BLOCK_N": "constexpr", "SPAN": "constexpr", "DECODE_ASM": "constexpr", "SHIFT": "constexpr", "SPLIT_K": "constexpr",
-    "PAIR_BLOCKS": "constexpr",
+    "PAIR_BLOCKS": "constexpr", "UNROLL": "constexpr",
 }
 
 
@@ -313,7 +313,7 @@ for name, cfg in CONFIGS.items():
             sig = dict(SIG, c_ptr="*i8" if gated else "*fp32")
             consts = {"GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": a_group, "BLOCK_M": cfg["block_m"],
                       "BLOCK_N": cfg["block_n"] if gated else cfg["block_n2"], "SPAN": span, "DECODE_ASM": asm,
-                      "SHIFT": shift, "SPLIT_K": 1, "PAIR_BLOCKS": False}
+                      "SHIFT": shift, "SPLIT_K": 1, "PAIR_BLOCKS": False, "UNROLL": 1}
             c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 80, 32),
                                options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
             ptx = c.asm["ptx"]
@@ -329,7 +329,7 @@ for name, cfg in CONFIGS.items():
 # split-K gate-up at the decode tile (fp32 partials out) and its finishing kernel
 c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, c_ptr="*fp32"), constexprs={
         "GATED": True, "MUL_WEIGHT": False, "A_GROUP": 0, "BLOCK_M": 16, "BLOCK_N": 32, "SPAN": 32, "DECODE_ASM": True,
-        "SHIFT": False, "SPLIT_K": 4, "PAIR_BLOCKS": False}), target=GPUTarget("cuda", 80, 32),
+        "SHIFT": False, "SPLIT_K": 4, "PAIR_BLOCKS": False, "UNROLL": 1}), target=GPUTarget("cuda", 80, 32),
     options={"num_warps": 4, "num_stages": 3})
 ptx = c.asm["ptx"]
 out["decode-gate_up-split4-asm"] = {
@@ -337,14 +337,14 @@ out["decode-gate_up-split4-asm"] = {
     "prmt": "0xF4F8FAFC" in ptx, "prmt_shift": False,
     "asm_in_mma_b_layout": all("dot_op<{opIdx = 1" in l for l in asm_layouts(c.asm["ttgir"])) and bool(asm_layouts(c.asm["ttgir"])),
     "fp8": "e4m3" in ptx or "e5m2" in ptx}
-# pair blocks (no alignment) at the decode tile: gate-up and down
+# pair blocks (no alignment) with 4 K steps per iteration at the decode tile: gate-up and down
 for gated in (True, False):
     c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, c_ptr="*i8" if gated else "*fp32"), constexprs={
             "GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": 0 if gated else 32, "BLOCK_M": 16,
             "BLOCK_N": 32 if gated else 64, "SPAN": 32, "DECODE_ASM": True, "SHIFT": False, "SPLIT_K": 1,
-            "PAIR_BLOCKS": True}), target=GPUTarget("cuda", 80, 32), options={"num_warps": 4, "num_stages": 3})
+            "PAIR_BLOCKS": True, "UNROLL": 4}), target=GPUTarget("cuda", 80, 32), options={"num_warps": 4, "num_stages": 3})
     ptx = c.asm["ptx"]
-    out[f"decode-{'gate_up' if gated else 'down'}-pairs-asm"] = {
+    out[f"decode-{'gate_up' if gated else 'down'}-pairs-unroll4-asm"] = {
         "sm80": ".target sm_80" in ptx, "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
         "prmt": "0xF4F8FAFC" in ptx, "prmt_shift": False,
         "asm_in_mma_b_layout": all("dot_op<{opIdx = 1" in l for l in asm_layouts(c.asm["ttgir"])) and bool(asm_layouts(c.asm["ttgir"])),
@@ -378,7 +378,7 @@ def test_compiles_for_sm80_with_int8_mma():
     res = last_json(run_python(code, TRITON_INTERPRET="0"))
     out = res["gemm"]
     assert len(out) == 35  # decode tiles' down has only span 32 (block_n 32); shift: 2 per kernel and config;
-    # plus the split-K gate-up and the pair-block gate-up and down
+    # plus the split-K gate-up and the pair-block, unrolled gate-up and down
     for name, r in out.items():
         asm = name.endswith("-asm")
         assert r == {"sm80": True, "int8_mma": True, "prmt": asm, "prmt_shift": asm and "-shift-" in name,
@@ -680,3 +680,19 @@ def test_pair_blocks_equal_the_aligned_kernel_bit_for_bit(k, t, extra):
     want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"]).float()
     per_token = (paired.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
     assert float(per_token.max()) < 1e-2, per_token.tolist()
+
+
+def test_unrolled_k_steps_equal_the_plain_loop_bit_for_bit(k):
+    """config unroll: several 64-deep K steps per loop iteration (more weight loads in flight), the same
+    operations in the same order: bit-equal to unroll 1, also where K is not a multiple of the unrolled span
+    (hidden 192 = 3 steps, unroll 2 and 4: the missing steps add nothing) and with split-K and pair blocks."""
+    x, w13, s13, w2, s2, tw, ids = case(t=2, top_k=3, h=192, inter=64, seed=67)
+    plain = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=DECODE)
+    for extra in ({"unroll": 2}, {"unroll": 4, "pair_blocks": True, "fused_io": True}):
+        got = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=dict(DECODE, **extra))
+        assert torch.equal(got, plain), extra
+    x, w13, s13, w2, s2, tw, ids = case(t=1, top_k=3, h=256, inter=64, seed=68)
+    split = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=2))
+    assert torch.equal(run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=2, unroll=2)), split)
+    with pytest.raises(ValueError, match="unroll"):
+        run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, unroll=2, merge=True))

@@ -432,37 +432,48 @@ def _w4_span(a_ptrs, row_ok, b_ptrs, s_ptrs, n_ok, up_b, up_s,
 @triton.jit
 def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base, offs_n, n_ok,
                 N, k_lo, k_hi, stride_bn, stride_bsn, GATED: tl.constexpr, A_GROUP: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr, DECODE_ASM: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr, DECODE_ASM: tl.constexpr,
+                UNROLL: tl.constexpr = 1):
     """The exact per-group loop over K in [k_lo, k_hi) (all of K, or one split-K share; SPAN = 32: each
     32-deep dot converted to fp32 and scaled by its own group's power of two; SPAN = 64/128: groups merged in
     int32 over the span, `_w4_span`). Returns fp32 (gate, up); the per-row activation scale for A_GROUP = 0 is
-    still to be applied."""
+    still to be applied. UNROLL (SPAN 32): 64-deep K steps per loop iteration, unrolled, so that their
+    independent weight loads can be in flight together; the same operations in the same order (a step past
+    k_hi loads nothing and adds zeros)."""
     offs_j = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SPAN == 32:
-        for k0 in range(k_lo, k_hi, 64):
-            a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
-            a0 = tl.load(a_ptrs, mask=row_ok[:, None], other=0)
-            a1 = tl.load(a_ptrs + 32, mask=row_ok[:, None], other=0)
-            if A_GROUP:  # activation scale per (row, group of A_GROUP columns of K; a multiple of 32)
-                sa0 = tl.load(a_scale_ptr + a_rows * a_scale_groups + k0 // A_GROUP, mask=row_ok, other=0.0)
-                sa1 = tl.load(a_scale_ptr + a_rows * a_scale_groups + (k0 + 32) // A_GROUP, mask=row_ok, other=0.0)
-            b_ptrs = b_base + _col_base(offs_n, stride_bn)[None, :] + (k0 * 16 + offs_j)[:, None]
-            s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
-            d0, d1, s0, s1 = _w4_dots(a0, a1, b_ptrs, s_ptrs, n_ok, DECODE_ASM)
-            if A_GROUP:
-                acc += (d0 * s0[None, :]) * sa0[:, None] + (d1 * s1[None, :]) * sa1[:, None]
-            else:
-                acc += d0 * s0[None, :]
-                acc += d1 * s1[None, :]
-            if GATED:  # the up rows of the same columns sit N rows further
-                d0, d1, s0, s1 = _w4_dots(a0, a1, b_ptrs + N * stride_bn, s_ptrs + N * stride_bsn, n_ok, DECODE_ASM)
-                if A_GROUP:
-                    acc_up += (d0 * s0[None, :]) * sa0[:, None] + (d1 * s1[None, :]) * sa1[:, None]
+        for k_it in range(k_lo, k_hi, 64 * UNROLL):
+            for u in tl.static_range(UNROLL):
+                k0 = k_it + 64 * u
+                if UNROLL > 1:  # a step past k_hi (K not a multiple of the unrolled span) loads nothing: adds 0
+                    r_ok = row_ok & (k0 < k_hi)
+                    c_ok = n_ok & (k0 < k_hi)
                 else:
-                    acc_up += d0 * s0[None, :]
-                    acc_up += d1 * s1[None, :]
+                    r_ok = row_ok
+                    c_ok = n_ok
+                a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
+                a0 = tl.load(a_ptrs, mask=r_ok[:, None], other=0)
+                a1 = tl.load(a_ptrs + 32, mask=r_ok[:, None], other=0)
+                if A_GROUP:  # activation scale per (row, group of A_GROUP columns of K; a multiple of 32)
+                    sa0 = tl.load(a_scale_ptr + a_rows * a_scale_groups + k0 // A_GROUP, mask=r_ok, other=0.0)
+                    sa1 = tl.load(a_scale_ptr + a_rows * a_scale_groups + (k0 + 32) // A_GROUP, mask=r_ok, other=0.0)
+                b_ptrs = b_base + _col_base(offs_n, stride_bn)[None, :] + (k0 * 16 + offs_j)[:, None]
+                s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
+                d0, d1, s0, s1 = _w4_dots(a0, a1, b_ptrs, s_ptrs, c_ok, DECODE_ASM)
+                if A_GROUP:
+                    acc += (d0 * s0[None, :]) * sa0[:, None] + (d1 * s1[None, :]) * sa1[:, None]
+                else:
+                    acc += d0 * s0[None, :]
+                    acc += d1 * s1[None, :]
+                if GATED:  # the up rows of the same columns sit N rows further
+                    d0, d1, s0, s1 = _w4_dots(a0, a1, b_ptrs + N * stride_bn, s_ptrs + N * stride_bsn, c_ok, DECODE_ASM)
+                    if A_GROUP:
+                        acc_up += (d0 * s0[None, :]) * sa0[:, None] + (d1 * s1[None, :]) * sa1[:, None]
+                    else:
+                        acc_up += d0 * s0[None, :]
+                        acc_up += d1 * s1[None, :]
     else:
         for k0 in range(k_lo, k_hi, SPAN):
             a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
@@ -528,6 +539,7 @@ def _w4a8_moe_kernel(
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr = 32, DECODE_ASM: tl.constexpr = False,
     SHIFT: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, PAIR_BLOCKS: tl.constexpr = False,
+    UNROLL: tl.constexpr = 1,
 ):
     """SPAN = 32: every scale group converted to fp32 on its own (needed when the activation scale
     changes every 32 columns). SPAN = 64 or 128: groups merged in int32 over the span (`_w4_span`); the
@@ -538,6 +550,7 @@ def _w4a8_moe_kernel(
     SPLIT_K > 1 (gate-up, per-group loop only): program_id(1) takes one of SPLIT_K equal shares of K (multiples
     of 64) and c_ptr is an fp32 [SPLIT_K, pairs, 2, N] buffer of its (gate, up) partial sums; `_glu_finish_kernel`
     adds the shares in a fixed order (deterministic) and runs the epilogue.
+    UNROLL: 64-deep K steps per iteration of the per-group loop (`_group_loop`).
     PAIR_BLOCKS (tiny decode batches): no alignment; M block b is pair b alone (its row 0; the other rows
     padding) and block_expert_ptr is the flattened topk_ids [pairs], its expert; sorted_ids_ptr and
     num_padded_ptr are not read."""
@@ -575,17 +588,17 @@ def _w4a8_moe_kernel(
         else:
             acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
                                       offs_n, n_ok, N, 0, K, stride_bn, stride_bsn,
-                                      GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM)
+                                      GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL)
     elif SPLIT_K > 1:
         k_share = tl.cdiv(K, SPLIT_K * 64) * 64
         k_lo = tl.program_id(1) * k_share
         acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
                                   offs_n, n_ok, N, k_lo, tl.minimum(k_lo + k_share, K), stride_bn, stride_bsn,
-                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM)
+                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL)
     else:
         acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
                                   offs_n, n_ok, N, 0, K, stride_bn, stride_bsn,
-                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM)
+                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL)
 
     if not A_GROUP:  # one activation scale per row
         sa = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
@@ -701,6 +714,9 @@ def w4a8_moe(
     config pair_blocks (default off): no sorting by expert (SGLang's moe_align_block_size: two launches); each
     (token, expert) pair is its own M block, its row 0, the rest padding: for tiny decode batches, where a
     block holds one pair anyway and the alignment is a fixed cost (a repeated expert is read once per pair).
+    config unroll (per-group loop; default 1): that many 64-deep K steps per loop iteration, unrolled (the same
+    operations in the same order), so more independent weight loads can be in flight per program: at one token
+    the gate-up launch is latency-bound (96 programs at TP4 shapes; pipeline depth moved it little, session 8).
     config split_k (gate-up, per-group loop; default 1): K in that many shares, each its own program, their
     fp32 partial sums added in a fixed order by `_glu_finish_kernel` (deterministic): more programs when few
     experts are active (one token: 6 experts x 16 column tiles = 96 programs for the whole GPU).
@@ -740,6 +756,9 @@ def w4a8_moe(
     split_k = int(cfg.get("split_k", 1))  # gate-up K shares: more programs when few experts are active
     if split_k < 1 or split_k > 1 and (merge or h % (split_k * CHUNK)):
         raise ValueError(f"split_k={split_k} needs merge off and hidden {h} a multiple of {CHUNK} x split_k")
+    unroll = int(cfg.get("unroll", 1))  # K steps per loop iteration: more weight loads in flight per program
+    if unroll < 1 or unroll > 1 and merge:
+        raise ValueError(f"unroll={unroll}: at least 1, and the per-group loop only (merge off)")
     shift_up = (split_k == 1 and shift and w13_eref is not None and input_group % CHUNK == 0
                 and h * 127 * 96 < 2**31)
     shift_down = shift and w2_eref is not None and block_n % CHUNK == 0 and inter * 127 * 96 < 2**31
@@ -767,7 +786,7 @@ def w4a8_moe(
             w13_eref.stride(0) if shift_up else 0,
             GATED=True, MUL_WEIGHT=False, A_GROUP=input_group, BLOCK_M=block_m, BLOCK_N=block_n,
             SPAN=span_up, DECODE_ASM=decode_asm, SHIFT=shift_up, SPLIT_K=split_k, PAIR_BLOCKS=pair_blocks,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            UNROLL=unroll, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if split_k > 1 and pairs:
         _glu_finish_kernel[(triton.cdiv(pairs, 16), groups)](
@@ -786,7 +805,7 @@ def w4a8_moe(
             w2_eref.stride(0) if shift_down else 0,
             GATED=False, MUL_WEIGHT=True, A_GROUP=block_n, BLOCK_M=block_m, BLOCK_N=block_n2,
             SPAN=span_down, DECODE_ASM=decode_asm, SHIFT=shift_down, PAIR_BLOCKS=pair_blocks,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            UNROLL=unroll, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if fused_io and (out is None or out.is_contiguous()):
         res = torch.empty((t, h), dtype=x.dtype, device=dev) if out is None else out

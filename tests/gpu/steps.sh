@@ -9,8 +9,8 @@
 #   tests/gpu/steps.sh moe         moe_check: native, patched marlin, patched mxfp4_int8 on the same inputs
 #   tests/gpu/steps.sh moe-engine  engine_bed patched with each MoE backend vs the native oracle
 #   tests/gpu/steps.sh moe-bench   bench/moe.py
-#   tests/gpu/steps.sh moe-sweep   bench/moe.py at decode sizes (MOE_TOKENS, 1,4,16,64): the decode tile sweep and a
-#                                  per-kernel profile
+#   tests/gpu/steps.sh moe-sweep   bench/moe.py at decode sizes (MOE_TOKENS, 1,4,16,64): the decode tile sweep
+#                                  (MOE_ONLY picks variants, decode-) and a per-kernel profile
 #   tests/gpu/steps.sh moe-wide    the same at TP1 full width (intermediate 2048: e2e-bench's experts)
 #   tests/gpu/steps.sh attention   SGLang's DSV4 attention test kit on the patched backend + BF16 pool (tripwire on)
 #   tests/gpu/steps.sh oracle      the native record $ORACLE (engine_bed, patch off), unless it exists
@@ -508,9 +508,9 @@ case ${1:?step} in
     run moe-wide timeout 540 python bench/moe.py --inter 2048 --tokens 1,16,64 --variants --only decode- --profile \
       --out "$OUT/moe-wide.json" ;;
   moe-sweep)
-    # MOE_TOKENS: the sizes (e.g. 1,4: the batch-1 goal of issue 4 at TP4 shapes)
-    run moe-sweep timeout 540 python bench/moe.py --tokens ${MOE_TOKENS:-1,4,16,64} --variants --only decode- --profile \
-      --out "$OUT/moe-sweep.json" ;;
+    # MOE_TOKENS: the sizes (e.g. 1,4: the batch-1 goal of issue 4 at TP4 shapes); MOE_ONLY: the variants
+    run moe-sweep timeout 540 python bench/moe.py --tokens ${MOE_TOKENS:-1,4,16,64} --variants \
+      --only "'${MOE_ONLY:-decode-}'" --profile --out "$OUT/moe-sweep.json" ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac
 # keep the JIT caches this step built (restore with: cat jit.tar.xz* | tar -C ~ -xJf -)
