@@ -132,6 +132,19 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
     "pair blocks, fused io, unroll 8": {"pair_blocks": True, "fused_io": True, "unroll": 8},
     "pair blocks, fused io, split_k 2, unroll 4": {"pair_blocks": True, "fused_io": True, "split_k": 2, "unroll": 4},
     "fused io, unroll 4": {"fused_io": True, "unroll": 4},
+    # session 15's sweep: pair blocks + split_k 4 best at 1 and 4 tokens (21.4 / 60.1 us); unroll helped without
+    # split-K (25.5 against 27.7) and hurt with it: the down launch unrolled alone, and the neighbours
+    "pair blocks, fused io, split_k 4, unroll_down 2": {"pair_blocks": True, "fused_io": True, "split_k": 4,
+                                                        "unroll_down": 2},
+    "pair blocks, fused io, split_k 4, unroll_down 4": {"pair_blocks": True, "fused_io": True, "split_k": 4,
+                                                        "unroll_down": 4},
+    "pair blocks, fused io, split_k 8": {"pair_blocks": True, "fused_io": True, "split_k": 8},
+    "pair blocks, fused io, split_k 4, block_n2 32": {"pair_blocks": True, "fused_io": True, "split_k": 4,
+                                                      "block_n2": 32},
+    "pair blocks, fused io, split_k 4, block_n2 128": {"pair_blocks": True, "fused_io": True, "split_k": 4,
+                                                       "block_n2": 128},
+    "pair blocks, fused io, split_k 4, warps 2, stages 4": {"pair_blocks": True, "fused_io": True, "split_k": 4,
+                                                            "num_warps": 2, "num_stages": 4},
     "block_n2 128, warps 2, stages 4, fused io, unroll 4": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
                                                             "fused_io": True, "unroll": 4},
 }.items()})
