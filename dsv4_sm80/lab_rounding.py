@@ -15,7 +15,9 @@ precision, not arithmetic. On SM90 with default arguments native rounds in three
   experts; not wo_a, a BF16 einsum on SM90 unless SGLANG_OPT_FP8_WO_A_GEMM=1) is quantized per token and 128
   columns with a plain fp32 scale amax / 448 (floor 1e-10; UE8M0 only on SM100: deep_gemm_wrapper/
   configurer.py:35-38, fp8_utils.py:820-826), and the product accumulates in fp32 with the exact weight.
-  Replayed in `fp8_act_linear` (fp32 GEMM of the dequantized activation; slow, for the lab).
+  Replayed in `fp8_act_linear` (fp32 GEMM of the dequantized activation; slow, for the lab), on a GPU through
+  SGLang's own quantizer (`native_act`; session 15 measured the model `fp8_act` 2-3e-3 from native per linear,
+  SGLang's quantizer 7-9e-4: what is left is DeepGEMM's accumulation).
 - idx: the indexer's keys and queries are FP8 with an fp32 scale amax / 448 per 128 (against the SM80 path's
   INT8), scored in fp32 by DeepGEMM; it only changes which compressed entries the top-512 selection keeps,
   i.e. prompts past 2048 tokens. Replayed by running SGLang's own FP8 query kernel and FP8 index store (SM90
@@ -82,12 +84,38 @@ def fp8_act(x: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
     return (q * (amax * (1.0 / FP8_MAX))).flatten(-2)
 
 
+@functools.lru_cache(maxsize=None)
+def sglang_act_quantizer():
+    """SGLang's own per-token-group FP8 activation quantizer (`sglang_per_token_group_quant_fp8`, what native's
+    DeepGEMM block linear calls on SM90), or None where SGLang does not provide it. Session 15 (lab_trace
+    --linears --sglang-models on the H200): native's FP8 linear outputs are 2.1-3.4e-3 from `fp8_act`'s model
+    but 6.8-9.0e-4 from SGLang's quantizer followed by the exact fp32 product (DeepGEMM's own product: 0), so
+    the quantizer itself rounds differently from the model in a fraction of the elements."""
+    try:
+        from sglang.kernels.ops.quantization.fp8_kernel import sglang_per_token_group_quant_fp8
+    except ImportError:
+        return None
+    return sglang_per_token_group_quant_fp8
+
+
+def native_act(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as native's FP8 linear sees it, in fp32: on a GPU SGLang's own quantizer (group 128, fp32
+    scales: the arguments native passes on SM90), dequantized; elsewhere (the CPU) the model `fp8_act`."""
+    quant = sglang_act_quantizer() if x.is_cuda else None
+    if quant is None:
+        return fp8_act(x)
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    q, s = quant(rows, ACT_GROUP)
+    deq = (q.float().unflatten(-1, (-1, ACT_GROUP)) * s.float().unsqueeze(-1)).flatten(-2)
+    return deq.reshape(x.shape)
+
+
 def fp8_act_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """F.linear with native's FP8 activation rounding: fp32 product of the dequantized activation and the exact
-    (BF16) weight, cast to x's dtype once."""
+    """F.linear with native's FP8 activation rounding (`native_act`): fp32 product of the dequantized activation
+    and the exact (BF16) weight, cast to x's dtype once."""
     if x.shape[-1] % ACT_GROUP:
         raise ValueError(f"DSV4_SM80_LAB_NATIVE_ROUNDING=act: K={x.shape[-1]} is not a multiple of {ACT_GROUP}")
-    out = torch.matmul(fp8_act(x), weight.float().t())
+    out = torch.matmul(native_act(x), weight.float().t())
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)

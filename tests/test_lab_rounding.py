@@ -242,3 +242,13 @@ def test_idx_replay_routes_the_indexer_to_sglangs_fp8_kernels(monkeypatch):
     with pytest.raises(Exception):  # the INT8 kernel rejects the stand-in arguments: the point is it ran
         attention.indexer_q_int8(original, torch.zeros(2, 3), "w", 0.5, "f", "p")
     assert len(calls) == n
+
+
+def test_the_act_replay_takes_sglangs_quantizer_on_a_gpu_and_the_model_elsewhere():
+    """Session 15: native's FP8 linear is 2-3e-3 (relative) from the model `fp8_act` on every linear but 7-9e-4
+    from SGLang's own quantizer followed by the exact product, so on a GPU the replay quantizes with SGLang's
+    (real, imported here); a CPU tensor keeps the model written from the math."""
+    quant = lab_rounding.sglang_act_quantizer()
+    assert quant is not None and quant.__name__ == "sglang_per_token_group_quant_fp8"
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    assert torch.equal(lab_rounding.native_act(x), lab_rounding.fp8_act(x))
