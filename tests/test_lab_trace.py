@@ -216,10 +216,8 @@ class Fp8Top(nn.Module):
         return self.model.forward(input_ids, positions)
 
 
-def test_linear_check_tells_an_fp8_activation_linear_from_a_bf16_one(tmp_path, capsys):
-    """With params=True the trace keeps each module's weight and block scale; linear_check then replays every
-    linear on its own recorded input: the FP8 module's output equals the fp8-act model and sits ~1e-2 from
-    exact, the BF16 module's output is the bf16 model and ~1e-3 from exact (models written from the math)."""
+def fp8_trace(tmp_path):
+    """One forward of Fp8Top traced with params (weights and block scales) into tmp_path; its records."""
     from sglang.srt.model_executor.hook_manager import register_forward_hooks
 
     torch.manual_seed(0)
@@ -227,7 +225,14 @@ def test_linear_check_tells_an_fp8_activation_linear_from_a_bf16_one(tmp_path, c
     register_forward_hooks(top, lab_trace.trace_spec(str(tmp_path), rows=ROWS, params=True))
     with torch.no_grad():
         top(torch.arange(ROWS), torch.arange(ROWS))
-    rec = torch.load(os.path.join(tmp_path, "forward-0-rank0.pt"), weights_only=False)
+    return torch.load(os.path.join(tmp_path, "forward-0-rank0.pt"), weights_only=False)
+
+
+def test_linear_check_tells_an_fp8_activation_linear_from_a_bf16_one(tmp_path, capsys):
+    """With params=True the trace keeps each module's weight and block scale; linear_check then replays every
+    linear on its own recorded input: the FP8 module's output equals the fp8-act model and sits ~1e-2 from
+    exact, the BF16 module's output is the bf16 model and ~1e-3 from exact (models written from the math)."""
+    rec = fp8_trace(tmp_path)
     by = {r["name"]: r for r in rec}
     p = by["model.layers.0.self_attn"]["params"]
     assert p["weight"].dtype == torch.float8_e4m3fn and p["scale"].shape == (2, 2)
@@ -252,14 +257,7 @@ def test_linear_check_tells_an_fp8_activation_linear_from_a_bf16_one(tmp_path, c
 def test_linear_check_runs_further_models_and_keeps_the_table_when_one_cannot_run(tmp_path, capsys):
     """`models`: each recorded linear against more models of its arithmetic (on the GPU, native SGLang's own FP8
     quantizer and linear: sglang_models); a model that raises leaves its error in the row, not a crash."""
-    from sglang.srt.model_executor.hook_manager import register_forward_hooks
-
-    torch.manual_seed(0)
-    top = Fp8Top()
-    register_forward_hooks(top, lab_trace.trace_spec(str(tmp_path), rows=ROWS, params=True))
-    with torch.no_grad():
-        top(torch.arange(ROWS), torch.arange(ROWS))
-    rec = torch.load(os.path.join(tmp_path, "forward-0-rank0.pt"), weights_only=False)
+    rec = fp8_trace(tmp_path)
 
     def bf16_model(x, p, w):  # the bf16 model again, written out: an fp32 product rounded once
         return (x.float() @ w.float().t()).to(torch.bfloat16)
