@@ -11,6 +11,11 @@ measured HBM (device copy) peak, and the floor = empty-kernel time + bytes / pea
 TOP/s against the measured INT8 and BF16 tensor-core peaks. Plus the relative difference between the two
 backends' outputs (the accuracy of each against an exact reference is in tests/test_w4a8_moe.py).
 
+Each timed call routes its tokens afresh (one of ROUTINGS random routings, in turn): the experts one call reads
+at decode (6 at one token: 19 MB at TP4 shapes) fit in an H200's 50 MB L2 (an A800's 40 MB), so calls that all
+read the same experts (`--same-routing`, the way sessions 4-15 timed) measure L2, not HBM, at the smallest
+sizes; in a model each layer's experts are different weights.
+
     python bench/moe.py --out moe.json        (an H200 prints H200 numbers, not A800 ones)
 """
 
@@ -28,6 +33,7 @@ E, H, I_PP, TOP_K = 256, 4096, 512, 6
 import common  # noqa: E402
 from common import timed  # noqa: E402
 
+ROUTINGS = 20  # distinct routings per size, cycled call by call (common.timed captures 20 calls per replay)
 DECODE = (1, 2, 4, 8, 16, 32, 64)
 PREFILL = (512, 2048, 8192, 16384)
 
@@ -239,6 +245,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help=f"per size, also each CUDA kernel's device time per call (torch.profiler, {PROFILE_CALLS} "
                          "eager calls) for the W4A8 default and Marlin")
+    ap.add_argument("--same-routing", action="store_true",
+                    help="every call the same routing (the experts stay in L2 between calls at decode sizes; "
+                         "sessions 4-15 timed this way)")
     args = ap.parse_args(argv)
 
     import torch
@@ -281,19 +290,30 @@ def main(argv=None) -> int:
     print(f"{'tokens':>6s} {'experts':>7s} {'int8 us':>9s} {'marlin us':>9s} {'int8/marlin':>11s}  "
           f"{'GB/s int8 (%pk)':>16s} {'GB/s marlin (%pk)':>17s} {'floor us':>8s}  {'TOP/s int8 (%int8pk)':>20s} "
           f"{'TFLOP/s marlin (%bf16pk)':>24s} {'rel diff':>8s}")
+    record["routings_per_size"] = 1 if args.same_routing else ROUTINGS
     for m in [int(x) for x in args.tokens.split(",")]:
         x = torch.randn(m, H, generator=gen, device=dev).to(torch.bfloat16)
-        scores = torch.rand(m, e, generator=gen, device=dev)
-        tw, ids = torch.topk(scores, TOP_K, dim=1)
-        tw = (tw / tw.sum(1, keepdim=True)).float()
-        ids = ids.to(torch.int32)
-        logits = scores.to(torch.bfloat16)
+        routes = []
+        for _ in range(record["routings_per_size"]):
+            scores = torch.rand(m, e, generator=gen, device=dev)
+            tw, ids = torch.topk(scores, TOP_K, dim=1)
+            routes.append(((tw / tw.sum(1, keepdim=True)).float(), ids.to(torch.int32), scores.to(torch.bfloat16)))
+        turn = [0]
 
-        def run_int8(config=None, maps=None):
+        def route(r):
+            """The given routing, or the next one in turn (a captured graph of calls reads them in order)."""
+            if r is None:
+                r = routes[turn[0] % len(routes)]
+                turn[0] += 1
+            return r
+
+        def run_int8(config=None, maps=None, r=None):
+            tw, ids, _ = route(r)
             return w4a8_moe(x, *ours, tw, ids, swiglu_limit=10.0, routed_scaling_factor=1.0, config=config,
                             **(erefs if maps is None else maps))
 
-        def run_marlin():
+        def run_marlin(r=None):
+            tw, ids, logits = route(r)
             return fused_marlin_moe(x, layer.w13_weight, layer.w2_weight, layer.w13_weight_scale,
                                     layer.w2_weight_scale, logits, tw, ids, global_num_experts=e,
                                     workspace=workspace, num_bits=4, clamp_limit=10.0)
@@ -308,9 +328,10 @@ def main(argv=None) -> int:
         except Exception as err:
             row["marlin_error"] = f"{type(err).__name__}: {err}"[:300]
         if "int8_s" in row and "marlin_s" in row:
-            a, b = run_int8().float(), run_marlin().float()
+            a, b = run_int8(r=routes[0]).float(), run_marlin(r=routes[0]).float()
             row["rel_diff"] = float((a - b).norm() / b.norm())
-        touched = int(torch.unique(ids).numel())
+        # experts one call reads (the mean over the routings): its bytes, the floor's
+        touched = round(sum(int(torch.unique(r[1]).numel()) for r in routes) / len(routes))
         nbytes = touched * bytes_per_expert + m * H * 2 * 2
         flops = 2 * m * TOP_K * (2 * inter * H + H * inter)
         row.update(experts_touched=touched, bytes=nbytes, flops=flops,
