@@ -51,7 +51,7 @@ def options_of(script):
 STEPS = {  # step: files it expects from earlier steps
     "kernels": (), "moe-bench": (), "moe-sweep": (), "mhc-bench": (), "attn-bench": (), "idx-bench": (), "cold": (),
     "e2e-floors": ("engine-e2e.json",), "trace": (), "e2e": (), "oracle": (), "soak": (), "soak-native": (),
-    "wide-parity": (), "e2e-bench": (), "moe-wide": (), "machines": (), "trace-linears": (),
+    "wide-parity": (), "e2e-bench": (), "moe-wide": (), "machines": (), "trace-linears": (), "e2e-replay": ("native-alone.json",),
 }
 
 
@@ -135,3 +135,11 @@ def test_moe_sweep_takes_its_sizes_and_variants_from_the_environment(tmp_path):
     calls, _ = run_step(tmp_path / "unset", "moe-sweep")
     (bench,) = [a for a in calls if a[0] == "bench/moe.py"]
     assert bench[bench.index("--tokens") + 1] == "1,4,16,64" and bench[bench.index("--only") + 1] == "decode-"
+
+
+def test_e2e_replay_runs_marlin_experts_with_every_rounding_replayed_against_the_batch_floor(tmp_path):
+    calls, out = run_step(tmp_path, "e2e-replay", files=("native-alone.json",))
+    (bed,) = [a for a in calls if a[0] == "tests/gpu/engine_bed.py"]
+    assert os.path.basename(bed[bed.index("--out") + 1]) == "engine-e2e-replay.json" and "--teacher-from" in bed
+    (cmp,) = [a for a in calls if a[0] == "tests/gpu/compare.py"]
+    assert [os.path.basename(x) for x in cmp[2:]] == ["engine-e2e-replay.json", "--floor", "native-alone.json"]

@@ -20,6 +20,8 @@
 #                                  BF16 ulp in PERTURB (1e-4 1e-3) of its entries (lab_perturb: its sensitivity to
 #                                  a rounding-level input change); e2e against the oracle with each floor in turn;
 #                                  then each path against itself with that change (which one is the noisy one)
+#   tests/gpu/steps.sh e2e-replay  e2e with Marlin experts and native's FP8 roundings replayed (kv,act,idx; act through
+#                                  SGLang's own quantizer) against the oracle, e2e-floors' batch floor beside it
 #   tests/gpu/steps.sh machines    the across-machines floor: native teacher-forcing an earlier machine's native record
 #                                  ($PREV), alone too, and patched on the same sequences; each against each
 #   tests/gpu/steps.sh attn-bench  bench/attention.py
@@ -167,6 +169,15 @@ case ${1:?step} in
     done ;;
   attention)
     run attention env $LAB DSV4_SM80_TRIPWIRE=1 timeout 500 python -u tests/gpu/attention_kit.py --out "$OUT/attention_kit.json" ;;
+  e2e-replay)
+    # the SM80 path with Marlin experts (native's own MoE kernel) and native's FP8 roundings replayed (kv,act,idx;
+    # act through SGLang's own quantizer on this GPU, session 15) against the oracle, beside e2e-floors' batch
+    # floor when it is there: does what is left of the gap fall within native's own noise?
+    run e2e-replay env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=kv,act,idx \
+      SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 400 python tests/gpu/engine_bed.py \
+      --out "$OUT/engine-e2e-replay.json" --teacher-from "$ORACLE"
+    python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e-replay.json" \
+      $([ -f "$OUT/native-alone.json" ] && echo --floor "$OUT/native-alone.json") | tee -a "$OUT/e2e-replay.log" ;;
   oracle)
     # (a cold machine compiles for 8-10 minutes before native's first forward: session 10 lost it at 560 s)
     # the native record e2e/engine/moe-engine compare against ($ORACLE), made here when this machine has none
