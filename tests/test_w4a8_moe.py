@@ -203,7 +203,8 @@ def test_split_k_equals_the_unsplit_kernel_and_is_deterministic(k):
     order (and the rare INT8 re-quantization flip that order can cause, as in the emulation test), bit-equal
     from run to run (the shares are added in a fixed order, no atomics); a share count that does not divide
     K into 64-wide steps, or with span merging, is refused."""
-    x, w13, s13, w2, s2, tw, ids = case(t=3, top_k=6, h=512, seed=41)
+    # 512 wide: two 64-wide K steps per share; 20 pairs: two row blocks of the finishing kernel, the second part-masked
+    x, w13, s13, w2, s2, tw, ids = case(t=5, top_k=4, h=512, e=4, seed=41)
     one = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=1)).float().cpu()
     four = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=4)).float().cpu()
     again = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=4)).float().cpu()
