@@ -90,16 +90,22 @@ def test_store_index_k_int8_page_layout(kern):
     assert (cache.view(-1, 64 * 132)[~mask] == 0).all()
 
 
+@pytest.fixture(scope="module")
+def logits_pages(kern):
+    """Eight full pages written by the INT8 store, built once: every logits case reads the same cache (read only)."""
+    cache, _, _ = pages_with(kern, 8, list(range(8 * 64)), seed=5)
+    return cache
+
+
 @pytest.mark.parametrize("lens,splits,prefetch", [([130, 5, 0, 64], None, False), ([1, 192, 65, 3], None, False),
                                                   ([250, 129, 0, 64], 1, False), ([250, 129, 0, 64], 3, False),
                                                   ([250, 129, 0, 64], 1, True), ([250, 129, 0, 64], 3, True)])
-def test_paged_mqa_logits_int8(kern, lens, splits, prefetch):
+def test_paged_mqa_logits_int8(kern, logits_pages, lens, splits, prefetch):
     """splits 1 and 3: each program walks several pages of its token (stride 3 over 4 pages: 0 and 3, 1, 2);
     prefetch: the next page loaded before the current one's product (masked past the token's pages)."""
     _, idx = kern
     n_pages = 8
-    entries = list(range(n_pages * 64))
-    cache, _, _ = pages_with(kern, n_pages, entries, seed=5)
+    cache = logits_pages
     g = torch.Generator().manual_seed(6)
     t = len(lens)
     q8 = torch.randint(-127, 128, (t, 1, 64, 128), generator=g, dtype=torch.int32).to(torch.int8)

@@ -68,9 +68,16 @@ def test_matches_reference(k, ext_w, use_sink, splits):
 @pytest.mark.parametrize("ext_w", [0, 77], ids=["ratio0-swa-only", "c128-all"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_prefetch_variant_matches_reference(k, ext_w, splits):
-    """The bench variant that issues the next list step's loads first: same math, odd and empty lists."""
+    """The bench variant that issues the next list step's loads first: same math, odd and empty lists (the
+    empty ones in test_prefetch_variant_on_empty_lists)."""
     check(k, setup(t=4, ext_w=ext_w, seed=11 + ext_w + splits), heads=20, use_sink=True, splits=splits,
           block_n=16, prefetch=True)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_prefetch_variant_on_empty_lists(k, splits):
+    """The prefetch variant's empty-list case, once per split count (it does not depend on the list widths that
+    test_prefetch_variant_matches_reference varies; it ran there once per width, the same computation)."""
     args = setup(t=3, ext_w=16, lens=[0, 5, 0], ext_lens=[0, 0, 3], seed=3)
     out, _ = check(k, args, heads=16, use_sink=False, splits=splits, prefetch=True)
     assert (out[0, :16] == 0).all()
@@ -80,9 +87,16 @@ def test_prefetch_variant_matches_reference(k, ext_w, splits):
 @pytest.mark.parametrize("splits", [1, 3])
 def test_bf16_partials_variant_matches_reference(k, ext_w, splits):
     """The bench variant that keeps each split's partial normalised in BF16 (half the workspace bytes): the
-    same tolerance as the fp32 partials, with the sink, odd and empty lists; one split never uses it."""
+    same tolerance as the fp32 partials, with the sink, odd and empty lists (the empty ones in
+    test_bf16_partials_variant_on_empty_lists); one split never uses it."""
     check(k, setup(t=4, ext_w=ext_w, seed=21 + ext_w + splits), heads=20, use_sink=True, splits=splits,
           partial_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_bf16_partials_variant_on_empty_lists(k, splits):
+    """The BF16-partials variant's empty-list case and its dtype refusal, once per split count (neither depends
+    on the list widths test_bf16_partials_variant_matches_reference varies; they ran there once per width)."""
     args = setup(t=3, ext_w=16, lens=[0, 5, 0], ext_lens=[0, 0, 3], seed=3)
     out, _ = check(k, args, heads=16, use_sink=False, splits=splits, partial_dtype=torch.bfloat16)
     assert (out[0, :16] == 0).all()  # an empty key set: zeros, not NaN from 0 / 0
