@@ -98,16 +98,24 @@ def sglang_act_quantizer():
     return sglang_per_token_group_quant_fp8
 
 
-def native_act(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] as native's FP8 linear sees it, in fp32: on a GPU SGLang's own quantizer (group 128, fp32
-    scales: the arguments native passes on SM90), dequantized; elsewhere (the CPU) the model `fp8_act`."""
-    quant = sglang_act_quantizer() if x.is_cuda else None
+def sglang_act(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] through SGLang's own activation quantizer (group 128, fp32 scales: the arguments native passes
+    on SM90) and back, in fp32. Raises where SGLang has no such quantizer or cannot run it (a CPU tensor)."""
+    quant = sglang_act_quantizer()
     if quant is None:
-        return fp8_act(x)
+        raise RuntimeError("SGLang's sglang_per_token_group_quant_fp8 is not importable")
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
     q, s = quant(rows, ACT_GROUP)
     deq = (q.float().unflatten(-1, (-1, ACT_GROUP)) * s.float().unsqueeze(-1)).flatten(-2)
     return deq.reshape(x.shape)
+
+
+def native_act(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as native's FP8 linear sees it, in fp32: on a GPU SGLang's own quantizer (`sglang_act`);
+    elsewhere (the CPU), or without that quantizer, the model `fp8_act`."""
+    if x.is_cuda and sglang_act_quantizer() is not None:
+        return sglang_act(x)
+    return fp8_act(x)
 
 
 def fp8_act_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:

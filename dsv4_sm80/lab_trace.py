@@ -343,8 +343,9 @@ def sglang_models() -> dict:
     does, DeepGEMM's product (accumulation) is."""
     import torch
 
-    from sglang.kernels.ops.quantization.fp8_kernel import sglang_per_token_group_quant_fp8
     from sglang.srt.layers.quantization.fp8_utils import deepgemm_w8a8_block_fp8_linear_with_fallback
+
+    from .lab_rounding import sglang_act
 
     def fp8_only(p):
         if p["weight"].dtype != torch.float8_e4m3fn:
@@ -352,9 +353,7 @@ def sglang_models() -> dict:
 
     def quant(x, p, w):
         fp8_only(p)
-        q, s = sglang_per_token_group_quant_fp8(x.to(torch.bfloat16).contiguous(), BLOCK)
-        deq = (q.float().unflatten(-1, (-1, BLOCK)) * s.float().unsqueeze(-1)).flatten(-2)
-        return (deq @ w.float().t()).to(torch.bfloat16)
+        return (sglang_act(x) @ w.float().t()).to(torch.bfloat16)
 
     def linear(x, p, w):
         fp8_only(p)
