@@ -458,10 +458,7 @@ def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b
                     c_ok = n_ok
                 if QUANT_IN:  # the pair's token row, 64 columns of it, to INT8 here (row 0 of the tile)
                     x_ptrs = a_ptr + tok * stride_am + k0 + offs_j
-                    if UNROLL > 1:
-                        k_ok = (offs_j < 32) & (k0 < k_hi)
-                    else:
-                        k_ok = offs_j < 32
+                    k_ok = (offs_j < 32) & (k0 < k_hi)  # a step past k_hi loads nothing (only when unrolled)
                     q0 = round_int8(tl.math.div_rn(tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32), qs))
                     q1 = round_int8(tl.math.div_rn(tl.load(x_ptrs + 32, mask=k_ok, other=0.0).to(tl.float32), qs))
                     a0 = tl.where(first[:, None], q0[None, :], tl.zeros((BLOCK_M, 32), dtype=tl.int8))
@@ -768,7 +765,8 @@ def w4a8_moe(
     e, two_i, _ = w13.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]
-    cfg = dict(default_config(t * top_k), **(config or {}))
+    asked = config or {}
+    cfg = dict(default_config(t * top_k), **asked)
     block_m, block_n, block_n2 = cfg["block_m"], cfg["block_n"], cfg["block_n2"]
     if h % CHUNK or inter % CHUNK or inter % block_n or block_n % GROUP:
         raise ValueError(f"hidden {h} and intermediate {inter} must be multiples of {CHUNK}, intermediate "
@@ -781,9 +779,7 @@ def w4a8_moe(
     dev = x.device
     pair_blocks = bool(cfg.get("pair_blocks", False))  # one pair per M block, no alignment (tiny batches)
     if pair_blocks:
-        block_expert = topk_ids.reshape(-1)
-        if not block_expert.is_contiguous():
-            block_expert = block_expert.contiguous()
+        block_expert = topk_ids.reshape(-1).contiguous()
         sorted_ids = num_padded = block_expert  # not read in this mode
     else:
         sorted_ids, block_expert, num_padded = _align(topk_ids, e, block_m)
@@ -794,8 +790,8 @@ def w4a8_moe(
     span_down = _span(inter, block_n, merge)
     shift = cfg.get("shift", True)
     split_k = int(cfg.get("split_k", 1))  # gate-up K shares: more programs when few experts are active
-    if "split_k" not in (config or {}):  # default_config's choice yields: to merge or the shift path asked for, and
-        if (config or {}).get("merge") or (config or {}).get("shift"):  # to a hidden size it does not divide
+    if "split_k" not in asked:  # default_config's choice yields: to merge or the shift path asked for, and
+        if asked.get("merge") or asked.get("shift"):  # to a hidden size it does not divide
             split_k = 1
         while split_k > 1 and h % (split_k * CHUNK):
             split_k //= 2
