@@ -17,11 +17,10 @@ from the end of start-up on (`torch.cuda.memory._record_memory_history(enabled="
 event trace), and the log's thread answers requests (`request_sites(path, tag)`, e.g. before a load and after
 it) with the live bytes per allocating site (`sites`): the growth between two tags names the code that holds it
 (`sites_growth`). A request is answered between samples; taking the snapshot reads the allocator's own tables.
-A request may ask for a full garbage collection first (`collect=True`): SGLang's radix tree is a web of
-reference cycles (parent <-> children, LRU links), so a flushed tree and the GPU index tensors its nodes hold
-stay allocated until Python's cyclic collector runs, which for old objects can take a long time; the answer
-then carries the live bytes before and after `gc.collect()` (session 15: the growth the soak's flush "kept"
-sat in the flushed tree's nodes).
+A request may ask for a full garbage collection first (`collect=True`), so that objects only reference cycles
+keep alive (SGLang's radix tree links parents and children both ways) do not count as held: the answer then
+carries the live bytes before and after `gc.collect()`. (Session 15: what a flush kept was the radix cache's
+GPU index tensors; the collection freed none of it, so cycles were not what kept it.)
 """
 
 from __future__ import annotations
@@ -223,7 +222,7 @@ def process_key(x: dict) -> str:
     return f"{x['pid']} {x['role']}"
 
 
-def _answer_requests(path: str, rank: int, role: str, snapshot, answered: set, sample=None) -> None:
+def _answer_requests(path: str, rank: int, role: str, snapshot, answered: set, sample) -> None:
     try:
         with open(path + ".sites-requests") as f:
             asked = [t.split() for t in f if t.endswith("\n") and t.strip()]
@@ -236,9 +235,9 @@ def _answer_requests(path: str, rank: int, role: str, snapshot, answered: set, s
         got = {"tag": tag, "pid": os.getpid(), "rank": rank, "role": role, "t": round(time.time(), 2)}
         try:
             if "gc" in how:
-                got["allocated_before_gc"] = sample()["allocated"] if sample else None
+                got["allocated_before_gc"] = sample()["allocated"]
                 got["gc_unreachable"] = gc.collect()
-            got["allocated"] = sample()["allocated"] if sample else None
+            got["allocated"] = sample()["allocated"]
             got["sites"] = sites(snapshot())
         except Exception as e:  # diagnostics only
             got["error"] = f"{type(e).__name__}: {e}"
