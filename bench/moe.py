@@ -156,13 +156,6 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
     "pair blocks, fused io, split_k 4, quant_in": {"pair_blocks": True, "fused_io": True, "split_k": 4,
                                                    "quant_in": True},
     "pair blocks, fused io, quant_in": {"pair_blocks": True, "fused_io": True, "split_k": 1, "quant_in": True},
-    # session 16: the split-K finish and the top-k combine done by the last program to arrive (config tail): the
-    # two other small launches of that profile (1.9 + 1.4 us); with quant_in, one token is two launches in all
-    "pair blocks, fused io, split_k 4, tail": {"pair_blocks": True, "fused_io": True, "split_k": 4, "tail": True},
-    "pair blocks, fused io, split_k 4, quant_in, tail": {"pair_blocks": True, "fused_io": True, "split_k": 4,
-                                                         "quant_in": True, "tail": True},
-    "pair blocks, fused io, split_k 8, quant_in, tail": {"pair_blocks": True, "fused_io": True, "split_k": 8,
-                                                         "quant_in": True, "tail": True},
     "block_n2 128, warps 2, stages 4, fused io, unroll 4": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
                                                             "fused_io": True, "unroll": 4},
 }.items()})

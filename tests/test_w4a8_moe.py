@@ -289,11 +289,9 @@ SIG = {
     "eref_ptr": "*u8", "N": "i32", "K": "i32", "num_pairs": "i32", "a_row_div": "i32", "a_scale_groups": "i32",
     "limit": "fp32", "stride_am": "i32", "stride_be": "i32", "stride_bn": "i32", "stride_bse": "i32",
     "stride_bsn": "i32", "stride_cm": "i32", "c_scale_groups": "i32", "stride_ere": "i32",
-    "q_ptr": "*i8", "out_ptr": "*bf16", "cnt_ptr": "*i32", "out_scale": "fp32",
     "GATED": "constexpr", "MUL_WEIGHT": "constexpr", "A_GROUP": "constexpr", "BLOCK_M": "constexpr",
     "BLOCK_N": "constexpr", "SPAN": "constexpr", "DECODE_ASM": "constexpr", "SHIFT": "constexpr", "SPLIT_K": "constexpr",
     "PAIR_BLOCKS": "constexpr", "UNROLL": "constexpr", "QUANT_IN": "constexpr", "QBLOCK": "constexpr",
-    "TAIL": "constexpr", "TOP_K": "constexpr",
 }
 
 
@@ -317,7 +315,7 @@ for name, cfg in CONFIGS.items():
             consts = {"GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": a_group, "BLOCK_M": cfg["block_m"],
                       "BLOCK_N": cfg["block_n"] if gated else cfg["block_n2"], "SPAN": span, "DECODE_ASM": asm,
                       "SHIFT": shift, "SPLIT_K": 1, "PAIR_BLOCKS": False, "UNROLL": 1,
-                      "QUANT_IN": False, "QBLOCK": 1024, "TAIL": False, "TOP_K": 1}
+                      "QUANT_IN": False, "QBLOCK": 1024}
             c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 80, 32),
                                options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
             ptx = c.asm["ptx"]
@@ -333,8 +331,7 @@ for name, cfg in CONFIGS.items():
 # split-K gate-up at the decode tile (fp32 partials out) and its finishing kernel
 c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, c_ptr="*fp32"), constexprs={
         "GATED": True, "MUL_WEIGHT": False, "A_GROUP": 0, "BLOCK_M": 16, "BLOCK_N": 32, "SPAN": 32, "DECODE_ASM": True,
-        "SHIFT": False, "SPLIT_K": 4, "PAIR_BLOCKS": False, "UNROLL": 1, "QUANT_IN": False, "QBLOCK": 1024,
-        "TAIL": False, "TOP_K": 1}),
+        "SHIFT": False, "SPLIT_K": 4, "PAIR_BLOCKS": False, "UNROLL": 1, "QUANT_IN": False, "QBLOCK": 1024}),
     target=GPUTarget("cuda", 80, 32),
     options={"num_warps": 4, "num_stages": 3})
 ptx = c.asm["ptx"]
@@ -343,22 +340,17 @@ out["decode-gate_up-split4-asm"] = {
     "prmt": "0xF4F8FAFC" in ptx, "prmt_shift": False,
     "asm_in_mma_b_layout": all("dot_op<{opIdx = 1" in l for l in asm_layouts(c.asm["ttgir"])) and bool(asm_layouts(c.asm["ttgir"])),
     "fp8": "e4m3" in ptx or "e5m2" in ptx}
-# pair blocks (no alignment) with 4 K steps per iteration at the decode tile: gate-up and down (the down one
-# summing the top-k rows itself: tail); and the gate-up that quantizes its own row (quant_in: x in BF16), in 4 K
-# shares finished by the last share (tail)
-atomics = {}
+# pair blocks (no alignment) with 4 K steps per iteration at the decode tile: gate-up and down; and the gate-up
+# that quantizes its own row (quant_in: x in BF16), in 4 K shares as default_config runs it
 for gated, quant_in in ((True, False), (False, False), (True, True)):
     c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, c_ptr="*i8" if gated and not quant_in else "*fp32",
                                                        a_ptr="*bf16" if quant_in else "*i8"), constexprs={
             "GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": 0 if gated else 32, "BLOCK_M": 16,
             "BLOCK_N": 32 if gated else 64, "SPAN": 32, "DECODE_ASM": True, "SHIFT": False,
             "SPLIT_K": 4 if quant_in else 1, "PAIR_BLOCKS": True, "UNROLL": 1 if quant_in else 4, "QUANT_IN": quant_in,
-            "QBLOCK": 1024, "TAIL": quant_in or not gated, "TOP_K": 6}), target=GPUTarget("cuda", 80, 32),
-        options={"num_warps": 4, "num_stages": 3})
+            "QBLOCK": 1024}), target=GPUTarget("cuda", 80, 32), options={"num_warps": 4, "num_stages": 3})
     ptx = c.asm["ptx"]
     name = "quantin-split4" if quant_in else "unroll4"
-    # the tail's arrival count: an acquire-release add at GPU scope, the reset an exchange
-    atomics[f"{'gate_up' if gated else 'down'}-{name}"] = sorted(set(re.findall(r"atom[.][\w.]+", ptx)))
     out[f"decode-{'gate_up' if gated else 'down'}-pairs-{name}-asm"] = {
         "sm80": ".target sm_80" in ptx, "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
         "prmt": "0xF4F8FAFC" in ptx, "prmt_shift": False,
@@ -378,7 +370,7 @@ for fn, sig, consts in (
                          options={"num_warps": 8}).asm["ptx"]
     io[fn.__name__] = {"sm80": ".target sm_80" in ptx, "fp8": "e4m3" in ptx or "e5m2" in ptx,
                        "div_rn": "div.rn.f32" in ptx}
-print(json.dumps({"gemm": out, "io": io, "atomics": atomics}))
+print(json.dumps({"gemm": out, "io": io}))
 """
 
 
@@ -401,10 +393,6 @@ def test_compiles_for_sm80_with_int8_mma():
     assert res["io"]["_quantize_rows_kernel"] == {"sm80": True, "fp8": False, "div_rn": True}, res["io"]
     assert res["io"]["_sum_pairs_kernel"]["sm80"] and not res["io"]["_sum_pairs_kernel"]["fp8"], res["io"]
     assert res["io"]["_glu_finish_kernel"]["sm80"] and not res["io"]["_glu_finish_kernel"]["fp8"], res["io"]
-    assert res["atomics"]["gate_up-unroll4"] == [], res["atomics"]  # no tail there
-    for name in ("down-unroll4", "gate_up-quantin-split4"):
-        assert any(".acq_rel" in a and ".gpu" in a and ".add" in a for a in res["atomics"][name]), res["atomics"]
-        assert any(".exch" in a for a in res["atomics"][name]), res["atomics"]
 
 
 E2M1X2 = [0, 1, 2, 3, 4, 6, 8, 12]
@@ -738,29 +726,6 @@ def test_unrolled_k_steps_equal_the_plain_loop_bit_for_bit(k):
     assert torch.equal(run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=2, unroll=2)), split)
     with pytest.raises(ValueError, match="unroll"):
         run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, unroll=2, merge=True, split_k=1))
-
-
-@pytest.mark.parametrize("t,extra", [(1, {"split_k": 4}), (3, {"split_k": 2, "quant_in": True}),
-                                     (2, {"split_k": 1, "pair_bf16": True})])
-def test_tail_equals_the_separate_launches_bit_for_bit(k, t, extra):
-    """config tail: the last split-K share of each gate-up tile finishes it and the last pair of each token and
-    column tile sums the token's top-k rows (no finish or combine launch): the same operations in the same order,
-    so bit-equal to the separate launches, into a given output and a new one; twice in a row (each counter is
-    zero again after a call) and with a strided output (the down launch then leaves the sum to the combine)."""
-    x, w13, s13, w2, s2, tw, ids = case(t=t, top_k=3, h=256, inter=64, seed=73 + t)
-    cfg = dict(DECODE, pair_blocks=True, fused_io=True, **extra)
-    want = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=cfg)
-    for _ in range(2):
-        got = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=dict(cfg, tail=True))
-        assert torch.equal(got, want)
-    assert not any(int(c.count_nonzero()) for c in k._COUNTERS.values())
-    a, b = k.repack_mxfp4_for_w4a8(dev(w13.clone())), k.repack_mxfp4_for_w4a8(dev(w2.clone()))
-    args = dev(x, a, s13, b, s2, tw, ids)
-    new = k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(cfg, tail=True)).cpu()
-    assert new.dtype == x.dtype and torch.equal(new, k.w4a8_moe(*args, routed_scaling_factor=1.5, config=cfg).cpu())
-    strided = dev(torch.zeros(x.shape[1], x.shape[0], dtype=torch.float32)).t()
-    k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(cfg, tail=True), out=strided)
-    assert torch.equal(strided.cpu(), want)
 
 
 @pytest.mark.parametrize("extra", [{"split_k": 1}, {"split_k": 2, "unroll": 2}])

@@ -559,12 +559,10 @@ def _w4a8_moe_kernel(
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_w_ptr, eref_ptr,
     N, K, num_pairs, a_row_div, a_scale_groups, limit,
     stride_am, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, c_scale_groups, stride_ere,
-    q_ptr, out_ptr, cnt_ptr, out_scale,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr = 32, DECODE_ASM: tl.constexpr = False,
     SHIFT: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, PAIR_BLOCKS: tl.constexpr = False,
     UNROLL: tl.constexpr = 1, QUANT_IN: tl.constexpr = False, QBLOCK: tl.constexpr = 1024,
-    TAIL: tl.constexpr = False, TOP_K: tl.constexpr = 1,
 ):
     """SPAN = 32: every scale group converted to fp32 on its own (needed when the activation scale
     changes every 32 columns). SPAN = 64 or 128: groups merged in int32 over the span (`_w4_span`); the
@@ -581,15 +579,7 @@ def _w4a8_moe_kernel(
     `_quantize_rows_kernel` computes it): the quantizer's launch saved, the same INT8 values and scale.
     PAIR_BLOCKS (tiny decode batches): no alignment; M block b is pair b alone (its row 0; the other rows
     padding) and block_expert_ptr is the flattened topk_ids [pairs], its expert; sorted_ids_ptr and
-    num_padded_ptr are not read.
-    TAIL (the last program to arrive finishes; cnt_ptr: int32 counters, zero on entry, zero again on exit):
-    gate-up with SPLIT_K > 1: after storing its share, each program counts itself in at its (block, column tile);
-    the last of the SPLIT_K adds the shares in share order and runs the epilogue into q_ptr / c_scale_ptr, as
-    `_glu_finish_kernel` does (the same operations: bit-equal), so that launch is saved. Down with PAIR_BLOCKS:
-    each pair program counts itself in at its (token, column tile); the last of the token's TOP_K adds the TOP_K
-    pair rows in k order, times out_scale, into out_ptr [T, N] (contiguous), as `_sum_pairs_kernel` does.
-    A barrier before the count (every thread's stores issued), acquire-release atomics at GPU scope, and loads
-    of the other programs' results that bypass L1 (.cg)."""
+    num_padded_ptr are not read."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid_m = pid // n_tiles
@@ -649,24 +639,10 @@ def _w4a8_moe_kernel(
         acc_up = acc_up * sa[:, None]
     acc = acc * 0.5  # the codes were twice the E2M1 values
     out_rows = tl.where(row_ok, ids, 0).to(tl.int64)
-    if GATED and SPLIT_K > 1:  # this share's partial sums; _glu_finish_kernel (or TAIL) adds the shares
+    if GATED and SPLIT_K > 1:  # this share's partial sums; _glu_finish_kernel adds the shares
         part = c_ptr + (tl.program_id(1).to(tl.int64) * num_pairs + out_rows[:, None]) * (2 * N) + offs_n[None, :]
         tl.store(part, acc, mask=row_ok[:, None] & n_ok[None, :])
         tl.store(part + N, acc_up, mask=row_ok[:, None] & n_ok[None, :])
-        if TAIL:
-            tl.debug_barrier()
-            if tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1:  # the last share: finish the tile
-                ok = row_ok[:, None] & n_ok[None, :]
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for sk in tl.static_range(SPLIT_K):
-                    base = c_ptr + (sk * num_pairs + out_rows[:, None]) * (2 * N) + offs_n[None, :]
-                    acc += tl.load(base, mask=ok, other=0.0, cache_modifier=".cg")
-                    acc_up += tl.load(base + N, mask=ok, other=0.0, cache_modifier=".cg")
-                q, s = _glu_quant(acc, acc_up, n_ok, limit, False)
-                tl.store(q_ptr + out_rows[:, None] * N + offs_n[None, :], q, mask=ok)
-                tl.store(c_scale_ptr + out_rows * c_scale_groups + pid_n, s, mask=row_ok)
-                tl.atomic_xchg(cnt_ptr + pid, 0)  # zero for the next call (and the next CUDA-graph replay)
     elif GATED:
         q, s = _glu_quant(acc, acc_up, n_ok, limit, SHIFT)
         tl.store(c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :], q,
@@ -678,32 +654,6 @@ def _w4a8_moe_kernel(
             acc = acc * w[:, None]
         tl.store(c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
-        if TAIL:  # (PAIR_BLOCKS) the token's last pair to arrive at this column tile sums its TOP_K rows
-            tl.debug_barrier()
-            token = (pid_m // TOP_K).to(tl.int64)
-            cnt = cnt_ptr + token * n_tiles + pid_n
-            if tl.atomic_add(cnt, 1, sem="acq_rel") == TOP_K - 1:
-                y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for kk in tl.static_range(TOP_K):
-                    y += tl.load(c_ptr + (token * TOP_K + kk) * stride_cm + offs_n, mask=n_ok, other=0.0,
-                                 cache_modifier=".cg").to(tl.float32)
-                tl.store(out_ptr + token * N + offs_n, (y * out_scale).to(out_ptr.dtype.element_ty), mask=n_ok)
-                tl.atomic_xchg(cnt, 0)
-
-
-_COUNTERS: dict = {}  # (device, stream) -> the TAIL launches' int32 arrival counters, zero between calls
-
-
-def _tail_counters(n: int, dev: torch.device) -> torch.Tensor:
-    """n zeroed int32 counters for config tail, one buffer per device and stream, reused by every call on that
-    stream (the kernels leave each counter at zero again; calls on one stream run one after another). Allocated
-    on the first call: SGLang's warm-up forwards run before its CUDA-graph capture."""
-    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    buf = _COUNTERS.get((dev, stream))
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=dev)
-        _COUNTERS[(dev, stream)] = buf
-    return buf
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -807,10 +757,6 @@ def w4a8_moe(
     config split_k (gate-up, per-group loop; default 1): K in that many shares, each its own program, their
     fp32 partial sums added in a fixed order by `_glu_finish_kernel` (deterministic): more programs when few
     experts are active (one token: 6 experts x 16 column tiles = 96 programs for the whole GPU).
-    config tail (default off): with split_k > 1 the last share's program of each tile finishes it (no
-    `_glu_finish_kernel` launch), and with pair_blocks and a contiguous output the last pair of each token and
-    column tile sums the top-k rows into the output (no combine launch); the same operations in the same order
-    (bit-equal), arrival counted with atomics (`_tail_counters`).
     With the shift maps and config shift (`default_config` sets it for prefill only), tiles whose columns are all
     shiftable accumulate in int32
     (`_shift_loop`); without them, or for a launch whose activation group is not a multiple of 64 (the
@@ -883,27 +829,18 @@ def w4a8_moe(
     w2b, w2s = w2.view(torch.uint8), w2_scale.view(torch.uint8)
     blocks = pairs if pair_blocks else block_expert.numel()
     part = torch.empty((split_k, pairs, 2, inter), dtype=torch.float32, device=dev) if split_k > 1 else hq
-    # config tail: the split-K finish inside the gate-up launch; the top-k sum inside the down launch (pair blocks)
-    tail = bool(cfg.get("tail", False))
-    tail_up = tail and split_k > 1
-    tail_down = tail and pair_blocks and (out is None or out.is_contiguous())
-    res = None
-    if tail_down or fused_io and (out is None or out.is_contiguous()):
-        res = torch.empty((t, h), dtype=x.dtype, device=dev) if out is None else out
-    n_up = blocks * triton.cdiv(inter, block_n)
-    cnt = _tail_counters(n_up + t * triton.cdiv(h, block_n2), dev) if tail_up or tail_down else hs
     if blocks:  # (pair_blocks: an empty batch launches nothing; aligned, a block is always there)
         _w4a8_moe_kernel[(blocks * triton.cdiv(inter, block_n), split_k)](
             xq, xs, w13b, w13s, part, hs, sorted_ids, block_expert, num_padded, topk_weights,
             w13_eref if shift_up else w13s, inter, h, pairs, top_k, xs.shape[1], float(swiglu_limit),
             xq.stride(0), w13b.stride(0), w13b.stride(1), w13s.stride(0), w13s.stride(1), hq.stride(0), groups,
-            w13_eref.stride(0) if shift_up else 0, hq, hq, cnt, 1.0,
+            w13_eref.stride(0) if shift_up else 0,
             GATED=True, MUL_WEIGHT=False, A_GROUP=input_group, BLOCK_M=block_m, BLOCK_N=block_n,
             SPAN=span_up, DECODE_ASM=decode_asm, SHIFT=shift_up, SPLIT_K=split_k, PAIR_BLOCKS=pair_blocks,
-            UNROLL=unroll, QUANT_IN=quant_in, QBLOCK=min(1024, triton.next_power_of_2(max(h, 1))), TAIL=tail_up,
+            UNROLL=unroll, QUANT_IN=quant_in, QBLOCK=min(1024, triton.next_power_of_2(max(h, 1))),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-    if split_k > 1 and pairs and not tail_up:
+    if split_k > 1 and pairs:
         _glu_finish_kernel[(triton.cdiv(pairs, 16), groups)](
             part, hq, hs, pairs, inter, groups, float(swiglu_limit), SPLIT_K=split_k, BLOCK_R=16, BLOCK_N=block_n,
             num_warps=4)
@@ -917,15 +854,13 @@ def w4a8_moe(
             hq, hs, w2b, w2s, y, y, sorted_ids, block_expert, num_padded, tw,
             w2_eref if shift_down else w2s, h, inter, pairs, 1, groups, 0.0,
             hq.stride(0), w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0), 0,
-            w2_eref.stride(0) if shift_down else 0, hq, res if tail_down else y, cnt[n_up:] if tail_down else cnt,
-            float(routed_scaling_factor),
+            w2_eref.stride(0) if shift_down else 0,
             GATED=False, MUL_WEIGHT=True, A_GROUP=block_n, BLOCK_M=block_m, BLOCK_N=block_n2,
             SPAN=span_down, DECODE_ASM=decode_asm, SHIFT=shift_down, PAIR_BLOCKS=pair_blocks,
-            UNROLL=unroll_down, TAIL=tail_down, TOP_K=top_k, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            UNROLL=unroll_down, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-    if tail_down:
-        return res
-    if res is not None:
+    if fused_io and (out is None or out.is_contiguous()):
+        res = torch.empty((t, h), dtype=x.dtype, device=dev) if out is None else out
         if t:
             _sum_pairs_kernel[(t, triton.cdiv(h, 1024))](y, res, h, float(routed_scaling_factor), TOP_K=top_k,
                                                          BLOCK=1024, num_warps=4)
