@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--contexts", default="4096,65536,524288")
     ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--prefill", default="8192,32768")
+    ap.add_argument("--prefill", default="8192,32768", help="prefill token counts ('' for none)")
     ap.add_argument("--no-native", action="store_true")
     ap.add_argument("--variants", action="store_true",
                     help="also time split counts x0.5 / x2, BLOCK_N 64, 8 warps, the prefetching loop and BF16 split partials per decode shape")
@@ -137,6 +137,17 @@ def main(argv=None) -> int:
                             "bf16 partials": dict(splits=splits, partial_dtype=torch.bfloat16),
                             f"bf16 partials, splits {min(64, splits * 2)}": dict(splits=min(64, splits * 2),
                                                                                  partial_dtype=torch.bfloat16)}
+                    # session 16: batch 64 at 64K reads 50 % of copy bandwidth (goal 60 %); default_splits gives
+                    # 5 there (cdiv of two waves): 320 programs, 2.4 waves of one per SM. Split counts around
+                    # it with BF16 partials, and BF16 partials with a wider step, more warps or a deeper pipeline
+                    bf = dict(partial_dtype=torch.bfloat16)
+                    for n in sorted({3, 4, 6, 8} - {splits}):
+                        if n * 64 <= WINDOW + extra_n:
+                            alts[f"bf16 partials, splits {n}"] = dict(bf, splits=n)
+                    alts.update({"bf16 partials, block_n 64": dict(bf, splits=splits, block_n=64),
+                                 "bf16 partials, 8 warps": dict(bf, splits=splits, num_warps=8),
+                                 "bf16 partials, stages 3": dict(bf, splits=splits, num_stages=3),
+                                 "splits 4": dict(splits=4)})
                     row["variants_us"] = {}
                     for name, kw in alts.items():
                         try:
@@ -149,7 +160,7 @@ def main(argv=None) -> int:
                 del swa, extra
             torch.cuda.empty_cache()
 
-    for t in [int(x) for x in args.prefill.split(",")]:
+    for t in [int(x) for x in args.prefill.split(",") if x]:
         n_c4 = max(t // 4, 1)
         swa = torch.randn(t, D, device=dev, generator=gen).to(torch.bfloat16)
         extra = torch.randn(n_c4, D, device=dev, generator=gen).to(torch.bfloat16)

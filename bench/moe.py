@@ -119,6 +119,14 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
     "split_k 4": {"split_k": 4},
     "warps 2, stages 4, split_k 4": {"num_warps": 2, "num_stages": 4, "split_k": 4},
     "block_n2 128, warps 2, stages 4, split_k 8": {"block_n2": 128, "num_warps": 2, "num_stages": 4, "split_k": 8},
+    # session 16: 16 tokens at 65 % of copy bandwidth with fresh routings (goal 70 %): the 5-64 token default
+    # (the next entry but one above) with a wider gate-up tile, a deeper pipeline, a wider down tile, 4 warps
+    "block_n 64, block_n2 128, warps 2, stages 4, fused io": {"block_n": 64, "block_n2": 128, "num_warps": 2,
+                                                              "num_stages": 4, "fused_io": True},
+    "block_n2 128, warps 2, stages 5, fused io": {"block_n2": 128, "num_warps": 2, "num_stages": 5, "fused_io": True},
+    "block_n2 128, warps 2, stages 6, fused io": {"block_n2": 128, "num_warps": 2, "num_stages": 6, "fused_io": True},
+    "block_n2 256, warps 2, stages 4, fused io": {"block_n2": 256, "num_warps": 2, "num_stages": 4, "fused_io": True},
+    "block_n2 128, warps 4, stages 4, fused io": {"block_n2": 128, "num_warps": 4, "num_stages": 4, "fused_io": True},
     # session 11 made fused io the decode default: split-K on top of it (the one-token gate-up had 96 programs)
     "fused io, split_k 2": {"fused_io": True, "split_k": 2},
     "fused io, split_k 4": {"fused_io": True, "split_k": 4},
