@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", default="8192,32768", help="prefill token counts ('' for none)")
     ap.add_argument("--no-native", action="store_true")
     ap.add_argument("--variants", action="store_true",
-                    help="also time split counts x0.5 / x2, BLOCK_N 64, 8 warps, the prefetching loop and BF16 split partials per decode shape")
+                    help="also time other split counts, BLOCK_N 64, 8 warps, 3 stages, the prefetching loop and fp32 split "
+                         "partials per decode shape")
     args = ap.parse_args(argv)
 
     import torch
@@ -129,25 +130,18 @@ def main(argv=None) -> int:
                             f"splits {min(64, splits * 2)}": dict(splits=min(64, splits * 2)),
                             "block_n 64": dict(splits=splits, block_n=64),
                             "8 warps": dict(splits=splits, num_warps=8),
+                            "stages 3": dict(splits=splits, num_stages=3),
                             "prefetch": dict(splits=splits, prefetch=True),
                             "prefetch 8 warps": dict(splits=splits, prefetch=True, num_warps=8),
-                            # split partials normalised in BF16: half the workspace bytes (at batch 64 and
-                            # 640 keys, 5 splits of fp32 [16, 512] partials are half as many bytes again as
-                            # the keys: written by the main kernel, read back by the combine)
-                            "bf16 partials": dict(splits=splits, partial_dtype=torch.bfloat16),
-                            f"bf16 partials, splits {min(64, splits * 2)}": dict(splits=min(64, splits * 2),
-                                                                                 partial_dtype=torch.bfloat16)}
-                    # session 16: batch 64 at 64K reads 50 % of copy bandwidth (goal 60 %); default_splits gives
-                    # 5 there (cdiv of two waves): 320 programs, 2.4 waves of one per SM. Split counts around
-                    # it with BF16 partials, and BF16 partials with a wider step, more warps or a deeper pipeline
-                    bf = dict(partial_dtype=torch.bfloat16)
+                            # the split partials unnormalised in fp32 (the default until session 16 made them
+                            # normalised BF16: at batch 64 and 640 keys the fp32 ones were half as many bytes
+                            # again as the keys, written by the main kernel and read back by the combine)
+                            "fp32 partials": dict(splits=splits, partial_dtype=torch.float32)}
+                    # session 16 timed 3, 4, 6 and 8 splits at batch 64 (default_splits then rounded two waves up
+                    # to 5 at 640 keys: 320 programs on 132 SMs; 4 was 24.5 us against 27.9): the neighbours
                     for n in sorted({3, 4, 6, 8} - {splits}):
                         if n * 64 <= WINDOW + extra_n:
-                            alts[f"bf16 partials, splits {n}"] = dict(bf, splits=n)
-                    alts.update({"bf16 partials, block_n 64": dict(bf, splits=splits, block_n=64),
-                                 "bf16 partials, 8 warps": dict(bf, splits=splits, num_warps=8),
-                                 "bf16 partials, stages 3": dict(bf, splits=splits, num_stages=3),
-                                 "splits 4": dict(splits=4)})
+                            alts.setdefault(f"splits {n}", dict(splits=n))
                     row["variants_us"] = {}
                     for name, kw in alts.items():
                         try:

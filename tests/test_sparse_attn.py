@@ -53,7 +53,12 @@ def check(k, args, heads, use_sink, splits, block_n=32, prefetch=False, **kw):
     want = sparse_attn_ref(q[:, :heads], swa, swa_ids, swa_lens, extra, ext_ids, ext_lens,
                            sink[:heads] if use_sink else None)
     err = (out[:, :heads].double() - want).abs().max().item()
-    assert err <= 1e-2 * max(want.abs().max().item(), 1e-3), err
+    tol = 1e-2 * max(want.abs().max().item(), 1e-3)
+    if splits != 1 and kw.get("partial_dtype", torch.bfloat16) == torch.bfloat16:
+        # each split's partial is a weighted mean of value rows rounded once to BF16 (the default workspace): up
+        # to 2^-9 of the largest value, which can exceed the output where splits cancel, so that term is added
+        tol += 2.0 ** -9 * max(float(c.abs().max()) for c in (swa, extra) if c is not None)
+    assert err <= tol, (err, tol)
     assert (out[:, heads:] == 7.0).all()
     return out, want
 
@@ -85,20 +90,21 @@ def test_prefetch_variant_on_empty_lists(k, splits):
 
 @pytest.mark.parametrize("ext_w", [0, 40, 77], ids=["ratio0-swa-only", "c4-topk", "c128-all"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_bf16_partials_variant_matches_reference(k, ext_w, splits):
-    """The bench variant that keeps each split's partial normalised in BF16 (half the workspace bytes): the
-    same tolerance as the fp32 partials, with the sink, odd and empty lists (the empty ones in
-    test_bf16_partials_variant_on_empty_lists); one split never uses it."""
+def test_fp32_partials_variant_matches_reference(k, ext_w, splits):
+    """The other split-partial workspace (fp32, each split's unnormalised sum; the default since session 16 keeps
+    them normalised in BF16, half the bytes, and runs in every other test here): the same tolerance, with the
+    sink, odd and empty lists (the empty ones in test_fp32_partials_variant_on_empty_lists); one split never
+    uses a workspace."""
     check(k, setup(t=4, ext_w=ext_w, seed=21 + ext_w + splits), heads=20, use_sink=True, splits=splits,
-          partial_dtype=torch.bfloat16)
+          partial_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-def test_bf16_partials_variant_on_empty_lists(k, splits):
-    """The BF16-partials variant's empty-list case and its dtype refusal, once per split count (neither depends
-    on the list widths test_bf16_partials_variant_matches_reference varies; they ran there once per width)."""
+def test_fp32_partials_variant_on_empty_lists(k, splits):
+    """The fp32-partials variant's empty-list case and the dtype refusal, once per split count (neither depends
+    on the list widths test_fp32_partials_variant_matches_reference varies)."""
     args = setup(t=3, ext_w=16, lens=[0, 5, 0], ext_lens=[0, 0, 3], seed=3)
-    out, _ = check(k, args, heads=16, use_sink=False, splits=splits, partial_dtype=torch.bfloat16)
+    out, _ = check(k, args, heads=16, use_sink=False, splits=splits, partial_dtype=torch.float32)
     assert (out[0, :16] == 0).all()  # an empty key set: zeros, not NaN from 0 / 0
     with pytest.raises(ValueError, match="partial_dtype"):
         check(k, args, heads=16, use_sink=False, splits=splits, partial_dtype=torch.float16)
@@ -190,7 +196,7 @@ def test_default_splits_on_a_gpu_shape(k, monkeypatch):
     cuda = torch.device("cuda", 0)  # a device object only
     assert k.default_splits(1, 16, 640, cuda) == 10  # batch-1 decode, C4 layer: 640 // 64
     assert k.default_splits(8, 16, 640, cuda) == 10
-    assert k.default_splits(64, 16, 640, cuda) == 5  # ceil(2 * 132 / 64)
+    assert k.default_splits(64, 16, 640, cuda) == 4  # floor(2 * 132 / 64): one wave of 256 at two per SM
     assert k.default_splits(1, 16, 4224, cuda) == 32  # C128 at 512K: capped
     assert k.default_splits(64, 16, 160, cuda) == 2  # C128 at 4K: 160 // 64
     assert k.default_splits(8192, 16, 640, cuda) == 1  # prefill

@@ -168,34 +168,36 @@ def _combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, o_ptr, stride_ot, stride_oh
 
 def default_splits(rows: int, heads: int, width: int, device, waves: int = 2, min_keys: int = 64,
                    max_splits: int = 32) -> int:
-    """Split-K count from static shapes only (capture-safe): enough programs for about `waves` waves on
-    the GPU when few queries carry long lists (decode), one split when queries are plenty (prefill);
-    each split keeps at least `min_keys` list entries (two BLOCK_N steps), at most `max_splits`.
-    Chosen from session 4's H200 bench (`bench/attention.py --variants`, docs/attention.md), which timed
-    half and double the previous counts (4 waves / 32 keys / 64 splits): these counts (at batch 64 the
-    measured neighbour 4 rather than 5) were faster on 7 of the 9 distinct decode shapes (batch 64, 640
-    entries: 28 us vs 39 us; batch 1, 4224 entries: 23 us vs 27 us) and 1.2-1.4 us slower on 2 (a 160-entry
-    list at batch 1 and 8). Not yet re-run as the default; to re-tune on an A800 (108 SMs)."""
+    """Split-K count from static shapes only (capture-safe): as many programs as fit in `waves` waves of one
+    per SM (rounded down: a partly filled extra wave costs a whole one) when few queries carry long lists
+    (decode), one split when queries are plenty (prefill); each split keeps at least `min_keys` list entries
+    (two BLOCK_N steps), at most `max_splits`. From the H200 benches (`bench/attention.py --variants`,
+    docs/attention.md): session 4 timed half and double the counts of 4 waves / 32 keys / 64 splits and took
+    these limits; session 16 timed 3, 4, 6 and 8 splits at batch 64 (BF16 partials): 4 (256 programs on 132
+    SMs) took 24.5 us against 27.9 for 5 (the earlier rounding up: 320 programs) at 640 entries, 113.6 against
+    107.5 at 4224. To re-tune on an A800 (108 SMs)."""
     sms = sm_count(device)
     if sms is None:
         return 1
     programs = rows * triton.cdiv(heads, BLOCK_H)
-    want = triton.cdiv(waves * sms, max(programs, 1))
+    want = waves * sms // max(programs, 1)
     return int(max(1, min(want, width // min_keys, max_splits)))
 
 
 def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=None, extra_lens=None, sink=None,
                 *, scale: float = HEAD_DIM ** -0.5, heads: int | None = None, splits: int | None = 1,
-                block_n: int = 32, prefetch: bool = False, partial_dtype: torch.dtype = torch.float32,
+                block_n: int = 32, prefetch: bool = False, partial_dtype: torch.dtype = torch.bfloat16,
                 out: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """o [T, Hpad, 512] (BF16) for q [T, Hpad, 512]; caches [slots, 512] BF16; ids [T, W] int32 slots;
     lens [T] int32; sink [>= heads] fp32. Only the first `heads` heads are computed (default all).
     splits=None picks `default_splits` from the static shapes. prefetch: the next list step's loads are issued
     before this step's math (off: session 7 measured it no faster at batch 1-8 and slower at batch 64 on the H200).
-    partial_dtype (splits > 1): the split partials' workspace dtype. float32 (default) keeps each split's
-    unnormalised sum; bfloat16 stores it normalised (acc / l, one BF16 rounding, about the output's own) and
-    halves the workspace traffic, which at batch 64 and 640 keys per query is half as many bytes again as the
-    keys themselves with 5 splits of fp32 [16, 512] partials (a bench variant, not a default)."""
+    partial_dtype (splits > 1): the split partials' workspace dtype. bfloat16 (default) stores each split's
+    partial normalised (acc / l, one BF16 rounding, about the output's own) and halves the workspace traffic,
+    which at batch 64 and 640 keys per query is half as many bytes again as the keys themselves in fp32 with 4
+    splits of [16, 512] partials; float32 keeps each split's unnormalised sum. Session 16's H200 bench: BF16
+    partials as fast or faster on 7 of the 9 decode shapes (batch 64, 640 entries: 24.5 against 27.6 us at 4
+    splits), 0.2-1.3 us slower at 4224 entries and batch 1-8 (32 splits)."""
     t_total, hpad, dim = q.shape
     if dim != HEAD_DIM or swa_cache.shape[-1] != HEAD_DIM:
         raise ValueError(f"head dim must be {HEAD_DIM}, got q {dim}, cache {swa_cache.shape[-1]}")
