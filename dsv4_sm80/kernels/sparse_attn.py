@@ -193,9 +193,10 @@ def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=Non
     splits=None picks `default_splits` from the static shapes. prefetch: the next list step's loads are issued
     before this step's math (off: session 7 measured it no faster at batch 1-8 and slower at batch 64 on the H200).
     partial_dtype (splits > 1): the split partials' workspace dtype. bfloat16 (default) stores each split's
-    partial normalised (acc / l, one BF16 rounding, about the output's own) and halves the workspace traffic,
-    which at batch 64 and 640 keys per query is half as many bytes again as the keys themselves in fp32 with 4
-    splits of [16, 512] partials; float32 keeps each split's unnormalised sum. Session 16's H200 bench: BF16
+    partial normalised (acc / l: a weighted mean of value rows, rounded once to BF16, so off by at most 2^-9 of
+    the largest value row, which exceeds the output's own rounding where splits cancel) and halves the workspace
+    traffic, which at batch 64 and 640 keys per query is half as many bytes again as the keys themselves in fp32
+    with 4 splits of [16, 512] partials; float32 keeps each split's unnormalised sum. Session 16's H200 bench: BF16
     partials as fast or faster on 7 of the 9 decode shapes (batch 64, 640 entries: 24.5 against 27.6 us at 4
     splits), 0.2-1.3 us slower at 4224 entries and batch 1-8 (32 splits)."""
     t_total, hpad, dim = q.shape
