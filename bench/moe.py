@@ -159,11 +159,6 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
                                                        "block_n2": 128},
     "pair blocks, fused io, split_k 4, warps 2, stages 4": {"pair_blocks": True, "fused_io": True, "split_k": 4,
                                                             "num_warps": 2, "num_stages": 4},
-    # session 15's one-token profile of that default: 5.4 of 20.5 us in three small launches, the activation
-    # quantizer 2.1 of them; quant_in has each gate-up program quantize its pair's row instead
-    "pair blocks, fused io, split_k 4, quant_in": {"pair_blocks": True, "fused_io": True, "split_k": 4,
-                                                   "quant_in": True},
-    "pair blocks, fused io, quant_in": {"pair_blocks": True, "fused_io": True, "split_k": 1, "quant_in": True},
     "block_n2 128, warps 2, stages 4, fused io, unroll 4": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
                                                             "fused_io": True, "unroll": 4},
 }.items()})

@@ -291,7 +291,7 @@ SIG = {
     "stride_bsn": "i32", "stride_cm": "i32", "c_scale_groups": "i32", "stride_ere": "i32",
     "GATED": "constexpr", "MUL_WEIGHT": "constexpr", "A_GROUP": "constexpr", "BLOCK_M": "constexpr",
     "BLOCK_N": "constexpr", "SPAN": "constexpr", "DECODE_ASM": "constexpr", "SHIFT": "constexpr", "SPLIT_K": "constexpr",
-    "PAIR_BLOCKS": "constexpr", "UNROLL": "constexpr", "QUANT_IN": "constexpr", "QBLOCK": "constexpr",
+    "PAIR_BLOCKS": "constexpr", "UNROLL": "constexpr",
 }
 
 
@@ -314,8 +314,7 @@ for name, cfg in CONFIGS.items():
             sig = dict(SIG, c_ptr="*i8" if gated else "*fp32")
             consts = {"GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": a_group, "BLOCK_M": cfg["block_m"],
                       "BLOCK_N": cfg["block_n"] if gated else cfg["block_n2"], "SPAN": span, "DECODE_ASM": asm,
-                      "SHIFT": shift, "SPLIT_K": 1, "PAIR_BLOCKS": False, "UNROLL": 1,
-                      "QUANT_IN": False, "QBLOCK": 1024}
+                      "SHIFT": shift, "SPLIT_K": 1, "PAIR_BLOCKS": False, "UNROLL": 1}
             c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 80, 32),
                                options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
             ptx = c.asm["ptx"]
@@ -331,7 +330,7 @@ for name, cfg in CONFIGS.items():
 # split-K gate-up at the decode tile (fp32 partials out) and its finishing kernel
 c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, c_ptr="*fp32"), constexprs={
         "GATED": True, "MUL_WEIGHT": False, "A_GROUP": 0, "BLOCK_M": 16, "BLOCK_N": 32, "SPAN": 32, "DECODE_ASM": True,
-        "SHIFT": False, "SPLIT_K": 4, "PAIR_BLOCKS": False, "UNROLL": 1, "QUANT_IN": False, "QBLOCK": 1024}),
+        "SHIFT": False, "SPLIT_K": 4, "PAIR_BLOCKS": False, "UNROLL": 1}),
     target=GPUTarget("cuda", 80, 32),
     options={"num_warps": 4, "num_stages": 3})
 ptx = c.asm["ptx"]
@@ -341,16 +340,16 @@ out["decode-gate_up-split4-asm"] = {
     "asm_in_mma_b_layout": all("dot_op<{opIdx = 1" in l for l in asm_layouts(c.asm["ttgir"])) and bool(asm_layouts(c.asm["ttgir"])),
     "fp8": "e4m3" in ptx or "e5m2" in ptx}
 # pair blocks (no alignment) with 4 K steps per iteration at the decode tile: gate-up and down; and the gate-up
-# that quantizes its own row (quant_in: x in BF16), in 4 K shares as default_config runs it
-for gated, quant_in in ((True, False), (False, False), (True, True)):
-    c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, c_ptr="*i8" if gated and not quant_in else "*fp32",
-                                                       a_ptr="*bf16" if quant_in else "*i8"), constexprs={
+# in 4 K shares as default_config runs it up to 4 tokens
+for gated, split4 in ((True, False), (False, False), (True, True)):
+    c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, c_ptr="*i8" if gated and not split4 else "*fp32"),
+                                 constexprs={
             "GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": 0 if gated else 32, "BLOCK_M": 16,
             "BLOCK_N": 32 if gated else 64, "SPAN": 32, "DECODE_ASM": True, "SHIFT": False,
-            "SPLIT_K": 4 if quant_in else 1, "PAIR_BLOCKS": True, "UNROLL": 1 if quant_in else 4, "QUANT_IN": quant_in,
-            "QBLOCK": 1024}), target=GPUTarget("cuda", 80, 32), options={"num_warps": 4, "num_stages": 3})
+            "SPLIT_K": 4 if split4 else 1, "PAIR_BLOCKS": True, "UNROLL": 1 if split4 else 4}),
+        target=GPUTarget("cuda", 80, 32), options={"num_warps": 4, "num_stages": 3})
     ptx = c.asm["ptx"]
-    name = "quantin-split4" if quant_in else "unroll4"
+    name = "split4" if split4 else "unroll4"
     out[f"decode-{'gate_up' if gated else 'down'}-pairs-{name}-asm"] = {
         "sm80": ".target sm_80" in ptx, "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
         "prmt": "0xF4F8FAFC" in ptx, "prmt_shift": False,
@@ -385,7 +384,8 @@ def test_compiles_for_sm80_with_int8_mma():
     res = last_json(run_python(code, TRITON_INTERPRET="0"))
     out = res["gemm"]
     assert len(out) == 36  # decode tiles' down has only span 32 (block_n 32); shift: 2 per kernel and config;
-    # plus the split-K gate-up, the pair-block unrolled gate-up and down, the pair-block gate-up quantizing its row
+    # plus the split-K gate-up, the pair-block unrolled gate-up and down, the pair-block gate-up in 4 K shares
+    # (the default up to 4 tokens)
     for name, r in out.items():
         asm = name.endswith("-asm")
         assert r == {"sm80": True, "int8_mma": True, "prmt": asm, "prmt_shift": asm and "-shift-" in name,
@@ -726,23 +726,3 @@ def test_unrolled_k_steps_equal_the_plain_loop_bit_for_bit(k):
     assert torch.equal(run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=2, unroll=2)), split)
     with pytest.raises(ValueError, match="unroll"):
         run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, unroll=2, merge=True, split_k=1))
-
-
-@pytest.mark.parametrize("extra", [{"split_k": 1}, {"split_k": 2, "unroll": 2}])
-def test_quant_in_equals_the_separate_quantizer_bit_for_bit(k, extra):
-    """config quant_in: each pair-block gate-up program quantizes its token's row itself (one launch fewer at
-    decode); the row's scale is the separate quantizer's bit for bit (an exact max, the same IEEE division), so
-    the output is bit-equal to quant_in off; hidden 1152 is read for the scale in a 1024-wide piece and a masked
-    one, and with split_k 2 and unroll 2 each K share (9 steps) ends in a half-empty unrolled iteration."""
-    x, w13, s13, w2, s2, tw, ids = case(t=2, top_k=3, h=1152, inter=64, seed=71, x_scale=3.0)
-    x[1, :40] = 0.0
-    cfg = dict(DECODE, pair_blocks=True, fused_io=True, **extra)
-    want = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=cfg)
-    got = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=dict(cfg, quant_in=True))
-    assert torch.equal(got, want)
-    ref_out = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"]).float()
-    per_token = (got.float() - ref_out).norm(dim=-1) / ref_out.norm(dim=-1).clamp_min(1e-30)
-    assert float(per_token.max()) < 1e-2, per_token.tolist()
-    for bad in (dict(DECODE, quant_in=True, pair_blocks=False), dict(DECODE, quant_in=True, merge=True, split_k=1)):
-        with pytest.raises(ValueError, match="quant_in"):
-            run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=bad)

@@ -433,17 +433,14 @@ def _w4_span(a_ptrs, row_ok, b_ptrs, s_ptrs, n_ok, up_b, up_s,
 def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base, offs_n, n_ok,
                 N, k_lo, k_hi, stride_bn, stride_bsn, GATED: tl.constexpr, A_GROUP: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr, DECODE_ASM: tl.constexpr,
-                UNROLL: tl.constexpr, tok, qs, QUANT_IN: tl.constexpr):
+                UNROLL: tl.constexpr = 1):
     """The exact per-group loop over K in [k_lo, k_hi) (all of K, or one split-K share; SPAN = 32: each
     32-deep dot converted to fp32 and scaled by its own group's power of two; SPAN = 64/128: groups merged in
     int32 over the span, `_w4_span`). Returns fp32 (gate, up); the per-row activation scale for A_GROUP = 0 is
     still to be applied. UNROLL (SPAN 32): 64-deep K steps per loop iteration, unrolled, so that their
     independent weight loads can be in flight together; the same operations in the same order (a step past
-    k_hi loads nothing and adds zeros). QUANT_IN (pair blocks, SPAN 32): a_ptr is the layer input x, and its
-    row `tok` is quantized here with the scale qs (`_row_scale`) as `_quantize_rows_kernel` would, into row 0
-    of the tile (the pair's row; the others are padding)."""
+    k_hi loads nothing and adds zeros)."""
     offs_j = tl.arange(0, 32)
-    first = tl.arange(0, BLOCK_M) == 0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SPAN == 32:
@@ -456,17 +453,9 @@ def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b
                 else:
                     r_ok = row_ok
                     c_ok = n_ok
-                if QUANT_IN:  # the pair's token row, 64 columns of it, to INT8 here (row 0 of the tile)
-                    x_ptrs = a_ptr + tok * stride_am + k0 + offs_j
-                    k_ok = (offs_j < 32) & (k0 < k_hi)  # a step past k_hi loads nothing (only when unrolled)
-                    q0 = round_int8(tl.math.div_rn(tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32), qs))
-                    q1 = round_int8(tl.math.div_rn(tl.load(x_ptrs + 32, mask=k_ok, other=0.0).to(tl.float32), qs))
-                    a0 = tl.where(first[:, None], q0[None, :], tl.zeros((BLOCK_M, 32), dtype=tl.int8))
-                    a1 = tl.where(first[:, None], q1[None, :], tl.zeros((BLOCK_M, 32), dtype=tl.int8))
-                else:
-                    a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
-                    a0 = tl.load(a_ptrs, mask=r_ok[:, None], other=0)
-                    a1 = tl.load(a_ptrs + 32, mask=r_ok[:, None], other=0)
+                a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
+                a0 = tl.load(a_ptrs, mask=r_ok[:, None], other=0)
+                a1 = tl.load(a_ptrs + 32, mask=r_ok[:, None], other=0)
                 if A_GROUP:  # activation scale per (row, group of A_GROUP columns of K; a multiple of 32)
                     sa0 = tl.load(a_scale_ptr + a_rows * a_scale_groups + k0 // A_GROUP, mask=r_ok, other=0.0)
                     sa1 = tl.load(a_scale_ptr + a_rows * a_scale_groups + (k0 + 32) // A_GROUP, mask=r_ok, other=0.0)
@@ -542,18 +531,6 @@ def _glu_finish_kernel(part_ptr, q_ptr, s_ptr, pairs, N, groups, limit,
 
 
 @triton.jit
-def _row_scale(x_row_ptr, K, QBLOCK: tl.constexpr):
-    """The INT8 scale of one row of K values (`_quantize_rows_kernel`'s, bit for bit: the max is exact in any
-    order): max|x| / 127 with IEEE division, 1 for an all-zero row."""
-    m = tl.zeros((QBLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, QBLOCK):
-        offs = k0 + tl.arange(0, QBLOCK)
-        m = tl.maximum(m, tl.abs(tl.load(x_row_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)))
-    s = tl.math.div_rn(tl.max(m, axis=0), 127.0)
-    return tl.where(s > 0, s, 1.0)
-
-
-@triton.jit
 def _w4a8_moe_kernel(
     a_ptr, a_scale_ptr, b_ptr, bs_ptr, c_ptr, c_scale_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_w_ptr, eref_ptr,
@@ -562,7 +539,7 @@ def _w4a8_moe_kernel(
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr = 32, DECODE_ASM: tl.constexpr = False,
     SHIFT: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, PAIR_BLOCKS: tl.constexpr = False,
-    UNROLL: tl.constexpr = 1, QUANT_IN: tl.constexpr = False, QBLOCK: tl.constexpr = 1024,
+    UNROLL: tl.constexpr = 1,
 ):
     """SPAN = 32: every scale group converted to fp32 on its own (needed when the activation scale
     changes every 32 columns). SPAN = 64 or 128: groups merged in int32 over the span (`_w4_span`); the
@@ -574,9 +551,6 @@ def _w4a8_moe_kernel(
     of 64) and c_ptr is an fp32 [SPLIT_K, pairs, 2, N] buffer of its (gate, up) partial sums; `_glu_finish_kernel`
     adds the shares in a fixed order (deterministic) and runs the epilogue.
     UNROLL: 64-deep K steps per iteration of the per-group loop (`_group_loop`).
-    QUANT_IN (gate-up with PAIR_BLOCKS, A_GROUP 0, per-group loop): a_ptr is the layer input x [T, K] itself and
-    each program quantizes its pair's token row (max over the row in QBLOCK-wide pieces, the scale as
-    `_quantize_rows_kernel` computes it): the quantizer's launch saved, the same INT8 values and scale.
     PAIR_BLOCKS (tiny decode batches): no alignment; M block b is pair b alone (its row 0; the other rows
     padding) and block_expert_ptr is the flattened topk_ids [pairs], its expert; sorted_ids_ptr and
     num_padded_ptr are not read."""
@@ -600,10 +574,6 @@ def _w4a8_moe_kernel(
 
     b_base = b_ptr + expert * stride_be
     bs_base = bs_ptr + expert * stride_bse
-    tok = (pid_m // a_row_div).to(tl.int64)
-    qs = 1.0
-    if QUANT_IN:
-        qs = _row_scale(a_ptr + tok * stride_am, K, QBLOCK)
     if SHIFT:  # the tile's columns (gate and up rows) all shiftable: int32 accumulation, else per group
         er = tl.load(eref_ptr + expert * stride_ere + offs_n, mask=n_ok, other=1).to(tl.int32) & 0xFF
         er_up = er
@@ -618,23 +588,20 @@ def _w4a8_moe_kernel(
         else:
             acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
                                       offs_n, n_ok, N, 0, K, stride_bn, stride_bsn,
-                                      GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL, tok, qs, QUANT_IN)
+                                      GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL)
     elif SPLIT_K > 1:
         k_share = tl.cdiv(K, SPLIT_K * 64) * 64
         k_lo = tl.program_id(1) * k_share
         acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
                                   offs_n, n_ok, N, k_lo, tl.minimum(k_lo + k_share, K), stride_bn, stride_bsn,
-                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL, tok, qs, QUANT_IN)
+                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL)
     else:
         acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
                                   offs_n, n_ok, N, 0, K, stride_bn, stride_bsn,
-                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL, tok, qs, QUANT_IN)
+                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL)
 
     if not A_GROUP:  # one activation scale per row
-        if QUANT_IN:
-            sa = tl.where(row_ok, qs, 0.0)
-        else:
-            sa = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
+        sa = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
         acc = acc * sa[:, None]
         acc_up = acc_up * sa[:, None]
     acc = acc * 0.5  # the codes were twice the E2M1 values
@@ -749,8 +716,6 @@ def w4a8_moe(
     config pair_blocks (default off): no sorting by expert (SGLang's moe_align_block_size: two launches); each
     (token, expert) pair is its own M block, its row 0, the rest padding: for tiny decode batches, where a
     block holds one pair anyway and the alignment is a fixed cost (a repeated expert is read once per pair).
-    config quant_in (with pair_blocks, input_group 0, the per-group loop): no activation quantizer launch; each
-    gate-up program quantizes its pair's token row itself (the same INT8 values and scale).
     config unroll (per-group loop; default 1): that many 64-deep K steps per loop iteration, unrolled (the same
     operations in the same order), so more independent weight loads can be in flight per program: at one token
     the gate-up launch is latency-bound (96 programs at TP4 shapes; pipeline depth moved it little, session 8).
@@ -813,15 +778,7 @@ def w4a8_moe(
         raise ValueError("w13_eref / w2_eref must be shift_refs of w13_scale / w2_scale: [E, 2I], [E, H]")
     decode_asm = cfg.get("decode", "asm" if x.is_cuda and not _INTERPRETED else "alu") == "asm"
     fused_io = cfg.get("fused_io", False)  # one-launch quantize and combine (default_config: decode sizes)
-    quant_in = bool(cfg.get("quant_in", False))  # the gate-up launch quantizes its pair's row itself
-    if quant_in and not (pair_blocks and input_group == 0 and span_up == GROUP and not shift_up):
-        raise ValueError("quant_in needs pair_blocks, one activation scale per token (input_group 0) and the per-group "
-                         "loop (merge and the shift path off)")
-    if quant_in:
-        xq = x if x.stride(1) == 1 else x.contiguous()
-        xs = torch.empty((0, 1), dtype=torch.float32, device=dev)  # not read: each program computes its row's scale
-    else:
-        xq, xs = (quantize_rows_int8_fused if fused_io else quantize_rows_int8)(x, input_group)
+    xq, xs = (quantize_rows_int8_fused if fused_io else quantize_rows_int8)(x, input_group)
     hq = torch.empty((pairs, inter), dtype=torch.int8, device=dev)
     groups = inter // block_n
     hs = torch.empty((pairs, groups), dtype=torch.float32, device=dev)
@@ -837,8 +794,7 @@ def w4a8_moe(
             w13_eref.stride(0) if shift_up else 0,
             GATED=True, MUL_WEIGHT=False, A_GROUP=input_group, BLOCK_M=block_m, BLOCK_N=block_n,
             SPAN=span_up, DECODE_ASM=decode_asm, SHIFT=shift_up, SPLIT_K=split_k, PAIR_BLOCKS=pair_blocks,
-            UNROLL=unroll, QUANT_IN=quant_in, QBLOCK=min(1024, triton.next_power_of_2(max(h, 1))),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            UNROLL=unroll, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if split_k > 1 and pairs:
         _glu_finish_kernel[(triton.cdiv(pairs, 16), groups)](
