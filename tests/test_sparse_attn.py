@@ -54,7 +54,7 @@ def check(k, args, heads, use_sink, splits, block_n=32, prefetch=False, **kw):
                            sink[:heads] if use_sink else None)
     err = (out[:, :heads].double() - want).abs().max().item()
     tol = 1e-2 * max(want.abs().max().item(), 1e-3)
-    if splits != 1 and kw.get("partial_dtype", torch.bfloat16) == torch.bfloat16:
+    if splits != 1 and kw.get("partial_dtype", k.sparse_attn.__kwdefaults__["partial_dtype"]) == torch.bfloat16:
         # each split's partial is a weighted mean of value rows rounded once to BF16 (the default workspace): up
         # to 2^-9 of the largest value, which can exceed the output where splits cancel, so that term is added
         tol += 2.0 ** -9 * max(float(c.abs().max()) for c in (swa, extra) if c is not None)
