@@ -99,9 +99,12 @@ def bf16_swa_norm_rope_store(self, layer_id, swa_loc, kv, kv_weight, eps, freqs_
     from .kernels.kv_store import k_norm_rope_store
 
     buf = self.swa_kv_pool.kv_buffer[self._swa_local_layer_id(layer_id)]
+    if lab_rounding.kv_enabled():  # lab replay: native quantizes these rows from fp32, not from their BF16 rounding
+        from .kernels.kv_store import scatter_rows
+
+        scatter_rows(lab_rounding.swa_rows(kv, kv_weight, eps, freqs_cis, positions), swa_loc, buf)
+        return
     k_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, swa_loc, buf)
-    if lab_rounding.kv_enabled():
-        lab_rounding.kv_rows_(buf.view(-1, HEAD_DIM), swa_loc)
 
 
 def bf16_bytes_per_full_token(original, self) -> float:

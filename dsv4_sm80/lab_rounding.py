@@ -10,7 +10,11 @@ precision, not arithmetic. On SM90 with default arguments native rounds in three
   +-448 and cast round-to-nearest-even (jit_kernel csrc main_norm_rope.cuh:261-354 for SWA, which quantizes
   the fp32 normed value; fused_norm_rope_v2.cuh:372-499 for C4/C128, which rounds to BF16 first). The rope
   part stays BF16. Replayed here on the BF16 rows the SM80 path stored, exactly (e4m3 times a power of two is
-  a BF16 value); the SWA rows were rounded to BF16 before, native's were not (a double rounding, rare).
+  a BF16 value), for the compressed rows (native rounds those to BF16 first too); the SWA rows are recomputed
+  in fp32 from the store's inputs and quantized from fp32 as native does (`swa_rows`): rounding their BF16 rows
+  instead is a double rounding that moves 3 % of the values one FP8 step (a BF16 value on an e4m3 midpoint, 1
+  in 16, half of them rounded the other way), 1.6e-2 relative, most of the FP8 rounding's own 2.6e-2 (session
+  17; the module trace saw it as layer 0's attention output 2.0e-2 from native against a 4e-3 floor).
 - act: the input of every FP8 block linear that DeepGEMM runs (wqkv_a, wq_b, wo_b, indexer wq_b, shared
   experts; not wo_a, a BF16 einsum on SM90 unless SGLANG_OPT_FP8_WO_A_GEMM=1) is quantized per token and 128
   columns with a plain fp32 scale amax / 448 (floor 1e-10; UE8M0 only on SM100: deep_gemm_wrapper/
@@ -65,6 +69,26 @@ def kv_rows_(cache_rows: torch.Tensor, loc: torch.Tensor) -> None:
     if loc.numel() == 0:
         return
     cache_rows.index_copy_(0, loc, round_nope_(cache_rows.index_select(0, loc)))
+
+
+def swa_rows(kv: torch.Tensor, weight: torch.Tensor, eps: float, freqs_cis: torch.Tensor,
+             positions: torch.Tensor) -> torch.Tensor:
+    """[N, 512] BF16 key rows as native's SWA store leaves them (jit main_norm_rope.cuh
+    fused_k_norm_rope_flashmla), from that store's inputs: RMSNorm over all 512 with the weight in fp32, RoPE
+    on the last 64 (interleaved pairs) in fp32 then BF16, the nope part quantized from fp32 (no BF16 rounding
+    first) per 64 with a power-of-two scale. freqs_cis as the store gets it (complex [max_pos, 32] or its
+    fp32 view)."""
+    if kv.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("DSV4_SM80_LAB_NATIVE_ROUNDING is for eager runs: disable CUDA graphs for this experiment")
+    from .kernels.common import rope_table
+
+    x = kv.float()
+    norm = torch.rsqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + eps)
+    data = x * norm * weight.float()
+    f = rope_table(freqs_cis).float().reshape(freqs_cis.shape[0], -1, 2)[positions.long()]  # [N, 32, (cos, sin)]
+    re, im = data[:, NOPE::2], data[:, NOPE + 1::2]
+    rope = torch.stack([re * f[..., 0] - im * f[..., 1], re * f[..., 1] + im * f[..., 0]], dim=-1).flatten(-2)
+    return torch.cat([fp8_pow2_tiles(data[:, :NOPE]), rope], dim=-1).to(torch.bfloat16)
 
 
 def round_nope_(rows: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@
 #                                  (DSV4_SM80_LAB_NATIVE_ROUNDING=kv, kv,act, kv,act,idx): their share of the gap
 #   tests/gpu/steps.sh trace       one prompt's prefill module by module (TRACE_LEN ids, 300): native, native pinned,
 #                                  patched, patched with native's roundings replayed; names where they part ways
+#                                  (TRACE_RUNS picks runs: "pinned perturbed replay" is the replay against its floor)
 #   tests/gpu/steps.sh trace-linears  native's trace (made unless there) and its FP8 linears against native SGLang's
 #                                  own activation quantizer and FP8 linear on their recorded inputs (lab_trace
 #                                  --sglang-models): what the replay's fp8-act model misses of native's linear
@@ -177,7 +178,13 @@ case ${1:?step} in
       SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 400 python tests/gpu/engine_bed.py \
       --out "$OUT/engine-e2e-replay.json" --teacher-from "$ORACLE"
     python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e-replay.json" \
-      $([ -f "$OUT/native-alone.json" ] && echo --floor "$OUT/native-alone.json") | tee -a "$OUT/e2e-replay.log" ;;
+      $([ -f "$OUT/native-alone.json" ] && echo --floor "$OUT/native-alone.json") | tee -a "$OUT/e2e-replay.log"
+    for p in ${PERTURB:-1e-4 1e-3}; do  # and beside e2e-floors' perturbation floor, where it ran
+      [ -f "$OUT/native-perturb-$p.json" ] || continue
+      echo "=== e2e-replay against the oracle, floor: native-perturb-$p" | tee -a "$OUT/e2e-replay.log"
+      python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e-replay.json" --floor "$OUT/native-perturb-$p.json" \
+        | tee -a "$OUT/e2e-replay.log"
+    done ;;
   oracle)
     # (a cold machine compiles for 8-10 minutes before native's first forward: session 10 lost it at 560 s)
     # the native record e2e/engine/moe-engine compare against ($ORACLE), made here when this machine has none
@@ -326,19 +333,21 @@ case ${1:?step} in
     # the first module whose output differs much more than its input
     # (tripwire off here: e2e proves the path; a trip would cost the trace)
     L=${TRACE_LEN:-300}; T="python tests/gpu/layer_trace.py --length $L --out-dir $OUT/trace"
-    run trace-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 1200 $T-native  # a cold machine compiles ~9 min first
-    run trace-pinned env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(native_pins) timeout 200 $T-pinned
+    R=" ${TRACE_RUNS:-native pinned perturbed patched replay} "  # which runs (a subset saves device time)
+    [[ $R == *" native "* ]] && run trace-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 1200 $T-native  # a cold machine compiles ~9 min first
+    [[ $R == *" pinned "* ]] && run trace-pinned env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(native_pins) timeout 200 $T-pinned
     # the pinned run again with its embedding moved one ulp in 1e-4 of its entries (lab_perturb): per module, how
     # far native itself moves for a rounding-level input change (the floor column of the compares below)
-    run trace-perturbed env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(native_pins) timeout 200 $T-perturbed \
-      --perturb ${TRACE_PERTURB:-1e-4}
-    run trace-patched env $LAB SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 $T-patched
-    run trace-replay env $LAB DSV4_SM80_LAB_NATIVE_ROUNDING=kv,act,idx \
+    [[ $R == *" perturbed "* ]] && run trace-perturbed env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(native_pins) timeout 200 \
+      $T-perturbed --perturb ${TRACE_PERTURB:-1e-4}
+    [[ $R == *" patched "* ]] && run trace-patched env $LAB SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 $T-patched
+    [[ $R == *" replay "* ]] && run trace-replay env $LAB DSV4_SM80_LAB_NATIVE_ROUNDING=kv,act,idx \
       SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 $T-replay
     # native's pins against native; the SM80 path against the pinned oracle (as parity-pinned), the perturbed
     # pinned run beside it (the floor column)
     for ab in native:pinned pinned:perturbed pinned:patched pinned:replay; do
       a=${ab%%:*}; b=${ab##*:}; F=$([ $a = pinned ] && [ $b != perturbed ] && echo --floor "$OUT/trace-perturbed")
+      [ -d "$OUT/trace-$a" ] && [ -d "$OUT/trace-$b" ] || continue
       python -m dsv4_sm80.lab_trace "$OUT/trace-$a" "$OUT/trace-$b" $F | tee -a "$OUT/trace-$b.log"
       python -m dsv4_sm80.lab_trace "$OUT/trace-$a" "$OUT/trace-$b" $F --all > "$OUT/trace-$b-all.txt" 2>&1
     done
