@@ -22,6 +22,11 @@ precision, not arithmetic. On SM90 with default arguments native rounds in three
   Replayed in `fp8_act_linear` (fp32 GEMM of the dequantized activation; slow, for the lab), on a GPU through
   SGLang's own quantizer (`native_act`; session 15 measured the model `fp8_act` 2-3e-3 from native per linear,
   SGLang's quantizer 7-9e-4: what is left is DeepGEMM's accumulation).
+- gemm: instead of act, each of those linears through native's own FP8 block linear: SGLang's dispatch
+  (`dispatch_w8a8_block_fp8_linear`, DeepGEMM on SM90) on the checkpoint's FP8 weight and scale, kept beside
+  the BF16 weight. Session 15 measured `act` (SGLang's quantizer, then an exact fp32 product) 7-9e-4 from
+  native per linear on identical inputs and native's own linear 0: gemm removes that last per-linear
+  difference. It calls DeepGEMM, so runs with the tripwire off (an SM90 GPU: the H200 only).
 - idx: the indexer's keys and queries are FP8 with an fp32 scale amax / 448 per 128 (against the SM80 path's
   INT8), scored in fp32 by DeepGEMM; it only changes which compressed entries the top-512 selection keeps,
   i.e. prompts past 2048 tokens. Replayed by running SGLang's own FP8 query kernel and FP8 index store (SM90
@@ -205,3 +210,7 @@ def fp8_paged_logits(q, kv_cache, weights, seq_lens, page_table, max_len: int, c
 
 def act_enabled() -> bool:
     return "act" in _items()
+
+
+def gemm_enabled() -> bool:
+    return "gemm" in _items()

@@ -129,7 +129,8 @@ def _method_class():
             super().__init__(quant_config)
             self.use_marlin = False
             self.prefix = prefix
-            self.native_act = lab_rounding.act_enabled()  # lab parity experiment only (never a default)
+            self.native_act = lab_rounding.act_enabled()  # lab parity experiments only (never a default)
+            self.native_gemm = lab_rounding.gemm_enabled()
 
         def process_weights_after_loading(self, layer) -> None:
             t0 = time.perf_counter()
@@ -141,6 +142,8 @@ def _method_class():
                 )
             bf16 = to_bf16_blocks(weight, scale)
             before = weight.numel() * weight.element_size() + scale.numel() * scale.element_size()
+            if getattr(self, "native_gemm", False):  # lab: native's own FP8 linear runs on these (apply)
+                layer.lab_fp8 = (weight, scale)
             layer.weight = torch.nn.Parameter(bf16, requires_grad=False)
             del layer.weight_scale_inv
             layer.input_scale = None
@@ -151,6 +154,10 @@ def _method_class():
             _progress(self.prefix, before, bf16.numel() * 2)
 
         def apply(self, layer, x, bias=None):
+            if getattr(self, "native_gemm", False):  # lab: native's FP8 block linear (DeepGEMM on SM90)
+                weight, scale = layer.lab_fp8
+                return self.w8a8_block_fp8_linear(input=x, weight=weight, block_size=self.weight_block_size,
+                                                  weight_scale=scale, input_scale=None, bias=bias)
             if self.native_act:
                 return lab_rounding.fp8_act_linear(x, layer.weight, bias)
             return F.linear(x, layer.weight, bias)

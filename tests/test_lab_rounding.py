@@ -93,7 +93,7 @@ def test_knob_values(monkeypatch):
     assert lab_rounding.kv_enabled() and lab_rounding.act_enabled()
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "act,kv")  # the documented order only
     lab_rounding._items.cache_clear()
-    with pytest.raises(env.EnvError, match="not one of 0, kv, act, idx, kv,act"):
+    with pytest.raises(env.EnvError, match="not one of 0, kv, act, gemm, idx, kv,act"):
         lab_rounding.kv_enabled()
 
 
@@ -231,6 +231,41 @@ def test_activation_rounding_linear_and_the_bf16_method(monkeypatch):
     assert torch.equal(cls.apply(NS(native_act=False), NS(weight=w), x, b), plain)
     with pytest.raises(ValueError, match="not a multiple of 128"):
         lab_rounding.fp8_act_linear(x[:, :200], w[:, :200])
+
+
+def test_gemm_keeps_the_fp8_weight_and_runs_natives_block_linear_on_it(monkeypatch):
+    """DSV4_SM80_LAB_NATIVE_ROUNDING=gemm: the BF16 method keeps the loaded FP8 weight and scale beside the BF16
+    weight and sends the input, unrounded, to the FP8 block linear SGLang's Fp8LinearMethod dispatched to
+    (DeepGEMM's on an SM90 GPU; the H200 run is where it computes: here a recording stand-in for that one
+    function attribute checks the wiring)."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; the method class subclasses SGLang's")
+    from types import SimpleNamespace as NS
+
+    from dsv4_sm80.linear import _method_class
+
+    monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "kv,gemm,idx")
+    lab_rounding._items.cache_clear()
+    assert lab_rounding.gemm_enabled() and not lab_rounding.act_enabled()
+    cls = _method_class()
+    method = cls.__new__(cls)  # Fp8LinearMethod.__init__ dispatches on the platform; its result is set below
+    method.native_gemm, method.native_act, method.prefix, method.weight_block_size = True, False, "t", [128, 128]
+    g = torch.Generator().manual_seed(8)
+    w8 = (torch.randn(256, 128, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.tensor([[2.0 ** -8], [2.0 ** -5]])
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(w8, requires_grad=False)
+    layer.weight_scale_inv = torch.nn.Parameter(s, requires_grad=False)
+    cls.process_weights_after_loading(method, layer)
+    assert layer.weight.dtype == torch.bfloat16
+    kept_w, kept_s = layer.lab_fp8  # the loaded tensors themselves (same storage), not copies
+    assert kept_w.data_ptr() == w8.data_ptr() and kept_s.data_ptr() == s.data_ptr()
+    calls = []
+    method.w8a8_block_fp8_linear = lambda **kw: calls.append(kw) or "native"
+    x, b = torch.randn(3, 128, generator=g).to(torch.bfloat16), torch.zeros(256, dtype=torch.bfloat16)
+    assert cls.apply(method, layer, x, b) == "native"
+    (kw,) = calls
+    assert kw["input"] is x and kw["weight"] is kept_w and kw["weight_scale"] is kept_s and kw["bias"] is b
+    assert kw["block_size"] == [128, 128] and kw["input_scale"] is None
 
 
 def test_fp8_paged_logits_against_the_float64_reference(monkeypatch):

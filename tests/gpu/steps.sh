@@ -22,6 +22,8 @@
 #                                  then each path against itself with that change (which one is the noisy one)
 #   tests/gpu/steps.sh e2e-replay  e2e with Marlin experts and native's FP8 roundings replayed (kv,act,idx; act through
 #                                  SGLang's own quantizer) against the oracle, e2e-floors' batch floor beside it
+#   tests/gpu/steps.sh e2e-gemm    e2e-replay with native's own FP8 block linear (DeepGEMM, tripwire off) for act:
+#                                  kv,gemm,idx, against the oracle with each e2e-floors floor present
 #   tests/gpu/steps.sh machines    the across-machines floor: native teacher-forcing an earlier machine's native record
 #                                  ($PREV), alone too, and patched on the same sequences; each against each
 #   tests/gpu/steps.sh attn-bench  bench/attention.py
@@ -67,6 +69,8 @@
 #                                  (image blocks across chunks): greedy tokens and logprobs side by side, and a
 #                                  teacher-forced A/B of two image prompts against native with native's own
 #                                  batch floor (compare.py); each run also checks the bias_vl routing trace
+#   tests/gpu/steps.sh vision-replay  vision-ab's image prompts, patched with native's roundings replayed (kv,act,idx),
+#                                  teacher-forced against native with its batch floor
 #   tests/gpu/steps.sh vision      the Vision-Exp model class loads the tiny --vision checkpoint in SGLang's ModelRunner
 #   tests/gpu/steps.sh hygiene     page hygiene: the same requests with the pools poisoned (0xFF) after every
 #                                  flush and without; outputs must be equal and finite (and with DSPARK)
@@ -184,6 +188,17 @@ case ${1:?step} in
       echo "=== e2e-replay against the oracle, floor: native-perturb-$p" | tee -a "$OUT/e2e-replay.log"
       python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e-replay.json" --floor "$OUT/native-perturb-$p.json" \
         | tee -a "$OUT/e2e-replay.log"
+    done ;;
+  e2e-gemm)
+    # e2e-replay with native's own FP8 block linear (DeepGEMM) in place of the act model: kv,gemm,idx. DeepGEMM is
+    # what the tripwire guards, so it is off here (e2e and e2e-replay prove the shipped path never reaches it)
+    run e2e-gemm env $LAB DSV4_SM80_LAB_NATIVE_ROUNDING=kv,gemm,idx SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 400 \
+      python tests/gpu/engine_bed.py --out "$OUT/engine-e2e-gemm.json" --teacher-from "$ORACLE"
+    for f in alone $(for p in ${PERTURB:-1e-4 1e-3}; do echo perturb-$p; done); do
+      [ -f "$OUT/native-$f.json" ] || continue
+      echo "=== e2e-gemm against the oracle, floor: native-$f" | tee -a "$OUT/e2e-gemm.log"
+      python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e-gemm.json" --floor "$OUT/native-$f.json" \
+        | tee -a "$OUT/e2e-gemm.log"
     done ;;
   oracle)
     # (a cold machine compiles for 8-10 minutes before native's first forward: session 10 lost it at 560 s)
@@ -483,6 +498,14 @@ case ${1:?step} in
       --out "$OUT/http-vision-native.json" --compare "$OUT/http-vision.json"
     run http-vision-chunked env $LAB DSV4_SM80_TRIPWIRE=1 timeout 280 python -u tests/gpu/http_check.py --vision --port 30223 \
       --chunked-prefill-size 256 --out "$OUT/http-vision-chunked.json" --compare "$OUT/http-vision.json" ;;
+  vision-replay)
+    # vision-ab's teacher-forced image prompts with native's FP8 roundings replayed on the patched server
+    # (kv,act,idx; its experts are Marlin already): is the vision A/B's gap native's rounding, as the text one's?
+    [ -f "$OUT/http-vision-native.json" ] || run http-vision-native timeout 280 python -u tests/gpu/http_check.py \
+      --vision --port 30223 --native --out "$OUT/http-vision-native.json"
+    run http-vision-replay env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=kv,act,idx timeout 280 \
+      python -u tests/gpu/http_check.py --vision --port 30223 --out "$OUT/http-vision-replay.json" \
+      --compare "$OUT/http-vision-native.json" ;;
   vision)
     run vision env $LAB timeout 400 python -u tests/gpu/vision_check.py --out "$OUT/vision.json" ;;
   hygiene)
