@@ -32,6 +32,15 @@ FACTORY = "dsv4_sm80.lab_trace:factory"
 TARGETS = ("model.*",)  # fnmatch: every module under the model (lm_head and the logits processor aside)
 
 
+def _switches() -> str:
+    """The module-level choices of deepseek_v4.py that decide where native rounds, as this process took them
+    (e.g. `_FP8_WO_A_GEMM`, read at import: wo_a as an FP8 DeepGEMM einsum or a BF16 one): a trace says which
+    arithmetic it recorded."""
+    mod = sys.modules.get("sglang.srt.models.deepseek_v4")
+    names = ("_FP8_WO_A_GEMM",)
+    return ", ".join(f"{n}={getattr(mod, n, '?')}" for n in names) if mod else "deepseek_v4 not imported"
+
+
 def trace_spec(out_dir: str, rows: int, forwards: int = 1, targets=TARGETS, params: bool = False) -> list:
     """The `forward_hooks` server argument that records the first `forwards` forwards of `rows` tokens; with
     `params`, each module's 2-D `weight` and its block scale (`weight_scale_inv` / `weight_scale`) too, as the
@@ -171,6 +180,7 @@ def factory(config: dict):
         state["embed"], state["norm"] = model.embed_tokens, getattr(model, "norm", None)
         state["armed"] = True
         _say(f"armed on {len(state['names'])} modules under {prefix}")
+        _say(f"SGLang's precision switches in this process: {_switches()}")
         return True
 
     def save() -> None:

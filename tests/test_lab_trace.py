@@ -276,3 +276,15 @@ def test_linear_check_runs_further_models_and_keeps_the_table_when_one_cannot_ru
     # SGLang's own models on this CPU: SGLang imports, its FP8 kernels do not run: every row says why
     assert lab_trace.main([str(tmp_path), "--linears", "--sglang-models"]) == 0
     assert "sglang quant ERR" in capsys.readouterr().out
+
+
+def test_switches_name_what_deepseek_v4_took_at_import():
+    """The trace log says which wo_a arithmetic the traced process ran: deepseek_v4.py's `_FP8_WO_A_GEMM`, read
+    from SGLang's own module (CPU: imported here as the scheduler imports it; SGLang's server arguments turn it
+    off on SM90 without an explicit opt-in, server_args.py:6685-6703, so a native H200 trace reads False)."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16")
+    import sglang.srt.models.deepseek_v4 as dsv4
+
+    from dsv4_sm80.lab_trace import _switches
+
+    assert _switches() == f"_FP8_WO_A_GEMM={dsv4._FP8_WO_A_GEMM}"
