@@ -112,8 +112,9 @@ LAB_NATIVE_ROUNDING = Knob(
     "separate those precision choices from errors in an end-to-end comparison with native: kv = every stored "
     "key row's nope part as FP8 e4m3 with a power-of-two scale per 64 values; act = the input of every BF16 "
     "block linear as FP8 per token and 128 columns with an fp32 scale; gemm = instead of act, every such "
-    "linear through native's own FP8 block linear (SGLang's DeepGEMM dispatch on the checkpoint's FP8 weight; "
-    "SM90: H200 only, tripwire off); idx = the indexer through SGLang's own "
+    "linear through native's own FP8 block linear (SGLang's DeepGEMM dispatch on the checkpoint's FP8 weight), "
+    "and the mHC pre-norm GEMM through DeepGEMM's own (SM90: H200 only, tripwire off); idx = the indexer "
+    "through SGLang's own "
     "FP8 query and store kernels (SM90: H200 only) and fp32 logits. Comma-joined in that order. Eager runs "
     "only; never for serving.",
 )

@@ -26,7 +26,10 @@ precision, not arithmetic. On SM90 with default arguments native rounds in three
   (`dispatch_w8a8_block_fp8_linear`, DeepGEMM on SM90) on the checkpoint's FP8 weight and scale, kept beside
   the BF16 weight. Session 15 measured `act` (SGLang's quantizer, then an exact fp32 product) 7-9e-4 from
   native per linear on identical inputs and native's own linear 0: gemm removes that last per-linear
-  difference. It calls DeepGEMM, so runs with the tripwire off (an SM90 GPU: the H200 only).
+  difference. With it the mHC pre-norm GEMM also runs DeepGEMM's own `tf32_hc_prenorm_gemm` (seam
+  mhc.hc_prenorm_gemm; the SM80 Triton GEMM is 1.9e-6 from it, which still flips a BF16 rounding of the
+  pre-mix now and then: layer 0's first linear saw inputs 2.9e-5 apart). It calls DeepGEMM, so runs with the
+  tripwire off (an SM90 GPU: the H200 only).
 - idx: the indexer's keys and queries are FP8 with an fp32 scale amax / 448 per 128 (against the SM80 path's
   INT8), scored in fp32 by DeepGEMM; it only changes which compressed entries the top-512 selection keeps,
   i.e. prompts past 2048 tokens. Replayed by running SGLang's own FP8 query kernel and FP8 index store (SM90

@@ -332,3 +332,24 @@ def test_the_act_replay_takes_sglangs_quantizer_on_a_gpu_and_the_model_elsewhere
     assert quant is not None and quant.__name__ == "sglang_per_token_group_quant_fp8"
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     assert torch.equal(lab_rounding.native_act(x), lab_rounding.fp8_act(x))
+
+
+def test_gemm_sends_the_mhc_prenorm_gemm_to_deepgemm(monkeypatch):
+    """With gemm the mHC seam defers to DeepGEMM's own tf32_hc_prenorm_gemm, with upstream's arguments (zero
+    rows: nothing to do, as upstream). DeepGEMM needs an SM90 GPU, so here a recorder stands in for that one
+    function of the real deep_gemm module, and the SM80 Triton GEMM must not run."""
+    deep_gemm = pytest.importorskip("deep_gemm", reason="SGLang's DeepGEMM package")
+    from dsv4_sm80 import mhc
+    from dsv4_sm80.kernels import hc_prenorm
+
+    monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "gemm")
+    lab_rounding._items.cache_clear()
+    calls = []
+    monkeypatch.setattr(deep_gemm, "tf32_hc_prenorm_gemm", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(hc_prenorm, "hc_prenorm", lambda *a, **kw: pytest.fail("the SM80 GEMM ran"))
+    mhc.hc_prenorm_gemm(torch.zeros(0, 256), torch.zeros(24, 256), torch.empty(0, 24), torch.empty(0), None)
+    assert calls == []
+    x, fn, out, sq = torch.ones(2, 256), torch.ones(24, 256), torch.empty(2, 24), torch.empty(2)
+    mhc.hc_prenorm_gemm(x, fn, out, sq, 3)
+    ((args, kw),) = calls
+    assert all(a is b for a, b in zip(args, (x, fn, out, sq))) and kw == {"num_splits": 3}

@@ -48,7 +48,8 @@
 #                                  (DSV4_SM80_LAB_NATIVE_ROUNDING=kv, kv,act, kv,act,idx): their share of the gap
 #   tests/gpu/steps.sh trace       one prompt's prefill module by module (TRACE_LEN ids, 300): native, native pinned,
 #                                  patched, patched with native's roundings replayed; names where they part ways
-#                                  (TRACE_RUNS picks runs: "pinned perturbed replay" is the replay against its floor)
+#                                  (TRACE_RUNS picks runs: "pinned perturbed replay" is the replay against its floor;
+#                                  "gemm" adds the replay with native's own DeepGEMM linears and mHC GEMM)
 #   tests/gpu/steps.sh trace-linears  native's trace (made unless there) and its FP8 linears against native SGLang's
 #                                  own activation quantizer and FP8 linear on their recorded inputs (lab_trace
 #                                  --sglang-models): what the replay's fp8-act model misses of native's linear
@@ -358,9 +359,12 @@ case ${1:?step} in
     [[ $R == *" patched "* ]] && run trace-patched env $LAB SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 $T-patched
     [[ $R == *" replay "* ]] && run trace-replay env $LAB DSV4_SM80_LAB_NATIVE_ROUNDING=kv,act,idx \
       SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 $T-replay
+    # (not by default) the replay with native's own DeepGEMM linears and mHC GEMM: what the attention kernel adds
+    [[ $R == *" gemm "* ]] && run trace-gemm env $LAB DSV4_SM80_LAB_NATIVE_ROUNDING=kv,gemm,idx \
+      SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 $T-gemm
     # native's pins against native; the SM80 path against the pinned oracle (as parity-pinned), the perturbed
     # pinned run beside it (the floor column)
-    for ab in native:pinned pinned:perturbed pinned:patched pinned:replay; do
+    for ab in native:pinned pinned:perturbed pinned:patched pinned:replay pinned:gemm; do
       a=${ab%%:*}; b=${ab##*:}; F=$([ $a = pinned ] && [ $b != perturbed ] && echo --floor "$OUT/trace-perturbed")
       [ -d "$OUT/trace-$a" ] && [ -d "$OUT/trace-$b" ] || continue
       python -m dsv4_sm80.lab_trace "$OUT/trace-$a" "$OUT/trace-$b" $F | tee -a "$OUT/trace-$b.log"
@@ -368,7 +372,7 @@ case ${1:?step} in
     done
     # each run's linears on their own recorded inputs against exact / bf16 / fp8-act models of their arithmetic:
     # is native's FP8 linear what lab_rounding's act replay says, and how far is each path from exact
-    for r in native pinned perturbed patched replay; do
+    for r in native pinned perturbed patched replay gemm; do
       [ -d "$OUT/trace-$r" ] && python -m dsv4_sm80.lab_trace "$OUT/trace-$r" --linears 2>&1 | tee "$OUT/trace-$r-linears.txt" | tail -1
     done ;;  # the traces themselves (*.pt, hundreds of MB) stay on the host; the per-module tables come back
   trace-linears)
