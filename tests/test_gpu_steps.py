@@ -52,6 +52,7 @@ STEPS = {  # step: files it expects from earlier steps
     "kernels": (), "moe-bench": (), "moe-sweep": (), "mhc-bench": (), "attn-bench": (), "idx-bench": (), "cold": (),
     "e2e-floors": ("engine-e2e.json",), "trace": (), "e2e": (), "oracle": (), "soak": (), "soak-native": (),
     "wide-parity": (), "e2e-bench": (), "moe-wide": (), "machines": (), "trace-linears": (), "e2e-replay": ("native-alone.json",),
+    "e2e-gemm": ("native-alone.json",), "vision-replay": (),
 }
 
 
@@ -102,6 +103,30 @@ def test_trace_compares_against_the_pinned_run_with_the_perturbed_floor(tmp_path
     compares = [[os.path.basename(x) for x in a[2:]] for a in calls if a[:2] == ["-m", "dsv4_sm80.lab_trace"]]
     assert ["trace-pinned", "trace-patched", "--floor", "trace-perturbed"] in compares
     assert ["trace-pinned", "trace-perturbed"] in compares
+
+
+def test_trace_runs_picks_runs_and_compares_only_what_it_has(tmp_path):
+    """TRACE_RUNS="pinned perturbed replay gemm": those four traced, the replay and the gemm replay each against
+    the pinned run with the perturbed floor; no compare names a run that was neither made nor found."""
+    calls, _ = run_step(tmp_path, "trace", env={"TRACE_RUNS": "pinned perturbed replay gemm"})
+    traced = [a for a in calls if a[0] == "tests/gpu/layer_trace.py"]
+    assert [os.path.basename(a[a.index("--out-dir") + 1]) for a in traced] == [
+        "trace-pinned", "trace-perturbed", "trace-replay", "trace-gemm"]
+    compares = [[os.path.basename(x) for x in a[2:]] for a in calls if a[:2] == ["-m", "dsv4_sm80.lab_trace"]]
+    pairs = [c for c in compares if "--linears" not in c]
+    assert ["trace-pinned", "trace-replay", "--floor", "trace-perturbed"] in pairs
+    assert ["trace-pinned", "trace-gemm", "--floor", "trace-perturbed"] in pairs
+    assert not any("trace-native" in c or "trace-patched" in c for c in compares), compares
+
+
+def test_e2e_gemm_runs_natives_linears_without_the_tripwire_beside_each_floor(tmp_path):
+    calls, _ = run_step(tmp_path, "e2e-gemm", files=("native-alone.json", "native-perturb-1e-4.json"))
+    (bed,) = [a for a in calls if a[0] == "tests/gpu/engine_bed.py"]
+    floors = [a[a.index("--floor") + 1] for a in calls if a[0] == "tests/gpu/compare.py"]
+    assert [os.path.basename(f) for f in floors] == ["native-alone.json", "native-perturb-1e-4.json"]
+    src = open(os.path.join(REPO, "tests/gpu/steps.sh")).read()
+    block = src[src.index("  e2e-gemm)"):src.index(";;", src.index("  e2e-gemm)"))]
+    assert "DSV4_SM80_LAB_NATIVE_ROUNDING=kv,gemm,idx" in block and "TRIPWIRE" not in block.split("run e2e-gemm")[1]
 
 
 def test_trace_linears_traces_native_once_and_asks_for_sglangs_models(tmp_path):

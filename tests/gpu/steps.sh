@@ -366,7 +366,9 @@ case ${1:?step} in
     # pinned run beside it (the floor column)
     for ab in native:pinned pinned:perturbed pinned:patched pinned:replay pinned:gemm; do
       a=${ab%%:*}; b=${ab##*:}; F=$([ $a = pinned ] && [ $b != perturbed ] && echo --floor "$OUT/trace-perturbed")
-      [ -d "$OUT/trace-$a" ] && [ -d "$OUT/trace-$b" ] || continue
+      for r in $a $b; do  # a pair whose runs this call neither made nor found (TRACE_RUNS) is left out
+        [[ $R == *" $r "* ]] || [ -d "$OUT/trace-$r" ] || continue 2
+      done
       python -m dsv4_sm80.lab_trace "$OUT/trace-$a" "$OUT/trace-$b" $F | tee -a "$OUT/trace-$b.log"
       python -m dsv4_sm80.lab_trace "$OUT/trace-$a" "$OUT/trace-$b" $F --all > "$OUT/trace-$b-all.txt" 2>&1
     done
