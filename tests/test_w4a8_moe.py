@@ -327,46 +327,34 @@ for name, cfg in CONFIGS.items():
                 # the decoders' words must be 4 consecutive k of one column: the INT8 MMA B operand layout
                 "asm_in_mma_b_layout": bool(layouts) and all("dot_op<{opIdx = 1" in l for l in layouts),
                 "fp8": "e4m3" in ptx or "e5m2" in ptx}
-# split-K gate-up at the decode tile (fp32 partials out) and its finishing kernel
-c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, c_ptr="*fp32"), constexprs={
-        "GATED": True, "MUL_WEIGHT": False, "A_GROUP": 0, "BLOCK_M": 16, "BLOCK_N": 32, "SPAN": 32, "DECODE_ASM": True,
-        "SHIFT": False, "SPLIT_K": 4, "PAIR_BLOCKS": False, "UNROLL": 1, "QUANT_LOOP": False}),
-    target=GPUTarget("cuda", 80, 32),
-    options={"num_warps": 4, "num_stages": 3})
-ptx = c.asm["ptx"]
-out["decode-gate_up-split4-asm"] = {
-    "sm80": ".target sm_80" in ptx, "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
-    "prmt": "0xF4F8FAFC" in ptx, "prmt_shift": False,
-    "asm_in_mma_b_layout": all("dot_op<{opIdx = 1" in l for l in asm_layouts(c.asm["ttgir"])) and bool(asm_layouts(c.asm["ttgir"])),
-    "fp8": "e4m3" in ptx or "e5m2" in ptx}
-# pair blocks (no alignment) with 4 K steps per iteration at the decode tile: gate-up and down; and the gate-up
-# in 4 K shares as default_config runs it up to 4 tokens
-for gated, split4 in ((True, False), (False, False), (True, True)):
-    c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, c_ptr="*i8" if gated and not split4 else "*fp32"),
-                                 constexprs={
-            "GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": 0 if gated else 32, "BLOCK_M": 16,
-            "BLOCK_N": 32 if gated else 64, "SPAN": 32, "DECODE_ASM": True, "SHIFT": False,
-            "SPLIT_K": 4 if split4 else 1, "PAIR_BLOCKS": True, "UNROLL": 1 if split4 else 4, "QUANT_LOOP": False}),
+def extra(name, sig, consts):  # one more decode-tile build, its PTX checked as above; returns the PTX
+    c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, **sig), constexprs=dict(
+        {"MUL_WEIGHT": not consts["GATED"], "BLOCK_M": 16, "SPAN": 32, "DECODE_ASM": True, "SHIFT": False,
+         "SPLIT_K": 1, "PAIR_BLOCKS": False, "UNROLL": 1, "QUANT_LOOP": False}, **consts)),
         target=GPUTarget("cuda", 80, 32), options={"num_warps": 4, "num_stages": 3})
-    ptx = c.asm["ptx"]
-    name = "split4" if split4 else "unroll4"
-    out[f"decode-{'gate_up' if gated else 'down'}-pairs-{name}-asm"] = {
+    ptx, layouts = c.asm["ptx"], asm_layouts(c.asm["ttgir"])
+    out[name] = {
         "sm80": ".target sm_80" in ptx, "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
         "prmt": "0xF4F8FAFC" in ptx, "prmt_shift": False,
-        "asm_in_mma_b_layout": all("dot_op<{opIdx = 1" in l for l in asm_layouts(c.asm["ttgir"])) and bool(asm_layouts(c.asm["ttgir"])),
+        "asm_in_mma_b_layout": bool(layouts) and all("dot_op<{opIdx = 1" in l for l in layouts),
         "fp8": "e4m3" in ptx or "e5m2" in ptx}
-# the gate-up of the 1-4 token default in 4 K shares, quantizing its BF16 input per 64 columns in the loop
-c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, a_ptr="*bf16", a_scale_ptr="*bf16", c_ptr="*fp32"),
-                             constexprs={
-        "GATED": True, "MUL_WEIGHT": False, "A_GROUP": 64, "BLOCK_M": 16, "BLOCK_N": 32, "SPAN": 32, "DECODE_ASM": True,
-        "SHIFT": False, "SPLIT_K": 4, "PAIR_BLOCKS": True, "UNROLL": 1, "QUANT_LOOP": True}),
-    target=GPUTarget("cuda", 80, 32), options={"num_warps": 4, "num_stages": 3})
-ptx = c.asm["ptx"]
-out["decode-gate_up-pairs-split4-quantloop-asm"] = {
-    "sm80": ".target sm_80" in ptx, "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
-    "prmt": "0xF4F8FAFC" in ptx, "prmt_shift": False,
-    "asm_in_mma_b_layout": all("dot_op<{opIdx = 1" in l for l in asm_layouts(c.asm["ttgir"])) and bool(asm_layouts(c.asm["ttgir"])),
-    "fp8": "e4m3" in ptx or "e5m2" in ptx}
+    return ptx
+
+
+# split-K gate-up at the decode tile (fp32 partials out; its finishing kernel is among the io kernels below)
+extra("decode-gate_up-split4-asm", {"c_ptr": "*fp32"},
+      {"GATED": True, "A_GROUP": 0, "BLOCK_N": 32, "SPLIT_K": 4})
+# pair blocks (no alignment) with 4 K steps per iteration at the decode tile: gate-up and down; and the gate-up
+# in 4 K shares as default_config runs it up to 4 tokens
+extra("decode-gate_up-pairs-unroll4-asm", {"c_ptr": "*i8"},
+      {"GATED": True, "A_GROUP": 0, "BLOCK_N": 32, "PAIR_BLOCKS": True, "UNROLL": 4})
+extra("decode-down-pairs-unroll4-asm", {"c_ptr": "*fp32"},
+      {"GATED": False, "A_GROUP": 32, "BLOCK_N": 64, "PAIR_BLOCKS": True, "UNROLL": 4})
+extra("decode-gate_up-pairs-split4-asm", {"c_ptr": "*fp32"},
+      {"GATED": True, "A_GROUP": 0, "BLOCK_N": 32, "SPLIT_K": 4, "PAIR_BLOCKS": True})
+# that gate-up quantizing its BF16 input per 64 columns in the loop (quant_loop)
+ptx = extra("decode-gate_up-pairs-split4-quantloop-asm", {"a_ptr": "*bf16", "a_scale_ptr": "*bf16", "c_ptr": "*fp32"},
+            {"GATED": True, "A_GROUP": 64, "BLOCK_N": 32, "SPLIT_K": 4, "PAIR_BLOCKS": True, "QUANT_LOOP": True})
 quant_loop_div_rn = "div.rn.f32" in ptx
 io = {}  # the fused_io kernels: plain sm_80 code, IEEE division in the quantizer
 for fn, sig, consts in (
