@@ -130,6 +130,17 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   grep -E "^(  A/B|fault_kill|hygiene|mhc_check|mhc bench|soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|layer_trace|attention_kit|attention bench|prefill|native|c4 |c128|indexer bench|q  |compress|logits|engine_bed|e2e |kernels per|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|us of kernels per decode step|Error|passed|failed|watchdog timeout" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
 }
+vs_floors() {  # RECORD LOG: compare.py, RECORD against the oracle beside each e2e-floors floor this $OUT holds (native
+  # one sequence at a time; native with its embedding moved, per PERTURB); where it holds none, without a floor
+  local rec=$1 log=$2 f any=
+  for f in alone $(for p in ${PERTURB:-1e-4 1e-3}; do echo perturb-$p; done); do
+    [ -f "$OUT/native-$f.json" ] || continue
+    any=1
+    echo "=== $(basename "$rec" .json) against the oracle, floor: native-$f" | tee -a "$log"
+    python tests/gpu/compare.py "$ORACLE" "$rec" --floor "$OUT/native-$f.json" 2>&1 | tee -a "$log"
+  done
+  [ -n "$any" ] || python tests/gpu/compare.py "$ORACLE" "$rec" 2>&1 | tee -a "$log"
+}
 jit_tar() {  # the JIT caches into $OUT/jit.tar.xz; the device tool returns files of at most 16 MiB, so a
   # larger tarball comes back in parts (join: cat jit.tar.xz.* > jit.tar.xz)
   tar -C ~ -cf - .cache/tvm-ffi .cache/deep_gemm .cache/flashinfer .triton .tilelang 2>/dev/null | xz -T0 -3 > "$OUT/jit.tar.xz"
@@ -182,25 +193,13 @@ case ${1:?step} in
     run e2e-replay env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=kv,act,idx \
       SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 400 python tests/gpu/engine_bed.py \
       --out "$OUT/engine-e2e-replay.json" --teacher-from "$ORACLE"
-    python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e-replay.json" \
-      $([ -f "$OUT/native-alone.json" ] && echo --floor "$OUT/native-alone.json") | tee -a "$OUT/e2e-replay.log"
-    for p in ${PERTURB:-1e-4 1e-3}; do  # and beside e2e-floors' perturbation floor, where it ran
-      [ -f "$OUT/native-perturb-$p.json" ] || continue
-      echo "=== e2e-replay against the oracle, floor: native-perturb-$p" | tee -a "$OUT/e2e-replay.log"
-      python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e-replay.json" --floor "$OUT/native-perturb-$p.json" \
-        | tee -a "$OUT/e2e-replay.log"
-    done ;;
+    vs_floors "$OUT/engine-e2e-replay.json" "$OUT/e2e-replay.log" ;;
   e2e-gemm)
     # e2e-replay with native's own FP8 block linear (DeepGEMM) in place of the act model: kv,gemm,idx. DeepGEMM is
     # what the tripwire guards, so it is off here (e2e and e2e-replay prove the shipped path never reaches it)
     run e2e-gemm env $LAB DSV4_SM80_LAB_NATIVE_ROUNDING=kv,gemm,idx SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 400 \
       python tests/gpu/engine_bed.py --out "$OUT/engine-e2e-gemm.json" --teacher-from "$ORACLE"
-    for f in alone $(for p in ${PERTURB:-1e-4 1e-3}; do echo perturb-$p; done); do
-      [ -f "$OUT/native-$f.json" ] || continue
-      echo "=== e2e-gemm against the oracle, floor: native-$f" | tee -a "$OUT/e2e-gemm.log"
-      python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e-gemm.json" --floor "$OUT/native-$f.json" \
-        | tee -a "$OUT/e2e-gemm.log"
-    done ;;
+    vs_floors "$OUT/engine-e2e-gemm.json" "$OUT/e2e-gemm.log" ;;
   oracle)
     # (a cold machine compiles for 8-10 minutes before native's first forward: session 10 lost it at 560 s)
     # the native record e2e/engine/moe-engine compare against ($ORACLE), made here when this machine has none
@@ -226,10 +225,8 @@ case ${1:?step} in
         --out "$OUT/native-perturb-$p.json" --teacher-from "$ORACLE" --perturb "$p"
     done
     if [ -f "$OUT/engine-e2e.json" ]; then
-      for f in alone $(for p in ${PERTURB:-1e-4 1e-3}; do echo perturb-$p; done); do
-        echo "=== e2e against the oracle, floor: native-$f"
-        python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e.json" --floor "$OUT/native-$f.json"
-      done 2>&1 | tee "$OUT/e2e-floors.log"
+      : > "$OUT/e2e-floors.log"
+      vs_floors "$OUT/engine-e2e.json" "$OUT/e2e-floors.log"
       # the SM80 path's own sensitivity to the same change (BF16 linears, no FP8 activation rounding): if it is
       # much smaller than native's, the patched-vs-native gap is native's own rounding noise
       p=$(echo ${PERTURB:-1e-4 1e-3} | cut -d' ' -f1)
