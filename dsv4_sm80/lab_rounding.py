@@ -68,10 +68,15 @@ def fp8_pow2_tiles(x: torch.Tensor, tile: int = TILE) -> torch.Tensor:
     return q.flatten(-2).to(x.dtype)
 
 
+def _eager_only(t: torch.Tensor) -> None:
+    """The replays sync with the host and allocate as they go: refused inside a CUDA-graph capture."""
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("DSV4_SM80_LAB_NATIVE_ROUNDING is for eager runs: disable CUDA graphs for this experiment")
+
+
 def kv_rows_(cache_rows: torch.Tensor, loc: torch.Tensor) -> None:
     """The rows at loc (>= 0) of a [slots, 512] BF16 key cache, their nope part rounded as native stores it."""
-    if cache_rows.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("DSV4_SM80_LAB_NATIVE_ROUNDING is for eager runs: disable CUDA graphs for this experiment")
+    _eager_only(cache_rows)
     loc = loc.reshape(-1).long()
     loc = loc[loc >= 0]
     if loc.numel() == 0:
@@ -86,8 +91,7 @@ def swa_rows(kv: torch.Tensor, weight: torch.Tensor, eps: float, freqs_cis: torc
     on the last 64 (interleaved pairs) in fp32 then BF16, the nope part quantized from fp32 (no BF16 rounding
     first) per 64 with a power-of-two scale. freqs_cis as the store gets it (complex [max_pos, 32] or its
     fp32 view)."""
-    if kv.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("DSV4_SM80_LAB_NATIVE_ROUNDING is for eager runs: disable CUDA graphs for this experiment")
+    _eager_only(kv)
     from .kernels.common import rope_table
 
     x = kv.float()
