@@ -142,7 +142,7 @@ def _method_class():
                 )
             bf16 = to_bf16_blocks(weight, scale)
             before = weight.numel() * weight.element_size() + scale.numel() * scale.element_size()
-            if getattr(self, "native_gemm", False):  # lab: native's own FP8 linear runs on these (apply)
+            if self.native_gemm:  # lab: native's own FP8 linear runs on these (apply)
                 layer.lab_fp8 = (weight, scale)
             layer.weight = torch.nn.Parameter(bf16, requires_grad=False)
             del layer.weight_scale_inv
@@ -154,7 +154,7 @@ def _method_class():
             _progress(self.prefix, before, bf16.numel() * 2)
 
         def apply(self, layer, x, bias=None):
-            if getattr(self, "native_gemm", False):  # lab: native's FP8 block linear (DeepGEMM on SM90)
+            if self.native_gemm:  # lab: native's FP8 block linear (DeepGEMM on SM90)
                 weight, scale = layer.lab_fp8
                 return self.w8a8_block_fp8_linear(input=x, weight=weight, block_size=self.weight_block_size,
                                                   weight_scale=scale, input_scale=None, bias=bias)

@@ -144,10 +144,14 @@ def test_hooks_round_what_the_sm80_pool_stores(monkeypatch):
     from dsv4_sm80.kernels.kv_store_ref import k_norm_rope_ref
 
     on = swa_store("kv")
-    exact = k_norm_rope_ref(kv, w, 1e-6, f, pos)[loc >= 0]
-    want = torch.cat([lab_rounding.fp8_pow2_tiles(exact[:, :448].float()), exact[:, 448:].float()], dim=1)
-    want = want.to(torch.bfloat16)
-    close_steps(on[written], want)
+    close_steps(on[written], native_swa_rows(k_norm_rope_ref(kv, w, 1e-6, f, pos)[loc >= 0]))
+
+
+def native_swa_rows(exact):
+    """Native's SWA cache rows from float64 normed and roped rows: the nope part quantized from them (through
+    fp32, as native's store holds them), the rope part rounded to BF16."""
+    return torch.cat([lab_rounding.fp8_pow2_tiles(exact[:, :448].float()), exact[:, 448:].float()],
+                     dim=1).to(torch.bfloat16)
 
 
 def close_steps(got, want, rare=2):
@@ -176,8 +180,7 @@ def test_swa_rows_quantize_from_fp32_not_from_bf16():
     got = lab_rounding.swa_rows(kv, w, 1e-6, f, pos)
     assert got.dtype == torch.bfloat16 and got.shape == (n, 512)
     exact = k_norm_rope_ref(kv, w, 1e-6, f, pos)
-    want = torch.cat([lab_rounding.fp8_pow2_tiles(exact[:, :448].float()), exact[:, 448:].float()], dim=1)
-    close_steps(got, want.to(torch.bfloat16), rare=4)
+    close_steps(got, native_swa_rows(exact), rare=4)
     assert torch.equal(lab_rounding.swa_rows(kv, w, 1e-6, torch.view_as_real(f), pos), got)  # the fp32 table
     twice = lab_rounding.fp8_pow2_tiles(exact[:, :448].to(torch.bfloat16))
     share = (twice != got[:, :448]).double().mean().item()
@@ -227,8 +230,8 @@ def test_activation_rounding_linear_and_the_bf16_method(monkeypatch):
     plain = torch.nn.functional.linear(x, w, b)
     assert not torch.equal(got, plain)
     cls = _method_class()
-    assert torch.equal(cls.apply(NS(native_act=True), NS(weight=w), x, b), got)
-    assert torch.equal(cls.apply(NS(native_act=False), NS(weight=w), x, b), plain)
+    assert torch.equal(cls.apply(NS(native_act=True, native_gemm=False), NS(weight=w), x, b), got)
+    assert torch.equal(cls.apply(NS(native_act=False, native_gemm=False), NS(weight=w), x, b), plain)
     with pytest.raises(ValueError, match="not a multiple of 128"):
         lab_rounding.fp8_act_linear(x[:, :200], w[:, :200])
 
