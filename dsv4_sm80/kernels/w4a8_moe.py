@@ -139,6 +139,14 @@ def quantize_rows_int8(x: torch.Tensor, group: int = 0):
 
 
 @triton.jit
+def _int8_scale(amax):
+    """The INT8 scale of a group with max|x| = amax: amax / 127 by IEEE division, 1 for an all-zero group (what
+    `quantize_rows_int8` computes; every in-kernel quantizer of the layer input goes through this)."""
+    s = tl.math.div_rn(amax, 127.0)
+    return tl.where(s > 0, s, 1.0)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, stride_x, q_ptr, s_ptr, cols, groups,
                           GCOLS: tl.constexpr, BLOCK: tl.constexpr):
     """One (row, group of GCOLS columns) per program: `quantize_rows_int8` in one launch (the torch version
@@ -149,8 +157,7 @@ def _quantize_rows_kernel(x_ptr, stride_x, q_ptr, s_ptr, cols, groups,
     offs = g * GCOLS + tl.arange(0, BLOCK)
     ok = (tl.arange(0, BLOCK) < GCOLS) & (offs < cols)
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-    s = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 127.0)
-    s = tl.where(s > 0, s, 1.0)
+    s = _int8_scale(tl.max(tl.abs(x), axis=0))
     tl.store(q_ptr + row * cols + offs, round_int8(tl.math.div_rn(x, s)), mask=ok)
     tl.store(s_ptr + row * groups + g, s)
 
@@ -433,8 +440,8 @@ def _w4_span(a_ptrs, row_ok, b_ptrs, s_ptrs, n_ok, up_b, up_s,
 def _quant_step(x_ptrs, r_ok, A_GROUP: tl.constexpr):
     """One 64-deep K step's activation, quantized here from the BF16 input (x_ptrs [BLOCK_M, 32]: its first 32
     columns; the next 32 follow): INT8 per row and group of A_GROUP (32: each half its own scale, 64: one for
-    both), the fp32 operations of `_quantize_rows_kernel` (bit-equal to it). Rows off r_ok read zeros: q 0, s 1.
-    Returns (a0, a1) int8 and their scales (sa0, sa1) per row."""
+    both), with `_quantize_rows_kernel`'s scale (`_int8_scale`) and rounding: bit-equal to it. Rows off r_ok
+    read zeros: q 0, s 1. Returns (a0, a1) int8 and their scales (sa0, sa1) per row."""
     x0 = tl.load(x_ptrs, mask=r_ok[:, None], other=0.0).to(tl.float32)
     x1 = tl.load(x_ptrs + 32, mask=r_ok[:, None], other=0.0).to(tl.float32)
     m0 = tl.max(tl.abs(x0), axis=1)
@@ -442,10 +449,8 @@ def _quant_step(x_ptrs, r_ok, A_GROUP: tl.constexpr):
     if A_GROUP == 64:
         m0 = tl.maximum(m0, m1)
         m1 = m0
-    sa0 = tl.math.div_rn(m0, 127.0)
-    sa0 = tl.where(sa0 > 0, sa0, 1.0)
-    sa1 = tl.math.div_rn(m1, 127.0)
-    sa1 = tl.where(sa1 > 0, sa1, 1.0)
+    sa0 = _int8_scale(m0)
+    sa1 = _int8_scale(m1)
     return round_int8(tl.math.div_rn(x0, sa0[:, None])), round_int8(tl.math.div_rn(x1, sa1[:, None])), sa0, sa1
 
 
