@@ -161,15 +161,6 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
                                                             "num_warps": 2, "num_stages": 4},
     "block_n2 128, warps 2, stages 4, fused io, unroll 4": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
                                                             "fused_io": True, "unroll": 4},
-    # session 16: quant_in (each program reduced its token's row before its first weight load) lost 3.8 us at one
-    # token; quant_loop quantizes per 64 (or 32) columns as each K step reads them: the quantizer launch (2.1 us
-    # in the profile) gone without that up-front reduction; at 1-4 tokens and at the 5-64-token default
-    "pair blocks, fused io, split_k 4, quant loop 64": {"pair_blocks": True, "fused_io": True, "split_k": 4,
-                                                        "quant_loop": 64},
-    "pair blocks, fused io, split_k 4, quant loop 32": {"pair_blocks": True, "fused_io": True, "split_k": 4,
-                                                        "quant_loop": 32},
-    "block_n2 128, warps 2, stages 4, fused io, quant loop 64": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
-                                                                 "fused_io": True, "quant_loop": 64},
 }.items()})
 PROFILE_CALLS = 10
 

@@ -291,7 +291,7 @@ SIG = {
     "stride_bsn": "i32", "stride_cm": "i32", "c_scale_groups": "i32", "stride_ere": "i32",
     "GATED": "constexpr", "MUL_WEIGHT": "constexpr", "A_GROUP": "constexpr", "BLOCK_M": "constexpr",
     "BLOCK_N": "constexpr", "SPAN": "constexpr", "DECODE_ASM": "constexpr", "SHIFT": "constexpr", "SPLIT_K": "constexpr",
-    "PAIR_BLOCKS": "constexpr", "UNROLL": "constexpr", "QUANT_LOOP": "constexpr",
+    "PAIR_BLOCKS": "constexpr", "UNROLL": "constexpr",
 }
 
 
@@ -314,7 +314,7 @@ for name, cfg in CONFIGS.items():
             sig = dict(SIG, c_ptr="*i8" if gated else "*fp32")
             consts = {"GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": a_group, "BLOCK_M": cfg["block_m"],
                       "BLOCK_N": cfg["block_n"] if gated else cfg["block_n2"], "SPAN": span, "DECODE_ASM": asm,
-                      "SHIFT": shift, "SPLIT_K": 1, "PAIR_BLOCKS": False, "UNROLL": 1, "QUANT_LOOP": False}
+                      "SHIFT": shift, "SPLIT_K": 1, "PAIR_BLOCKS": False, "UNROLL": 1}
             c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 80, 32),
                                options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
             ptx = c.asm["ptx"]
@@ -330,7 +330,7 @@ for name, cfg in CONFIGS.items():
 def extra(name, sig, consts):  # one more decode-tile build, its PTX checked as above; returns the PTX
     c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, **sig), constexprs=dict(
         {"MUL_WEIGHT": not consts["GATED"], "BLOCK_M": 16, "SPAN": 32, "DECODE_ASM": True, "SHIFT": False,
-         "SPLIT_K": 1, "PAIR_BLOCKS": False, "UNROLL": 1, "QUANT_LOOP": False}, **consts)),
+         "SPLIT_K": 1, "PAIR_BLOCKS": False, "UNROLL": 1}, **consts)),
         target=GPUTarget("cuda", 80, 32), options={"num_warps": 4, "num_stages": 3})
     ptx, layouts = c.asm["ptx"], asm_layouts(c.asm["ttgir"])
     out[name] = {
@@ -352,10 +352,6 @@ extra("decode-down-pairs-unroll4-asm", {"c_ptr": "*fp32"},
       {"GATED": False, "A_GROUP": 32, "BLOCK_N": 64, "PAIR_BLOCKS": True, "UNROLL": 4})
 extra("decode-gate_up-pairs-split4-asm", {"c_ptr": "*fp32"},
       {"GATED": True, "A_GROUP": 0, "BLOCK_N": 32, "SPLIT_K": 4, "PAIR_BLOCKS": True})
-# that gate-up quantizing its BF16 input per 64 columns in the loop (quant_loop)
-ptx = extra("decode-gate_up-pairs-split4-quantloop-asm", {"a_ptr": "*bf16", "a_scale_ptr": "*bf16", "c_ptr": "*fp32"},
-            {"GATED": True, "A_GROUP": 64, "BLOCK_N": 32, "SPLIT_K": 4, "PAIR_BLOCKS": True, "QUANT_LOOP": True})
-quant_loop_div_rn = "div.rn.f32" in ptx
 io = {}  # the fused_io kernels: plain sm_80 code, IEEE division in the quantizer
 for fn, sig, consts in (
         (k._quantize_rows_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "q_ptr": "*i8", "s_ptr": "*fp32", "cols": "i32",
@@ -370,7 +366,7 @@ for fn, sig, consts in (
                          options={"num_warps": 8}).asm["ptx"]
     io[fn.__name__] = {"sm80": ".target sm_80" in ptx, "fp8": "e4m3" in ptx or "e5m2" in ptx,
                        "div_rn": "div.rn.f32" in ptx}
-print(json.dumps({"gemm": out, "io": io, "quant_loop_div_rn": quant_loop_div_rn}))
+print(json.dumps({"gemm": out, "io": io}))
 """
 
 
@@ -384,10 +380,9 @@ def test_compiles_for_sm80_with_int8_mma():
     code = COMPILE.replace("CONFIGS", repr({"decode": DECODE, "decode2": DECODE2, "prefill": PREFILL}))
     res = last_json(run_python(code, TRITON_INTERPRET="0"))
     out = res["gemm"]
-    assert len(out) == 37  # decode tiles' down has only span 32 (block_n 32); shift: 2 per kernel and config;
+    assert len(out) == 36  # decode tiles' down has only span 32 (block_n 32); shift: 2 per kernel and config;
     # plus the split-K gate-up, the pair-block unrolled gate-up and down, the pair-block gate-up in 4 K shares
-    # (the default up to 4 tokens), and that with the quantizer in its loop (quant_loop 64: IEEE division)
-    assert res["quant_loop_div_rn"]
+    # (the default up to 4 tokens)
     for name, r in out.items():
         asm = name.endswith("-asm")
         assert r == {"sm80": True, "int8_mma": True, "prmt": asm, "prmt_shift": asm and "-shift-" in name,
@@ -677,14 +672,11 @@ def test_every_bench_variant_computes_the_moe(k):
         h = 256 if 256 % (64 * cfg.get("split_k", 1)) == 0 else 512
         (x, w13, s13, w2, s2, tw, ids), (a, b), maps, zero = at(h)
         group = dict(k.default_config(3 * 2), **cfg)["block_n"]
-        in_group = cfg.get("quant_loop", 0)  # the input's INT8 group (quant_loop: per that many columns)
-        if (h, group, in_group) not in want:
-            want[h, group, in_group] = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=group,
-                                                             input_group=in_group).float()
+        if (h, group) not in want:
+            want[h, group] = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=group).float()
         out = k.w4a8_moe(*dev(x, a, s13, b, s2, tw, ids), routed_scaling_factor=1.5, config=cfg,
                          out=dev(torch.empty(x.shape, dtype=torch.float32)), **(zero if eref0 else maps)).cpu()
-        w = want[h, group, in_group]
-        err = (out - w).norm(dim=-1) / w.norm(dim=-1).clamp_min(1e-30)
+        err = (out - want[h, group]).norm(dim=-1) / want[h, group].norm(dim=-1).clamp_min(1e-30)
         assert float(err.max()) < 1e-2, (name, h, err.tolist())
 
 
@@ -731,30 +723,3 @@ def test_unrolled_k_steps_equal_the_plain_loop_bit_for_bit(k):
     assert torch.equal(run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=2, unroll=2)), split)
     with pytest.raises(ValueError, match="unroll"):
         run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, unroll=2, merge=True, split_k=1))
-
-
-@pytest.mark.parametrize("group,extra", [(64, {"pair_blocks": True, "fused_io": True, "split_k": 2}),
-                                         (32, {"pair_blocks": False, "fused_io": True}),
-                                         (64, {"fused_io": False, "unroll": 2})])
-def test_quant_loop_equals_the_quantizer_launch_bit_for_bit(k, group, extra):
-    """config quant_loop: the gate-up loop quantizes the BF16 input per token and `group` columns itself
-    (no quantizer launch): bit-equal to the quantizer launch with input_group=group (the same fp32 operations),
-    and held to the INT8 emulation reference written from the math; a row of zeros and a row of mixed
-    magnitudes (one group 1e4 times the rest) among the tokens; bad groups refused."""
-    x, w13, s13, w2, s2, tw, ids = case(t=3, top_k=3, h=256, seed=71)
-    x[1] = 0.0
-    x[2, 64:128] *= 1e4
-    cfg = dict(DECODE, **extra)
-    quantizer = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=group,
-                           config=cfg)
-    loop = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=dict(cfg, quant_loop=group))
-    assert torch.equal(loop, quantizer)
-    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"],
-                                 input_group=group).float()
-    per_token = (loop.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
-    assert float(per_token[[0, 2]].max()) < 1e-2 and float(loop[1].abs().max()) == 0.0, per_token.tolist()
-    for bad in (dict(cfg, quant_loop=128), dict(cfg, quant_loop=64, merge=True, split_k=1)):
-        with pytest.raises(ValueError, match="quant_loop"):
-            run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=bad)
-    with pytest.raises(ValueError, match="quant_loop"):
-        run_kernel(k, x, w13, s13, w2, s2, tw, ids, input_group=32, config=dict(cfg, quant_loop=64))

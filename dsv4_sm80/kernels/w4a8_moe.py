@@ -437,36 +437,16 @@ def _w4_span(a_ptrs, row_ok, b_ptrs, s_ptrs, n_ok, up_b, up_s,
 
 
 @triton.jit
-def _quant_step(x_ptrs, r_ok, A_GROUP: tl.constexpr):
-    """One 64-deep K step's activation, quantized here from the BF16 input (x_ptrs [BLOCK_M, 32]: its first 32
-    columns; the next 32 follow): INT8 per row and group of A_GROUP (32: each half its own scale, 64: one for
-    both), with `_quantize_rows_kernel`'s scale (`_int8_scale`) and rounding: bit-equal to it. Rows off r_ok
-    read zeros: q 0, s 1. Returns (a0, a1) int8 and their scales (sa0, sa1) per row."""
-    x0 = tl.load(x_ptrs, mask=r_ok[:, None], other=0.0).to(tl.float32)
-    x1 = tl.load(x_ptrs + 32, mask=r_ok[:, None], other=0.0).to(tl.float32)
-    m0 = tl.max(tl.abs(x0), axis=1)
-    m1 = tl.max(tl.abs(x1), axis=1)
-    if A_GROUP == 64:
-        m0 = tl.maximum(m0, m1)
-        m1 = m0
-    sa0 = _int8_scale(m0)
-    sa1 = _int8_scale(m1)
-    return round_int8(tl.math.div_rn(x0, sa0[:, None])), round_int8(tl.math.div_rn(x1, sa1[:, None])), sa0, sa1
-
-
-@triton.jit
 def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base, offs_n, n_ok,
                 N, k_lo, k_hi, stride_bn, stride_bsn, GATED: tl.constexpr, A_GROUP: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr, DECODE_ASM: tl.constexpr,
-                UNROLL: tl.constexpr = 1, QUANT_LOOP: tl.constexpr = False):
+                UNROLL: tl.constexpr = 1):
     """The exact per-group loop over K in [k_lo, k_hi) (all of K, or one split-K share; SPAN = 32: each
     32-deep dot converted to fp32 and scaled by its own group's power of two; SPAN = 64/128: groups merged in
     int32 over the span, `_w4_span`). Returns fp32 (gate, up); the per-row activation scale for A_GROUP = 0 is
     still to be applied. UNROLL (SPAN 32): 64-deep K steps per loop iteration, unrolled, so that their
     independent weight loads can be in flight together; the same operations in the same order (a step past
-    k_hi loads nothing and adds zeros). QUANT_LOOP (SPAN 32, A_GROUP 32 or 64): a_ptr is the BF16 layer input and
-    each step quantizes the 64 columns it reads itself (`_quant_step`), so no quantizer launch precedes this
-    one and nothing has to be reduced before the first weight load."""
+    k_hi loads nothing and adds zeros)."""
     offs_j = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -481,12 +461,9 @@ def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b
                     r_ok = row_ok
                     c_ok = n_ok
                 a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
-                if QUANT_LOOP:
-                    a0, a1, sa0, sa1 = _quant_step(a_ptrs, r_ok, A_GROUP)
-                else:
-                    a0 = tl.load(a_ptrs, mask=r_ok[:, None], other=0)
-                    a1 = tl.load(a_ptrs + 32, mask=r_ok[:, None], other=0)
-                if A_GROUP and not QUANT_LOOP:  # activation scale per (row, group of A_GROUP columns of K)
+                a0 = tl.load(a_ptrs, mask=r_ok[:, None], other=0)
+                a1 = tl.load(a_ptrs + 32, mask=r_ok[:, None], other=0)
+                if A_GROUP:  # activation scale per (row, group of A_GROUP columns of K; a multiple of 32)
                     sa0 = tl.load(a_scale_ptr + a_rows * a_scale_groups + k0 // A_GROUP, mask=r_ok, other=0.0)
                     sa1 = tl.load(a_scale_ptr + a_rows * a_scale_groups + (k0 + 32) // A_GROUP, mask=r_ok, other=0.0)
                 b_ptrs = b_base + _col_base(offs_n, stride_bn)[None, :] + (k0 * 16 + offs_j)[:, None]
@@ -569,7 +546,7 @@ def _w4a8_moe_kernel(
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr = 32, DECODE_ASM: tl.constexpr = False,
     SHIFT: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, PAIR_BLOCKS: tl.constexpr = False,
-    UNROLL: tl.constexpr = 1, QUANT_LOOP: tl.constexpr = False,
+    UNROLL: tl.constexpr = 1,
 ):
     """SPAN = 32: every scale group converted to fp32 on its own (needed when the activation scale
     changes every 32 columns). SPAN = 64 or 128: groups merged in int32 over the span (`_w4_span`); the
@@ -577,8 +554,6 @@ def _w4a8_moe_kernel(
     SHIFT: eref_ptr is the shift map [E, N (x2 gated: gate rows, then up rows)] (`shift_refs`); a tile whose
     columns are all shiftable runs `_shift_loop` (A_GROUP must then be 0 or a multiple of 64), any other
     the per-group loop.
-    QUANT_LOOP (gate-up, per-group loop, SPAN 32, A_GROUP 32 or 64): a_ptr is the BF16 layer input x [T, K]
-    and the loop quantizes it step by step (`_quant_step`); a_scale_ptr is not read.
     SPLIT_K > 1 (gate-up, per-group loop only): program_id(1) takes one of SPLIT_K equal shares of K (multiples
     of 64) and c_ptr is an fp32 [SPLIT_K, pairs, 2, N] buffer of its (gate, up) partial sums; `_glu_finish_kernel`
     adds the shares in a fixed order (deterministic) and runs the epilogue.
@@ -620,17 +595,17 @@ def _w4a8_moe_kernel(
         else:
             acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
                                       offs_n, n_ok, N, 0, K, stride_bn, stride_bsn,
-                                      GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL, QUANT_LOOP)
+                                      GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL)
     elif SPLIT_K > 1:
         k_share = tl.cdiv(K, SPLIT_K * 64) * 64
         k_lo = tl.program_id(1) * k_share
         acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
                                   offs_n, n_ok, N, k_lo, tl.minimum(k_lo + k_share, K), stride_bn, stride_bsn,
-                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL, QUANT_LOOP)
+                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL)
     else:
         acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
                                   offs_n, n_ok, N, 0, K, stride_bn, stride_bsn,
-                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL, QUANT_LOOP)
+                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL)
 
     if not A_GROUP:  # one activation scale per row
         sa = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
@@ -751,10 +726,6 @@ def w4a8_moe(
     config unroll (per-group loop; default 1): that many 64-deep K steps per loop iteration, unrolled (the same
     operations in the same order), so more independent weight loads can be in flight per program: at one token
     the gate-up launch is latency-bound (96 programs at TP4 shapes; pipeline depth moved it little, session 8).
-    config quant_loop (32 or 64; default 0 = off): no activation quantizer launch; the gate-up loop quantizes the
-    columns of x each K step reads, INT8 per token and that many columns (bit-equal to input_group=quant_loop
-    with the quantizer): the launch gone without the up-front row reduction that made session 16's quant_in
-    slower.
     config split_k (gate-up, per-group loop; default 1): K in that many shares, each its own program, their
     fp32 partial sums added in a fixed order by `_glu_finish_kernel` (deterministic): more programs when few
     experts are active (one token: 6 experts x 16 column tiles = 96 programs for the whole GPU).
@@ -784,12 +755,6 @@ def w4a8_moe(
         sorted_ids = num_padded = block_expert  # not read in this mode
     else:
         sorted_ids, block_expert, num_padded = _align(topk_ids, e, block_m)
-    quant_loop = int(cfg.get("quant_loop", 0))  # the gate-up loop quantizes x itself, per 32 or 64 columns
-    if quant_loop:
-        if quant_loop not in (32, 64) or input_group not in (0, quant_loop) or cfg.get("merge", False):
-            raise ValueError(f"quant_loop={quant_loop}: 32 or 64 (the activation scale group), with input_group 0 "
-                             "or the same, and merge off")
-        input_group = quant_loop
     if input_group % GROUP:
         raise ValueError(f"input_group={input_group} must be a multiple of {GROUP} (0: one scale per token)")
     merge = cfg.get("merge", False)  # per-group: faster on the H200 (docs/moe.md)
@@ -810,7 +775,7 @@ def w4a8_moe(
         raise ValueError(f"unroll={unroll}, unroll_down={unroll_down}: at least 1, and the per-group loop only "
                          "(merge off)")
     shift_up = (split_k == 1 and shift and w13_eref is not None and input_group % CHUNK == 0
-                and h * 127 * 96 < 2**31 and not quant_loop)
+                and h * 127 * 96 < 2**31)
     shift_down = shift and w2_eref is not None and block_n % CHUNK == 0 and inter * 127 * 96 < 2**31
     if shift_up:
         w13_eref = w13_eref.view(torch.uint8).contiguous()
@@ -820,12 +785,7 @@ def w4a8_moe(
         raise ValueError("w13_eref / w2_eref must be shift_refs of w13_scale / w2_scale: [E, 2I], [E, H]")
     decode_asm = cfg.get("decode", "asm" if x.is_cuda and not _INTERPRETED else "alu") == "asm"
     fused_io = cfg.get("fused_io", False)  # one-launch quantize and combine (default_config: decode sizes)
-    if quant_loop:  # no quantizer launch: the gate-up kernel reads x (its scale pointer is not read)
-        xq = xs = x if x.stride(1) == 1 else x.contiguous()
-        a_groups = h // quant_loop
-    else:
-        xq, xs = (quantize_rows_int8_fused if fused_io else quantize_rows_int8)(x, input_group)
-        a_groups = xs.shape[1]
+    xq, xs = (quantize_rows_int8_fused if fused_io else quantize_rows_int8)(x, input_group)
     hq = torch.empty((pairs, inter), dtype=torch.int8, device=dev)
     groups = inter // block_n
     hs = torch.empty((pairs, groups), dtype=torch.float32, device=dev)
@@ -836,12 +796,12 @@ def w4a8_moe(
     if blocks:  # (pair_blocks: an empty batch launches nothing; aligned, a block is always there)
         _w4a8_moe_kernel[(blocks * triton.cdiv(inter, block_n), split_k)](
             xq, xs, w13b, w13s, part, hs, sorted_ids, block_expert, num_padded, topk_weights,
-            w13_eref if shift_up else w13s, inter, h, pairs, top_k, a_groups, float(swiglu_limit),
+            w13_eref if shift_up else w13s, inter, h, pairs, top_k, xs.shape[1], float(swiglu_limit),
             xq.stride(0), w13b.stride(0), w13b.stride(1), w13s.stride(0), w13s.stride(1), hq.stride(0), groups,
             w13_eref.stride(0) if shift_up else 0,
             GATED=True, MUL_WEIGHT=False, A_GROUP=input_group, BLOCK_M=block_m, BLOCK_N=block_n,
             SPAN=span_up, DECODE_ASM=decode_asm, SHIFT=shift_up, SPLIT_K=split_k, PAIR_BLOCKS=pair_blocks,
-            UNROLL=unroll, QUANT_LOOP=bool(quant_loop), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            UNROLL=unroll, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if split_k > 1 and pairs:
         _glu_finish_kernel[(triton.cdiv(pairs, 16), groups)](
