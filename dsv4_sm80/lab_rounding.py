@@ -29,7 +29,8 @@ precision, not arithmetic. On SM90 with default arguments native rounds in three
   difference. With it the mHC pre-norm GEMM also runs DeepGEMM's own `tf32_hc_prenorm_gemm` (seam
   mhc.hc_prenorm_gemm; the SM80 Triton GEMM is 1.9e-6 from it, which still flips a BF16 rounding of the
   pre-mix now and then: layer 0's first linear saw inputs 2.9e-5 apart). It calls DeepGEMM, so runs with the
-  tripwire off (an SM90 GPU: the H200 only).
+  tripwire off (an SM90 GPU: the H200 only). Session 18: with it layer 0's first linears are bit-equal to native's
+  and every traced module sits at native's perturbation floor (docs/parity.md).
 - idx: the indexer's keys and queries are FP8 with an fp32 scale amax / 448 per 128 (against the SM80 path's
   INT8), scored in fp32 by DeepGEMM; it only changes which compressed entries the top-512 selection keeps,
   i.e. prompts past 2048 tokens. Replayed by running SGLang's own FP8 query kernel and FP8 index store (SM90
