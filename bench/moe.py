@@ -161,6 +161,15 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
                                                             "num_warps": 2, "num_stages": 4},
     "block_n2 128, warps 2, stages 4, fused io, unroll 4": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
                                                             "fused_io": True, "unroll": 4},
+    # session 18: the SASS for sm_80 shows each K step's scale loads (2-byte weight-scale words, 4-byte activation
+    # scales) outside Triton's cp.async pipeline, each step waiting on them (gate-up 16 steps per K share: 10.8 us
+    # at one token, ~0.7 us a step); prefetch loads them a step ahead; without split-K no finishing launch
+    "pair blocks, fused io, split_k 4, prefetch 1": {"pair_blocks": True, "fused_io": True, "split_k": 4, "prefetch": 1},
+    "pair blocks, fused io, split_k 2, prefetch 1": {"pair_blocks": True, "fused_io": True, "split_k": 2, "prefetch": 1},
+    "pair blocks, fused io, prefetch 1": {"pair_blocks": True, "fused_io": True, "split_k": 1, "prefetch": 1},
+    "pair blocks, fused io, split_k 4, prefetch 2": {"pair_blocks": True, "fused_io": True, "split_k": 4, "prefetch": 2},
+    "block_n2 128, warps 2, stages 4, fused io, prefetch 1": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
+                                                              "fused_io": True, "prefetch": 1},
 }.items()})
 PROFILE_CALLS = 10
 
@@ -251,12 +260,12 @@ def main(argv=None) -> int:
     ap.add_argument("--same-routing", action="store_true",
                     help="every call the same routing (the experts stay in L2 between calls at decode sizes; "
                          "sessions 4-15 timed this way)")
+    ap.add_argument("--no-marlin", action="store_true",
+                    help="the W4A8 kernel alone, without SGLang (no Marlin column): a quick timing on a GPU host "
+                         "with only torch and Triton")
     args = ap.parse_args(argv)
 
     import torch
-    from sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe import fused_marlin_moe
-    from sglang.srt.layers.quantization.marlin_utils import marlin_make_workspace
-    from sglang.srt.layers.quantization.marlin_utils_fp4 import prepare_moe_mxfp4_layer_for_marlin
 
     from dsv4_sm80.kernels.w4a8_moe import repack_mxfp4_for_w4a8, shift_refs, w4a8_moe
 
@@ -277,10 +286,18 @@ def main(argv=None) -> int:
     print(f"shiftable columns (exponent spread <= 3 binades): gate-up {100 * shiftable[0]:.1f} %, "
           f"down {100 * shiftable[1]:.1f} %")
     layer = torch.nn.Module()
-    for name, t in (("w13_weight", w13), ("w2_weight", w2), ("w13_weight_scale_inv", s13), ("w2_weight_scale_inv", s2)):
-        layer.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
-    prepare_moe_mxfp4_layer_for_marlin(layer)
-    workspace = marlin_make_workspace(torch.device(dev), max_blocks_per_sm=4)
+    if args.no_marlin:
+        fused_marlin_moe = workspace = None
+    else:
+        from sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe import fused_marlin_moe
+        from sglang.srt.layers.quantization.marlin_utils import marlin_make_workspace
+        from sglang.srt.layers.quantization.marlin_utils_fp4 import prepare_moe_mxfp4_layer_for_marlin
+
+        for name, t in (("w13_weight", w13), ("w2_weight", w2), ("w13_weight_scale_inv", s13),
+                        ("w2_weight_scale_inv", s2)):
+            layer.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
+        prepare_moe_mxfp4_layer_for_marlin(layer)
+        workspace = marlin_make_workspace(torch.device(dev), max_blocks_per_sm=4)
     bytes_per_expert = (2 * inter * H + H * inter) * (1 / 2 + 1 / 32)
 
     record = {"gpu": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
@@ -316,6 +333,8 @@ def main(argv=None) -> int:
                             **(erefs if maps is None else maps))
 
         def run_marlin(r=None):
+            if fused_marlin_moe is None:
+                raise RuntimeError("--no-marlin")
             tw, ids, logits = route(r)
             return fused_marlin_moe(x, layer.w13_weight, layer.w2_weight, layer.w13_weight_scale,
                                     layer.w2_weight_scale, logits, tw, ids, global_num_experts=e,

@@ -282,10 +282,16 @@ def _load_codes(b_ptrs, n_ok, mul, DECODE_ASM: tl.constexpr, SHIFT: tl.constexpr
 
 
 @triton.jit
-def _scale_bytes(s_ptrs, n_ok):
+def _scale_word(s_ptrs, n_ok):
     """A 64-deep K step's two E8M0 bytes per column (groups k0/32 and k0/32 + 1: adjacent, the pair 2-aligned
-    as K/32 is even) in one 16-bit load, as int32 (e0, e1); 0 where n_ok is false."""
-    v = tl.load(s_ptrs.to(tl.pointer_type(tl.uint16)), mask=n_ok, other=0).to(tl.int32)
+    as K/32 is even) in one 16-bit load, as int32 (low byte the first group); 0 where n_ok is false."""
+    return tl.load(s_ptrs.to(tl.pointer_type(tl.uint16)), mask=n_ok, other=0).to(tl.int32)
+
+
+@triton.jit
+def _scale_bytes(s_ptrs, n_ok):
+    """`_scale_word` split into (e0, e1)."""
+    v = _scale_word(s_ptrs, n_ok)
     return v & 0xFF, v >> 8
 
 
@@ -294,8 +300,14 @@ def _w4_dots(a0, a1, b_ptrs, s_ptrs, n_ok, DECODE_ASM: tl.constexpr):
     """One 64-deep K step against one byte tile, per group: the two 32-deep INT8 dots (k0..k0+31 and
     k0+32..k0+63) as exact fp32 values, and their groups' E8M0 weight scales; the caller multiplies and
     accumulates (one FFMA per group and element)."""
-    e0, e1 = _scale_bytes(s_ptrs, n_ok)
-    s0, s1 = _e8m0(e0), _e8m0(e1)
+    return _w4_dots_word(a0, a1, b_ptrs, _scale_word(s_ptrs, n_ok), n_ok, DECODE_ASM)
+
+
+@triton.jit
+def _w4_dots_word(a0, a1, b_ptrs, sw, n_ok, DECODE_ASM: tl.constexpr):
+    """`_w4_dots` with the step's scale word (`_scale_word`) already loaded: a prefetching loop loads it a step
+    or two ahead."""
+    s0, s1 = _e8m0(sw & 0xFF), _e8m0(sw >> 8)
     lo, hi = _load_codes(b_ptrs, n_ok, 0, DECODE_ASM, False)
     d0 = tl.dot(a0, lo, out_dtype=tl.int32).to(tl.float32)
     d1 = tl.dot(a1, hi, out_dtype=tl.int32).to(tl.float32)
@@ -437,20 +449,80 @@ def _w4_span(a_ptrs, row_ok, b_ptrs, s_ptrs, n_ok, up_b, up_s,
 
 
 @triton.jit
+def _step_scales(a_scale_ptr, a_rows, row_ok, a_scale_groups, s_col, up_off, n_ok, k0, k_hi,
+                 GATED: tl.constexpr, A_GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Every scale the 64-deep K step at k0 reads, as a tuple (gate scale word, up scale word, activation
+    scales of its two 32-column halves; `_scale_word`): a prefetching loop loads them ahead. A step at or past
+    k_hi loads nothing (zeros); the up word repeats the gate word when not GATED, the activation scales are
+    zeros when A_GROUP = 0 (per-row scale, applied after the loop)."""
+    live = k0 < k_hi
+    sw = _scale_word(s_col + k0 // 32, n_ok & live)
+    if GATED:
+        sw_up = _scale_word(s_col + up_off + k0 // 32, n_ok & live)
+    else:
+        sw_up = sw
+    if A_GROUP:
+        r_ok = row_ok & live
+        sa0 = tl.load(a_scale_ptr + a_rows * a_scale_groups + k0 // A_GROUP, mask=r_ok, other=0.0)
+        sa1 = tl.load(a_scale_ptr + a_rows * a_scale_groups + (k0 + 32) // A_GROUP, mask=r_ok, other=0.0)
+    else:
+        sa0 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        sa1 = sa0
+    return sw, sw_up, sa0, sa1
+
+
+@triton.jit
 def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base, offs_n, n_ok,
                 N, k_lo, k_hi, stride_bn, stride_bsn, GATED: tl.constexpr, A_GROUP: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr, DECODE_ASM: tl.constexpr,
-                UNROLL: tl.constexpr = 1):
+                UNROLL: tl.constexpr = 1, PREFETCH: tl.constexpr = 0):
     """The exact per-group loop over K in [k_lo, k_hi) (all of K, or one split-K share; SPAN = 32: each
     32-deep dot converted to fp32 and scaled by its own group's power of two; SPAN = 64/128: groups merged in
     int32 over the span, `_w4_span`). Returns fp32 (gate, up); the per-row activation scale for A_GROUP = 0 is
     still to be applied. UNROLL (SPAN 32): 64-deep K steps per loop iteration, unrolled, so that their
     independent weight loads can be in flight together; the same operations in the same order (a step past
-    k_hi loads nothing and adds zeros)."""
+    k_hi loads nothing and adds zeros). PREFETCH (SPAN 32, UNROLL 1; 1 or 2): the scales (`_step_scales`) of
+    the step that many steps ahead are loaded in this one. Triton's pipeline stages carry the codes and the
+    activations (cp.async), not these 2- and 4-byte loads (below cp.async's 4-byte minimum, or masked per row):
+    in the plain loop each step waits a full memory latency for them (session 18, SASS for sm_80)."""
     offs_j = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if SPAN == 32:
+    if SPAN == 32 and PREFETCH:
+        s_col = bs_base + offs_n * stride_bsn
+        up_off = N * stride_bsn
+        cur = _step_scales(a_scale_ptr, a_rows, row_ok, a_scale_groups, s_col, up_off, n_ok, k_lo, k_hi,
+                           GATED, A_GROUP, BLOCK_M)
+        if PREFETCH == 2:
+            nxt = _step_scales(a_scale_ptr, a_rows, row_ok, a_scale_groups, s_col, up_off, n_ok, k_lo + 64, k_hi,
+                               GATED, A_GROUP, BLOCK_M)
+        for k0 in range(k_lo, k_hi, 64):
+            ahead = _step_scales(a_scale_ptr, a_rows, row_ok, a_scale_groups, s_col, up_off, n_ok,
+                                 k0 + 64 * PREFETCH, k_hi, GATED, A_GROUP, BLOCK_M)
+            sw, sw_up, sa0, sa1 = cur
+            a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
+            a0 = tl.load(a_ptrs, mask=row_ok[:, None], other=0)
+            a1 = tl.load(a_ptrs + 32, mask=row_ok[:, None], other=0)
+            b_ptrs = b_base + _col_base(offs_n, stride_bn)[None, :] + (k0 * 16 + offs_j)[:, None]
+            d0, d1, s0, s1 = _w4_dots_word(a0, a1, b_ptrs, sw, n_ok, DECODE_ASM)
+            if A_GROUP:
+                acc += (d0 * s0[None, :]) * sa0[:, None] + (d1 * s1[None, :]) * sa1[:, None]
+            else:
+                acc += d0 * s0[None, :]
+                acc += d1 * s1[None, :]
+            if GATED:  # the up rows of the same columns sit N rows further
+                d0, d1, s0, s1 = _w4_dots_word(a0, a1, b_ptrs + N * stride_bn, sw_up, n_ok, DECODE_ASM)
+                if A_GROUP:
+                    acc_up += (d0 * s0[None, :]) * sa0[:, None] + (d1 * s1[None, :]) * sa1[:, None]
+                else:
+                    acc_up += d0 * s0[None, :]
+                    acc_up += d1 * s1[None, :]
+            if PREFETCH == 2:
+                cur = nxt
+                nxt = ahead
+            else:
+                cur = ahead
+    elif SPAN == 32:
         for k_it in range(k_lo, k_hi, 64 * UNROLL):
             for u in tl.static_range(UNROLL):
                 k0 = k_it + 64 * u
@@ -546,7 +618,7 @@ def _w4a8_moe_kernel(
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr = 32, DECODE_ASM: tl.constexpr = False,
     SHIFT: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, PAIR_BLOCKS: tl.constexpr = False,
-    UNROLL: tl.constexpr = 1,
+    UNROLL: tl.constexpr = 1, PREFETCH: tl.constexpr = 0,
 ):
     """SPAN = 32: every scale group converted to fp32 on its own (needed when the activation scale
     changes every 32 columns). SPAN = 64 or 128: groups merged in int32 over the span (`_w4_span`); the
@@ -558,6 +630,7 @@ def _w4a8_moe_kernel(
     of 64) and c_ptr is an fp32 [SPLIT_K, pairs, 2, N] buffer of its (gate, up) partial sums; `_glu_finish_kernel`
     adds the shares in a fixed order (deterministic) and runs the epilogue.
     UNROLL: 64-deep K steps per iteration of the per-group loop (`_group_loop`).
+    PREFETCH (1 or 2): the per-group loop loads each step's scales that many steps ahead (`_group_loop`).
     PAIR_BLOCKS (tiny decode batches): no alignment; M block b is pair b alone (its row 0; the other rows
     padding) and block_expert_ptr is the flattened topk_ids [pairs], its expert; sorted_ids_ptr and
     num_padded_ptr are not read."""
@@ -595,17 +668,17 @@ def _w4a8_moe_kernel(
         else:
             acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
                                       offs_n, n_ok, N, 0, K, stride_bn, stride_bsn,
-                                      GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL)
+                                      GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL, PREFETCH)
     elif SPLIT_K > 1:
         k_share = tl.cdiv(K, SPLIT_K * 64) * 64
         k_lo = tl.program_id(1) * k_share
         acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
                                   offs_n, n_ok, N, k_lo, tl.minimum(k_lo + k_share, K), stride_bn, stride_bsn,
-                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL)
+                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL, PREFETCH)
     else:
         acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
                                   offs_n, n_ok, N, 0, K, stride_bn, stride_bsn,
-                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL)
+                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL, PREFETCH)
 
     if not A_GROUP:  # one activation scale per row
         sa = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
@@ -726,6 +799,9 @@ def w4a8_moe(
     config unroll (per-group loop; default 1): that many 64-deep K steps per loop iteration, unrolled (the same
     operations in the same order), so more independent weight loads can be in flight per program: at one token
     the gate-up launch is latency-bound (96 programs at TP4 shapes; pipeline depth moved it little, session 8).
+    config prefetch (per-group loop, unroll 1; default 0; prefetch_down the down launch's own): each K step's
+    weight-scale words and activation scales loaded 1 or 2 steps ahead. Those 2- and 4-byte loads are not in
+    Triton's cp.async pipeline (the codes and activations are): without it every step waits on them.
     config split_k (gate-up, per-group loop; default 1): K in that many shares, each its own program, their
     fp32 partial sums added in a fixed order by `_glu_finish_kernel` (deterministic): more programs when few
     experts are active (one token: 6 experts x 16 column tiles = 96 programs for the whole GPU).
@@ -774,6 +850,12 @@ def w4a8_moe(
     if min(unroll, unroll_down) < 1 or max(unroll, unroll_down) > 1 and merge:
         raise ValueError(f"unroll={unroll}, unroll_down={unroll_down}: at least 1, and the per-group loop only "
                          "(merge off)")
+    prefetch = int(cfg.get("prefetch", 0))  # scales loaded this many K steps ahead (the per-group loop)
+    prefetch_down = int(cfg.get("prefetch_down", prefetch))
+    for name, pf, ur in (("prefetch", prefetch, unroll), ("prefetch_down", prefetch_down, unroll_down)):
+        if pf not in (0, 1, 2) or pf and (merge or ur > 1):
+            raise ValueError(f"{name}={pf}: 0, 1 or 2 steps ahead, for the per-group loop with merge off and "
+                             f"unroll 1 (got merge={bool(merge)}, unroll {ur})")
     shift_up = (split_k == 1 and shift and w13_eref is not None and input_group % CHUNK == 0
                 and h * 127 * 96 < 2**31)
     shift_down = shift and w2_eref is not None and block_n % CHUNK == 0 and inter * 127 * 96 < 2**31
@@ -801,7 +883,7 @@ def w4a8_moe(
             w13_eref.stride(0) if shift_up else 0,
             GATED=True, MUL_WEIGHT=False, A_GROUP=input_group, BLOCK_M=block_m, BLOCK_N=block_n,
             SPAN=span_up, DECODE_ASM=decode_asm, SHIFT=shift_up, SPLIT_K=split_k, PAIR_BLOCKS=pair_blocks,
-            UNROLL=unroll, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            UNROLL=unroll, PREFETCH=prefetch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if split_k > 1 and pairs:
         _glu_finish_kernel[(triton.cdiv(pairs, 16), groups)](
@@ -820,7 +902,8 @@ def w4a8_moe(
             w2_eref.stride(0) if shift_down else 0,
             GATED=False, MUL_WEIGHT=True, A_GROUP=block_n, BLOCK_M=block_m, BLOCK_N=block_n2,
             SPAN=span_down, DECODE_ASM=decode_asm, SHIFT=shift_down, PAIR_BLOCKS=pair_blocks,
-            UNROLL=unroll_down, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            UNROLL=unroll_down, PREFETCH=prefetch_down, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
     if fused_io and (out is None or out.is_contiguous()):
         res = torch.empty((t, h), dtype=x.dtype, device=dev) if out is None else out
