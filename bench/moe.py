@@ -170,6 +170,11 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
     "pair blocks, fused io, split_k 4, prefetch 2": {"pair_blocks": True, "fused_io": True, "split_k": 4, "prefetch": 2},
     "block_n2 128, warps 2, stages 4, fused io, prefetch 1": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
                                                               "fused_io": True, "prefetch": 1},
+    # ... or the issue rate: the per-group loop converts every 32-deep dot of all 16 tile rows (one real at one token)
+    # with I2F at quarter rate; the shift path accumulates in int32 instead (no I2F; no split-K: shift takes K whole;
+    # block_n 64 also gives the down launch the 64-column activation group its shift path needs)
+    "pair blocks, fused io, shift": {"pair_blocks": True, "fused_io": True, "shift": True},
+    "pair blocks, fused io, shift, block_n 64": {"pair_blocks": True, "fused_io": True, "shift": True, "block_n": 64},
 }.items()})
 PROFILE_CALLS = 10
 
