@@ -175,6 +175,17 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
     # block_n 64 also gives the down launch the 64-column activation group its shift path needs)
     "pair blocks, fused io, shift": {"pair_blocks": True, "fused_io": True, "shift": True},
     "pair blocks, fused io, shift, block_n 64": {"pair_blocks": True, "fused_io": True, "shift": True, "block_n": 64},
+    # ... or without the MMA: gemv multiplies the pair's one row on CUDA cores (PRMT decode + DP4A), one column per
+    # thread, ~2.7 SASS instructions per code in the gate-up loop against ~5.9 (+16 quarter-rate I2F) per step of
+    # the 16-row MMA tile (sm_80 SASS, session 18); more K shares for more programs (96 at split_k 4, tile 128)
+    "pair blocks, fused io, gemv, split_k 4": {"pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 4},
+    "pair blocks, fused io, gemv, split_k 8": {"pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 8},
+    "pair blocks, fused io, gemv, split_k 16": {"pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 16},
+    "pair blocks, fused io, gemv, split_k 8, gemv_n 64": {"pair_blocks": True, "fused_io": True, "gemv": True,
+                                                          "split_k": 8, "gemv_n": 64},
+    "pair blocks, fused io, gemv, split_k 8, block_n2 128": {"pair_blocks": True, "fused_io": True, "gemv": True,
+                                                             "split_k": 8, "block_n2": 128},
+    "pair blocks, fused io, gemv, split_k 1": {"pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 1},
 }.items()})
 PROFILE_CALLS = 10
 

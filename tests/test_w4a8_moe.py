@@ -371,7 +371,23 @@ for fn, sig, consts in (
                          options={"num_warps": 8}).asm["ptx"]
     io[fn.__name__] = {"sm80": ".target sm_80" in ptx, "fp8": "e4m3" in ptx or "e5m2" in ptx,
                        "div_rn": "div.rn.f32" in ptx}
-print(json.dumps({"gemm": out, "io": io}))
+gemv = {}  # the CUDA-core pair-block kernel: gate-up in K shares (tile 128), gate-up with its GLU epilogue, down
+gsig = {"a_ptr": "*i8", "a_scale_ptr": "*fp32", "b_ptr": "*u8", "bs_ptr": "*u8", "c_ptr": "*fp32",
+        "c_scale_ptr": "*fp32", "expert_ptr": "*i32", "topk_w_ptr": "*fp32", "N": "i32", "K": "i32",
+        "num_pairs": "i32", "a_row_div": "i32", "a_scale_groups": "i32", "limit": "fp32", "stride_am": "i32",
+        "stride_be": "i32", "stride_bn": "i32", "stride_bse": "i32", "stride_bsn": "i32", "stride_cm": "i32",
+        "c_scale_groups": "i32", "GATED": "constexpr", "MUL_WEIGHT": "constexpr", "A_GROUP": "constexpr",
+        "BLOCK_N": "constexpr", "DECODE_ASM": "constexpr", "SPLIT_K": "constexpr"}
+for name, c_ptr, consts, warps in (("gate_up-split4", "*fp32", {"GATED": True, "BLOCK_N": 128, "SPLIT_K": 4}, 4),
+                                   ("gate_up-glu", "*i8", {"GATED": True, "BLOCK_N": 32, "SPLIT_K": 1}, 1),
+                                   ("down", "*fp32", {"GATED": False, "MUL_WEIGHT": True, "A_GROUP": 32,
+                                                      "BLOCK_N": 64, "SPLIT_K": 1}, 2)):
+    consts = dict({"MUL_WEIGHT": False, "A_GROUP": 0, "DECODE_ASM": True}, **consts)
+    ptx = triton.compile(ASTSource(fn=k._w4a8_gemv_kernel, signature=dict(gsig, c_ptr=c_ptr), constexprs=consts),
+                         target=GPUTarget("cuda", 80, 32), options={"num_warps": warps, "num_stages": 3}).asm["ptx"]
+    gemv[name] = {"sm80": ".target sm_80" in ptx, "dp4a": "dp4a.s32.s32" in ptx, "prmt": "0xF4F8FAFC" in ptx,
+                  "fp8": "e4m3" in ptx or "e5m2" in ptx}
+print(json.dumps({"gemm": out, "io": io, "gemv": gemv}))
 """
 
 
@@ -393,6 +409,8 @@ def test_compiles_for_sm80_with_int8_mma():
         assert r == {"sm80": True, "int8_mma": True, "prmt": asm, "prmt_shift": asm and "-shift-" in name,
                      "asm_in_mma_b_layout": asm, "fp8": False}, (name, r)
     assert res["io"]["_quantize_rows_kernel"] == {"sm80": True, "fp8": False, "div_rn": True}, res["io"]
+    assert res["gemv"] == {n: {"sm80": True, "dp4a": True, "prmt": True, "fp8": False}
+                           for n in ("gate_up-split4", "gate_up-glu", "down")}, res["gemv"]
     assert res["io"]["_sum_pairs_kernel"]["sm80"] and not res["io"]["_sum_pairs_kernel"]["fp8"], res["io"]
     assert res["io"]["_glu_finish_kernel"]["sm80"] and not res["io"]["_glu_finish_kernel"]["fp8"], res["io"]
 
@@ -674,7 +692,7 @@ def test_every_bench_variant_computes_the_moe(k):
             if key in ran:
                 continue
             ran.add(key)
-        h = 256 if 256 % (64 * cfg.get("split_k", 1)) == 0 else 512
+        h = max(256, 64 * cfg.get("split_k", 1))  # a whole 64-deep step per K share
         (x, w13, s13, w2, s2, tw, ids), (a, b), maps, zero = at(h)
         group = dict(k.default_config(3 * 2), **cfg)["block_n"]
         if (h, group) not in want:
@@ -754,3 +772,28 @@ def test_prefetched_scales_equal_the_plain_loop_bit_for_bit(k):
     for bad in ({"prefetch": 3}, {"prefetch": 1, "unroll": 2}, {"prefetch_down": 1, "merge": True, "split_k": 1}):
         with pytest.raises(ValueError, match="prefetch"):
             run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, **bad))
+
+
+def test_gemv_equals_the_pair_block_mma_bit_for_bit(k):
+    """config gemv: each pair's one row on CUDA cores (the codes decoded once, multiplied by DP4A on the GPU,
+    elementwise here) instead of the 16-row INT8 MMA tile: the same exact int32 group dots and the same fp32
+    steps, so bit-equal to the pair-block MMA kernel: with split-K partials and with the in-kernel GLU epilogue
+    (split 1), per-token and per-32 input scales, a 64-wide gate-up tile, BF16 pair outputs, hidden 192 (three K
+    steps); held to the INT8 emulation reference written from the math; refused without pair blocks."""
+    for t, h, extra in ((1, 256, {"split_k": 4}), (3, 192, {"split_k": 1}), (2, 256, {"split_k": 2, "block_n": 64}),
+                        (4, 256, {"split_k": 1, "pair_bf16": True, "block_n2": 128})):
+        x, w13, s13, w2, s2, tw, ids = case(t=t, top_k=3, h=h, inter=128, seed=80 + t)
+        for group in (0, 32):
+            cfg = dict(DECODE, pair_blocks=True, fused_io=True, **extra)
+            mma = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=group, config=cfg)
+            gemv = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=group,
+                              config=dict(cfg, gemv=True))
+            assert torch.equal(gemv, mma), (t, h, extra, group)
+        want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"],
+                                     input_group=group).float()
+        err = (gemv.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
+        assert float(err.max()) < 1e-2, (t, extra, err.tolist())
+    with pytest.raises(ValueError, match="gemv"):
+        run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, gemv=True, pair_blocks=False))
+    with pytest.raises(ValueError, match="gemv"):
+        run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, gemv=True, pair_blocks=True, prefetch=1))

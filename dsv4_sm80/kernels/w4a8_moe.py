@@ -703,6 +703,140 @@ def _w4a8_moe_kernel(
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
+_DP4A_ASM_C = tl.constexpr("dp4a.s32.s32 $0, $1, $2, $3;")  # four INT8 products summed into int32 (sm_61+)
+
+
+@triton.jit
+def _gemv_dots(words, xw0, xw1, DECODE_ASM: tl.constexpr):
+    """Four words per column against a row: words int32 [4, BLOCK_N] (words q..q+3 of each column's K chunk: in
+    each, the codes of k0+4q'..k0+4q'+3 as nibbles 0-3 and of k0+32+4q'.. as nibbles 4-7; the repacked layout),
+    xw0 / xw1 int32 [4, 1]: the row's INT8 activations at the same k (four per word, in k order) for the first
+    and the second scale group. Returns each group's exact int32 dot over these 16 + 16 codes [BLOCK_N] (of
+    twice the E2M1 values). DECODE_ASM: the PRMT decoder (`_DECODE_ASM`, a word in, each group's four INT8 values
+    out; ptxas hoists its table constants) and DP4A; else the same integers elementwise (interpreter)."""
+    if DECODE_ASM:
+        lo, hi = tl.inline_asm_elementwise(_DECODE_ASM_C, "=r,=r,r", [words], dtype=(tl.int32, tl.int32),
+                                           is_pure=True, pack=1)
+        z = tl.zeros(words.shape, dtype=tl.int32)
+        p0 = tl.inline_asm_elementwise(_DP4A_ASM_C, "=r,r,r,r", [lo, tl.broadcast_to(xw0, words.shape), z],
+                                       dtype=tl.int32, is_pure=True, pack=1)
+        p1 = tl.inline_asm_elementwise(_DP4A_ASM_C, "=r,r,r,r", [hi, tl.broadcast_to(xw1, words.shape), z],
+                                       dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        p0 = tl.zeros(words.shape, dtype=tl.int32)
+        p1 = tl.zeros(words.shape, dtype=tl.int32)
+        for i in tl.static_range(4):
+            x0 = (xw0 << (24 - 8 * i)) >> 24  # byte i, sign-extended (arithmetic shift of int32)
+            x1 = (xw1 << (24 - 8 * i)) >> 24
+            p0 += _e2m1x2((words >> (4 * i)) & 0xF) * x0
+            p1 += _e2m1x2((words >> (16 + 4 * i)) & 0xF) * x1
+    return tl.sum(p0, axis=0), tl.sum(p1, axis=0)
+
+
+@triton.jit
+def _gemv_step(wbase, x_words, k0, n_ok, DECODE_ASM: tl.constexpr):
+    """One 64-deep K step of one row against BLOCK_N columns: wbase [BLOCK_N] int32 pointers to each column's
+    first K chunk, x_words the row's INT8 activations as int32 words. Each column's chunk (8 words, 32 bytes) is
+    read as two 4-word halves, so that with one column per thread (BLOCK_N = 32 x warps) every sum over words
+    stays in its thread. Returns the two scale groups' exact int32 dots [BLOCK_N]."""
+    offs_q = tl.arange(0, 4)
+    w_ptrs = wbase[None, :] + (k0 * 4 + offs_q)[:, None]
+    xa = x_words + k0 // 4 + offs_q
+    a0, a1 = _gemv_dots(tl.load(w_ptrs, mask=n_ok[None, :], other=0), tl.load(xa)[:, None],
+                        tl.load(xa + 8)[:, None], DECODE_ASM)
+    b0, b1 = _gemv_dots(tl.load(w_ptrs + 4, mask=n_ok[None, :], other=0), tl.load(xa + 4)[:, None],
+                        tl.load(xa + 12)[:, None], DECODE_ASM)
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _gemv_group_loop(a_row_ptr, a_scale_row_ptr, b_base, bs_base, offs_n, n_ok, N, k_lo, k_hi, stride_bn,
+                     stride_bsn, GATED: tl.constexpr, A_GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                     DECODE_ASM: tl.constexpr):
+    """`_group_loop` for one row (pair blocks' single real row) on CUDA cores: the same exact int32 dots per
+    32-deep group and the same fp32 scaling and accumulation, in the same order (bit-equal to it in the
+    interpreter). Returns fp32 (gate, up) [BLOCK_N]."""
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    x_words = a_row_ptr.to(tl.pointer_type(tl.int32))
+    wbase = (b_base + _col_base(offs_n, stride_bn)).to(tl.pointer_type(tl.int32))
+    wbase_up = (b_base + N * stride_bn + _col_base(offs_n, stride_bn)).to(tl.pointer_type(tl.int32))
+    for k0 in range(k_lo, k_hi, 64):
+        s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
+        e0, e1 = _scale_bytes(s_ptrs, n_ok)
+        s0, s1 = _e8m0(e0), _e8m0(e1)
+        d0, d1 = _gemv_step(wbase, x_words, k0, n_ok, DECODE_ASM)
+        if A_GROUP:  # activation scale per group of A_GROUP columns of K
+            sa0 = tl.load(a_scale_row_ptr + k0 // A_GROUP)
+            sa1 = tl.load(a_scale_row_ptr + (k0 + 32) // A_GROUP)
+            acc += (d0.to(tl.float32) * s0) * sa0 + (d1.to(tl.float32) * s1) * sa1
+        else:
+            acc += d0.to(tl.float32) * s0
+            acc += d1.to(tl.float32) * s1
+        if GATED:  # the up rows of the same columns sit N rows further
+            e0, e1 = _scale_bytes(s_ptrs + N * stride_bsn, n_ok)
+            s0, s1 = _e8m0(e0), _e8m0(e1)
+            d0, d1 = _gemv_step(wbase_up, x_words, k0, n_ok, DECODE_ASM)
+            if A_GROUP:
+                acc_up += (d0.to(tl.float32) * s0) * sa0 + (d1.to(tl.float32) * s1) * sa1
+            else:
+                acc_up += d0.to(tl.float32) * s0
+                acc_up += d1.to(tl.float32) * s1
+    return acc, acc_up
+
+
+@triton.jit
+def _w4a8_gemv_kernel(
+    a_ptr, a_scale_ptr, b_ptr, bs_ptr, c_ptr, c_scale_ptr, expert_ptr, topk_w_ptr,
+    N, K, num_pairs, a_row_div, a_scale_groups, limit,
+    stride_am, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, c_scale_groups,
+    GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    DECODE_ASM: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
+):
+    """`_w4a8_moe_kernel` with PAIR_BLOCKS for tiny decode batches, without the MMA: program (pair, column tile[,
+    K share]) multiplies its pair's one row on CUDA cores (`_gemv_group_loop`). The MMA kernel computes 16 tile
+    rows for one real one (every group's I2F and FFMA on all 16); this one decodes each code once and
+    multiplies it once (DP4A). Same outputs, same epilogues (split-K partials, the GLU and INT8 quantization of
+    the intermediate per BLOCK_N columns, the top-k weight)."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    p = pid // n_tiles
+    pid_n = pid % n_tiles
+    expert = tl.load(expert_ptr + p).to(tl.int64)
+    if expert < 0:
+        return
+    row = (p // a_row_div).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    k_lo = 0
+    k_hi = K
+    if SPLIT_K > 1:
+        k_share = tl.cdiv(K, SPLIT_K * 64) * 64
+        k_lo = tl.program_id(1) * k_share
+        k_hi = tl.minimum(k_lo + k_share, K)
+    acc, acc_up = _gemv_group_loop(a_ptr + row * stride_am, a_scale_ptr + row * a_scale_groups,
+                                   b_ptr + expert * stride_be, bs_ptr + expert * stride_bse, offs_n, n_ok, N,
+                                   k_lo, k_hi, stride_bn, stride_bsn, GATED, A_GROUP, BLOCK_N, DECODE_ASM)
+    if not A_GROUP:  # one activation scale per row
+        sa = tl.load(a_scale_ptr + row)
+        acc = acc * sa
+        acc_up = acc_up * sa
+    acc = acc * 0.5  # the codes were twice the E2M1 values
+    out = p.to(tl.int64)
+    if GATED and SPLIT_K > 1:  # this share's partial sums; _glu_finish_kernel adds the shares
+        part = c_ptr + (tl.program_id(1).to(tl.int64) * num_pairs + out) * (2 * N) + offs_n
+        tl.store(part, acc, mask=n_ok)
+        tl.store(part + N, acc_up, mask=n_ok)
+    elif GATED:
+        q, s = _glu_quant(acc[None, :], acc_up[None, :], n_ok, limit, False)
+        tl.store(c_ptr + out * stride_cm + offs_n[None, :], q, mask=n_ok[None, :])
+        tl.store(c_scale_ptr + out * c_scale_groups + pid_n + tl.arange(0, 1), s)
+    else:
+        if MUL_WEIGHT:
+            acc = acc * tl.load(topk_w_ptr + out)
+        tl.store(c_ptr + out * stride_cm + offs_n, acc.to(c_ptr.dtype.element_ty), mask=n_ok)
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Sort the (token, k) pairs by expert and pad each expert's run to a multiple of block_m.
 
@@ -802,6 +936,11 @@ def w4a8_moe(
     config prefetch (per-group loop, unroll 1; default 0; prefetch_down the down launch's own): each K step's
     weight-scale words and activation scales loaded 1 or 2 steps ahead. Those 2- and 4-byte loads are not in
     Triton's cp.async pipeline (the codes and activations are): without it every step waits on them.
+    config gemv (with pair_blocks; default off): each pair's one row multiplied on CUDA cores (PRMT decode, DP4A
+    per four codes; `_w4a8_gemv_kernel`) instead of a 16-row INT8 MMA tile whose 15 padding rows still take every
+    group's conversion and scaling; the same integers and fp32 steps (bit-equal in the interpreter). One column
+    per thread: the gate-up tile is gemv_n columns (default 128) with split-K, block_n without; the down tile
+    block_n2; warps = tile / 32.
     config split_k (gate-up, per-group loop; default 1): K in that many shares, each its own program, their
     fp32 partial sums added in a fixed order by `_glu_finish_kernel` (deterministic): more programs when few
     experts are active (one token: 6 experts x 16 column tiles = 96 programs for the whole GPU).
@@ -836,7 +975,7 @@ def w4a8_moe(
     merge = cfg.get("merge", False)  # per-group: faster on the H200 (docs/moe.md)
     span_up = _span(h, input_group, merge)
     span_down = _span(inter, block_n, merge)
-    shift = cfg.get("shift", True)
+    shift = cfg.get("shift", True) and not cfg.get("gemv", False)  # (gemv has no shift path)
     split_k = int(cfg.get("split_k", 1))  # gate-up K shares: more programs when few experts are active
     if "split_k" not in asked:  # default_config's choice yields: to merge or the shift path asked for, and
         if asked.get("merge") or asked.get("shift"):  # to a hidden size it does not divide
@@ -850,6 +989,10 @@ def w4a8_moe(
     if min(unroll, unroll_down) < 1 or max(unroll, unroll_down) > 1 and merge:
         raise ValueError(f"unroll={unroll}, unroll_down={unroll_down}: at least 1, and the per-group loop only "
                          "(merge off)")
+    gemv = bool(cfg.get("gemv", False))  # pair blocks on CUDA cores (DP4A), not the 16-row MMA tile
+    if gemv and (not pair_blocks or merge or max(unroll, unroll_down) > 1 or cfg.get("prefetch", 0)
+                 or cfg.get("prefetch_down", 0)):
+        raise ValueError("gemv: pair_blocks on, and merge, unroll, prefetch off (its own loop has none of them)")
     prefetch = int(cfg.get("prefetch", 0))  # scales loaded this many K steps ahead (the per-group loop)
     prefetch_down = int(cfg.get("prefetch_down", prefetch))
     for name, pf, ur in (("prefetch", prefetch, unroll), ("prefetch_down", prefetch_down, unroll_down)):
@@ -875,7 +1018,14 @@ def w4a8_moe(
     w2b, w2s = w2.view(torch.uint8), w2_scale.view(torch.uint8)
     blocks = pairs if pair_blocks else block_expert.numel()
     part = torch.empty((split_k, pairs, 2, inter), dtype=torch.float32, device=dev) if split_k > 1 else hq
-    if blocks:  # (pair_blocks: an empty batch launches nothing; aligned, a block is always there)
+    if blocks and gemv:  # one column per thread: warps = tile / 32 (split-K partials free the tile from the group)
+        gn = int(cfg.get("gemv_n", 128)) if split_k > 1 else block_n
+        _w4a8_gemv_kernel[(pairs * triton.cdiv(inter, gn), split_k)](
+            xq, xs, w13b, w13s, part, hs, block_expert, topk_weights, inter, h, pairs, top_k, xs.shape[1],
+            float(swiglu_limit), xq.stride(0), w13b.stride(0), w13b.stride(1), w13s.stride(0), w13s.stride(1),
+            hq.stride(0), groups, GATED=True, MUL_WEIGHT=False, A_GROUP=input_group, BLOCK_N=gn,
+            DECODE_ASM=decode_asm, SPLIT_K=split_k, num_warps=max(1, gn // 32), num_stages=cfg["num_stages"])
+    elif blocks:  # (pair_blocks: an empty batch launches nothing; aligned, a block is always there)
         _w4a8_moe_kernel[(blocks * triton.cdiv(inter, block_n), split_k)](
             xq, xs, w13b, w13s, part, hs, sorted_ids, block_expert, num_padded, topk_weights,
             w13_eref if shift_up else w13s, inter, h, pairs, top_k, xs.shape[1], float(swiglu_limit),
@@ -894,7 +1044,13 @@ def w4a8_moe(
     # ([pairs, H]: 1.6 GB fp32 at 16K tokens, written once and read once), one BF16 rounding per pair
     y = torch.empty((pairs, h), dtype=torch.bfloat16 if cfg.get("pair_bf16", False) else torch.float32, device=dev)
     tw = topk_weights.reshape(-1).to(torch.float32)
-    if blocks:
+    if blocks and gemv:
+        _w4a8_gemv_kernel[(pairs * triton.cdiv(h, block_n2),)](
+            hq, hs, w2b, w2s, y, y, block_expert, tw, h, inter, pairs, 1, groups, 0.0, hq.stride(0), w2b.stride(0),
+            w2b.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0), 0, GATED=False, MUL_WEIGHT=True,
+            A_GROUP=block_n, BLOCK_N=block_n2, DECODE_ASM=decode_asm, num_warps=max(1, block_n2 // 32),
+            num_stages=cfg["num_stages"])
+    elif blocks:
         _w4a8_moe_kernel[(blocks * triton.cdiv(h, block_n2),)](
             hq, hs, w2b, w2s, y, y, sorted_ids, block_expert, num_padded, tw,
             w2_eref if shift_down else w2s, h, inter, pairs, 1, groups, 0.0,
