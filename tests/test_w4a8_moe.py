@@ -777,7 +777,8 @@ def test_prefetched_scales_equal_the_plain_loop_bit_for_bit(k):
 def test_gemv_equals_the_pair_block_mma_bit_for_bit(k):
     """config gemv: each pair's one row on CUDA cores (the codes decoded once, multiplied by DP4A on the GPU,
     elementwise here) instead of the 16-row INT8 MMA tile: the same exact int32 group dots and the same fp32
-    steps, so bit-equal to the pair-block MMA kernel: with split-K partials and with the in-kernel GLU epilogue
+    steps, so bit-equal to the pair-block MMA kernel (in the interpreter; compiled, within fp32 rounding: FMA
+    contraction may differ): with split-K partials and with the in-kernel GLU epilogue
     (split 1), per-token and per-32 input scales, a 64-wide gate-up tile, BF16 pair outputs, hidden 192 (three K
     steps); held to the INT8 emulation reference written from the math; refused without pair blocks."""
     for t, h, extra in ((1, 256, {"split_k": 4}), (3, 192, {"split_k": 1}), (2, 256, {"split_k": 2, "block_n": 64}),
@@ -788,7 +789,12 @@ def test_gemv_equals_the_pair_block_mma_bit_for_bit(k):
             mma = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=group, config=cfg)
             gemv = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=group,
                               config=dict(cfg, gemv=True))
-            assert torch.equal(gemv, mma), (t, h, extra, group)
+            if k._INTERPRETED:
+                assert torch.equal(gemv, mma), (t, h, extra, group)
+            else:  # compiled, the two kernels' fp32 scaling may contract into FMAs differently (an fp32 rounding, which
+                # can flip a BF16 pair output's or the intermediate's INT8 rounding); a wrong decode would be O(1)
+                rel = float((gemv.float() - mma.float()).norm() / mma.float().norm().clamp_min(1e-30))
+                assert rel < 1e-3, (t, h, extra, group, rel)
         want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"],
                                      input_group=group).float()
         err = (gemv.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
