@@ -449,6 +449,26 @@ def _w4_span(a_ptrs, row_ok, b_ptrs, s_ptrs, n_ok, up_b, up_s,
 
 
 @triton.jit
+def _add_groups(acc, d0, d1, s0, s1, sa0, sa1, A_GROUP: tl.constexpr, ROWS: tl.constexpr):
+    """acc plus one 64-deep K step's two group dots (d0, d1: exact, fp32) times their weight scales (s0, s1 per
+    column), and times their activation scales (sa0, sa1) when those are per group (A_GROUP; else unused): the one
+    order of fp32 operations every loop keeps (the kernels agree bit for bit). ROWS: acc, d0, d1 are [rows,
+    columns] and sa per row; else [columns] and sa one value."""
+    if ROWS:
+        s0 = s0[None, :]
+        s1 = s1[None, :]
+        if A_GROUP:
+            sa0 = sa0[:, None]
+            sa1 = sa1[:, None]
+    if A_GROUP:
+        acc = acc + ((d0 * s0) * sa0 + (d1 * s1) * sa1)
+    else:
+        acc = acc + d0 * s0
+        acc = acc + d1 * s1
+    return acc
+
+
+@triton.jit
 def _step_scales(a_scale_ptr, a_rows, row_ok, a_scale_groups, s_col, up_off, n_ok, k0, k_hi,
                  GATED: tl.constexpr, A_GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
     """Every scale the 64-deep K step at k0 reads, as a tuple (gate scale word, up scale word, activation
@@ -505,18 +525,10 @@ def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b
             a1 = tl.load(a_ptrs + 32, mask=row_ok[:, None], other=0)
             b_ptrs = b_base + _col_base(offs_n, stride_bn)[None, :] + (k0 * 16 + offs_j)[:, None]
             d0, d1, s0, s1 = _w4_dots_word(a0, a1, b_ptrs, sw, n_ok, DECODE_ASM)
-            if A_GROUP:
-                acc += (d0 * s0[None, :]) * sa0[:, None] + (d1 * s1[None, :]) * sa1[:, None]
-            else:
-                acc += d0 * s0[None, :]
-                acc += d1 * s1[None, :]
+            acc = _add_groups(acc, d0, d1, s0, s1, sa0, sa1, A_GROUP, True)
             if GATED:  # the up rows of the same columns sit N rows further
                 d0, d1, s0, s1 = _w4_dots_word(a0, a1, b_ptrs + N * stride_bn, sw_up, n_ok, DECODE_ASM)
-                if A_GROUP:
-                    acc_up += (d0 * s0[None, :]) * sa0[:, None] + (d1 * s1[None, :]) * sa1[:, None]
-                else:
-                    acc_up += d0 * s0[None, :]
-                    acc_up += d1 * s1[None, :]
+                acc_up = _add_groups(acc_up, d0, d1, s0, s1, sa0, sa1, A_GROUP, True)
             if PREFETCH == 2:
                 cur = nxt
                 nxt = ahead
@@ -535,24 +547,18 @@ def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b
                 a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
                 a0 = tl.load(a_ptrs, mask=r_ok[:, None], other=0)
                 a1 = tl.load(a_ptrs + 32, mask=r_ok[:, None], other=0)
+                sa0 = 0.0  # (per-row activation scale: applied after the loop)
+                sa1 = 0.0
                 if A_GROUP:  # activation scale per (row, group of A_GROUP columns of K; a multiple of 32)
                     sa0 = tl.load(a_scale_ptr + a_rows * a_scale_groups + k0 // A_GROUP, mask=r_ok, other=0.0)
                     sa1 = tl.load(a_scale_ptr + a_rows * a_scale_groups + (k0 + 32) // A_GROUP, mask=r_ok, other=0.0)
                 b_ptrs = b_base + _col_base(offs_n, stride_bn)[None, :] + (k0 * 16 + offs_j)[:, None]
                 s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
                 d0, d1, s0, s1 = _w4_dots(a0, a1, b_ptrs, s_ptrs, c_ok, DECODE_ASM)
-                if A_GROUP:
-                    acc += (d0 * s0[None, :]) * sa0[:, None] + (d1 * s1[None, :]) * sa1[:, None]
-                else:
-                    acc += d0 * s0[None, :]
-                    acc += d1 * s1[None, :]
+                acc = _add_groups(acc, d0, d1, s0, s1, sa0, sa1, A_GROUP, True)
                 if GATED:  # the up rows of the same columns sit N rows further
                     d0, d1, s0, s1 = _w4_dots(a0, a1, b_ptrs + N * stride_bn, s_ptrs + N * stride_bsn, c_ok, DECODE_ASM)
-                    if A_GROUP:
-                        acc_up += (d0 * s0[None, :]) * sa0[:, None] + (d1 * s1[None, :]) * sa1[:, None]
-                    else:
-                        acc_up += d0 * s0[None, :]
-                        acc_up += d1 * s1[None, :]
+                    acc_up = _add_groups(acc_up, d0, d1, s0, s1, sa0, sa1, A_GROUP, True)
     else:
         for k0 in range(k_lo, k_hi, SPAN):
             a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
@@ -766,22 +772,17 @@ def _gemv_group_loop(a_row_ptr, a_scale_row_ptr, b_base, bs_base, offs_n, n_ok, 
         e0, e1 = _scale_bytes(s_ptrs, n_ok)
         s0, s1 = _e8m0(e0), _e8m0(e1)
         d0, d1 = _gemv_step(wbase, x_words, k0, n_ok, DECODE_ASM)
+        sa0 = 0.0  # (per-row activation scale: applied after the loop)
+        sa1 = 0.0
         if A_GROUP:  # activation scale per group of A_GROUP columns of K
             sa0 = tl.load(a_scale_row_ptr + k0 // A_GROUP)
             sa1 = tl.load(a_scale_row_ptr + (k0 + 32) // A_GROUP)
-            acc += (d0.to(tl.float32) * s0) * sa0 + (d1.to(tl.float32) * s1) * sa1
-        else:
-            acc += d0.to(tl.float32) * s0
-            acc += d1.to(tl.float32) * s1
+        acc = _add_groups(acc, d0.to(tl.float32), d1.to(tl.float32), s0, s1, sa0, sa1, A_GROUP, False)
         if GATED:  # the up rows of the same columns sit N rows further
             e0, e1 = _scale_bytes(s_ptrs + N * stride_bsn, n_ok)
             s0, s1 = _e8m0(e0), _e8m0(e1)
             d0, d1 = _gemv_step(wbase_up, x_words, k0, n_ok, DECODE_ASM)
-            if A_GROUP:
-                acc_up += (d0.to(tl.float32) * s0) * sa0 + (d1.to(tl.float32) * s1) * sa1
-            else:
-                acc_up += d0.to(tl.float32) * s0
-                acc_up += d1.to(tl.float32) * s1
+            acc_up = _add_groups(acc_up, d0.to(tl.float32), d1.to(tl.float32), s0, s1, sa0, sa1, A_GROUP, False)
     return acc, acc_up
 
 
