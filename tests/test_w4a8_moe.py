@@ -327,7 +327,7 @@ for name, cfg in CONFIGS.items():
                 # the decoders' words must be 4 consecutive k of one column: the INT8 MMA B operand layout
                 "asm_in_mma_b_layout": bool(layouts) and all("dot_op<{opIdx = 1" in l for l in layouts),
                 "fp8": "e4m3" in ptx or "e5m2" in ptx}
-def extra(name, sig, consts):  # one more decode-tile build, its PTX checked as above; returns the PTX
+def extra(name, sig, consts):  # one more decode-tile build, its PTX checked as above
     c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, **sig), constexprs=dict(
         {"MUL_WEIGHT": not consts["GATED"], "BLOCK_M": 16, "SPAN": 32, "DECODE_ASM": True, "SHIFT": False,
          "SPLIT_K": 1, "PAIR_BLOCKS": False, "UNROLL": 1, "PREFETCH": 0}, **consts)),
@@ -338,7 +338,6 @@ def extra(name, sig, consts):  # one more decode-tile build, its PTX checked as 
         "prmt": "0xF4F8FAFC" in ptx, "prmt_shift": False,
         "asm_in_mma_b_layout": bool(layouts) and all("dot_op<{opIdx = 1" in l for l in layouts),
         "fp8": "e4m3" in ptx or "e5m2" in ptx}
-    return ptx
 
 
 # split-K gate-up at the decode tile (fp32 partials out; its finishing kernel is among the io kernels below)

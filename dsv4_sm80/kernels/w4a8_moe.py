@@ -141,7 +141,7 @@ def quantize_rows_int8(x: torch.Tensor, group: int = 0):
 @triton.jit
 def _int8_scale(amax):
     """The INT8 scale of a group with max|x| = amax: amax / 127 by IEEE division, 1 for an all-zero group (what
-    `quantize_rows_int8` computes; every in-kernel quantizer of the layer input goes through this)."""
+    `quantize_rows_int8` computes; the fused quantizer of the layer input goes through this)."""
     s = tl.math.div_rn(amax, 127.0)
     return tl.where(s > 0, s, 1.0)
 
