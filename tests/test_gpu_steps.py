@@ -129,6 +129,14 @@ def test_e2e_gemm_runs_natives_linears_without_the_tripwire_beside_each_floor(tm
     assert "DSV4_SM80_LAB_NATIVE_ROUNDING=kv,gemm,idx" in block and "TRIPWIRE" not in block.split("run e2e-gemm")[1]
 
 
+def test_moe_onetoken_is_moe_sweep_with_the_one_token_candidates(tmp_path):
+    calls, _ = run_step(tmp_path, "moe-onetoken")
+    (bench,) = [a for a in calls if a[0] == "bench/moe.py"]
+    assert bench[bench.index("--tokens") + 1] == "1,4,16"
+    assert bench[bench.index("--only") + 1] == "prefetch|pair blocks, fused io, shift|gemv"
+    assert os.path.basename(bench[bench.index("--out") + 1]) == "moe-sweep.json" and "--profile" in bench
+
+
 def test_trace_linears_traces_native_once_and_asks_for_sglangs_models(tmp_path):
     calls, _ = run_step(tmp_path, "trace-linears")
     traced = [a for a in calls if a[0] == "tests/gpu/layer_trace.py"]

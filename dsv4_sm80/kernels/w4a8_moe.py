@@ -289,6 +289,12 @@ def _scale_word(s_ptrs, n_ok):
 
 
 @triton.jit
+def _word_scales(sw):
+    """A `_scale_word` as its two groups' fp32 weight scales (s0, s1)."""
+    return _e8m0(sw & 0xFF), _e8m0(sw >> 8)
+
+
+@triton.jit
 def _scale_bytes(s_ptrs, n_ok):
     """`_scale_word` split into (e0, e1)."""
     v = _scale_word(s_ptrs, n_ok)
@@ -307,7 +313,7 @@ def _w4_dots(a0, a1, b_ptrs, s_ptrs, n_ok, DECODE_ASM: tl.constexpr):
 def _w4_dots_word(a0, a1, b_ptrs, sw, n_ok, DECODE_ASM: tl.constexpr):
     """`_w4_dots` with the step's scale word (`_scale_word`) already loaded: a prefetching loop loads it a step
     or two ahead."""
-    s0, s1 = _e8m0(sw & 0xFF), _e8m0(sw >> 8)
+    s0, s1 = _word_scales(sw)
     lo, hi = _load_codes(b_ptrs, n_ok, 0, DECODE_ASM, False)
     d0 = tl.dot(a0, lo, out_dtype=tl.int32).to(tl.float32)
     d1 = tl.dot(a1, hi, out_dtype=tl.int32).to(tl.float32)
@@ -769,8 +775,7 @@ def _gemv_group_loop(a_row_ptr, a_scale_row_ptr, b_base, bs_base, offs_n, n_ok, 
     wbase_up = (b_base + N * stride_bn + _col_base(offs_n, stride_bn)).to(tl.pointer_type(tl.int32))
     for k0 in range(k_lo, k_hi, 64):
         s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
-        e0, e1 = _scale_bytes(s_ptrs, n_ok)
-        s0, s1 = _e8m0(e0), _e8m0(e1)
+        s0, s1 = _word_scales(_scale_word(s_ptrs, n_ok))
         d0, d1 = _gemv_step(wbase, x_words, k0, n_ok, DECODE_ASM)
         sa0 = 0.0  # (per-row activation scale: applied after the loop)
         sa1 = 0.0
@@ -779,8 +784,7 @@ def _gemv_group_loop(a_row_ptr, a_scale_row_ptr, b_base, bs_base, offs_n, n_ok, 
             sa1 = tl.load(a_scale_row_ptr + (k0 + 32) // A_GROUP)
         acc = _add_groups(acc, d0.to(tl.float32), d1.to(tl.float32), s0, s1, sa0, sa1, A_GROUP, False)
         if GATED:  # the up rows of the same columns sit N rows further
-            e0, e1 = _scale_bytes(s_ptrs + N * stride_bsn, n_ok)
-            s0, s1 = _e8m0(e0), _e8m0(e1)
+            s0, s1 = _word_scales(_scale_word(s_ptrs + N * stride_bsn, n_ok))
             d0, d1 = _gemv_step(wbase_up, x_words, k0, n_ok, DECODE_ASM)
             acc_up = _add_groups(acc_up, d0.to(tl.float32), d1.to(tl.float32), s0, s1, sa0, sa1, A_GROUP, False)
     return acc, acc_up
@@ -976,7 +980,8 @@ def w4a8_moe(
     merge = cfg.get("merge", False)  # per-group: faster on the H200 (docs/moe.md)
     span_up = _span(h, input_group, merge)
     span_down = _span(inter, block_n, merge)
-    shift = cfg.get("shift", True) and not cfg.get("gemv", False)  # (gemv has no shift path)
+    gemv = bool(cfg.get("gemv", False))  # pair blocks on CUDA cores (DP4A), not the 16-row MMA tile
+    shift = cfg.get("shift", True) and not gemv  # (gemv has no shift path)
     split_k = int(cfg.get("split_k", 1))  # gate-up K shares: more programs when few experts are active
     if "split_k" not in asked:  # default_config's choice yields: to merge or the shift path asked for, and
         if asked.get("merge") or asked.get("shift"):  # to a hidden size it does not divide
@@ -990,16 +995,14 @@ def w4a8_moe(
     if min(unroll, unroll_down) < 1 or max(unroll, unroll_down) > 1 and merge:
         raise ValueError(f"unroll={unroll}, unroll_down={unroll_down}: at least 1, and the per-group loop only "
                          "(merge off)")
-    gemv = bool(cfg.get("gemv", False))  # pair blocks on CUDA cores (DP4A), not the 16-row MMA tile
-    if gemv and (not pair_blocks or merge or max(unroll, unroll_down) > 1 or cfg.get("prefetch", 0)
-                 or cfg.get("prefetch_down", 0)):
-        raise ValueError("gemv: pair_blocks on, and merge, unroll, prefetch off (its own loop has none of them)")
     prefetch = int(cfg.get("prefetch", 0))  # scales loaded this many K steps ahead (the per-group loop)
     prefetch_down = int(cfg.get("prefetch_down", prefetch))
     for name, pf, ur in (("prefetch", prefetch, unroll), ("prefetch_down", prefetch_down, unroll_down)):
         if pf not in (0, 1, 2) or pf and (merge or ur > 1):
             raise ValueError(f"{name}={pf}: 0, 1 or 2 steps ahead, for the per-group loop with merge off and "
                              f"unroll 1 (got merge={bool(merge)}, unroll {ur})")
+    if gemv and (not pair_blocks or merge or max(unroll, unroll_down) > 1 or prefetch or prefetch_down):
+        raise ValueError("gemv: pair_blocks on, and merge, unroll, prefetch off (its own loop has none of them)")
     shift_up = (split_k == 1 and shift and w13_eref is not None and input_group % CHUNK == 0
                 and h * 127 * 96 < 2**31)
     shift_down = shift and w2_eref is not None and block_n % CHUNK == 0 and inter * 127 * 96 < 2**31
