@@ -186,7 +186,18 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
     "pair blocks, fused io, gemv, split_k 8, block_n2 128": {"pair_blocks": True, "fused_io": True, "gemv": True,
                                                              "split_k": 8, "block_n2": 128},
     "pair blocks, fused io, gemv, split_k 1": {"pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 1},
+    # session 19 (H200): gemv won at 2-16 tokens (34.2 / 42.6 / 77.5 / 120.6 us at 2 / 4 / 8 / 16 against the MMA
+    # default's 38.3 / 59.3 / - / 149.6) and is their default now; these are the MMA configs it replaced, to keep
+    # the switch points measured (a Triton pipeline over the gemv loop, tl.range with cp.async, was slower at
+    # every size, 28.4-31.1 us at one token, 65.7-74.2 at 4: removed)
+    "pair blocks, fused io, split_k 4, mma": {"pair_blocks": True, "fused_io": True, "split_k": 4, "gemv": False,
+                                              "block_n2": 64},
+    "block_n2 128, warps 2, stages 4, fused io, mma": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
+                                                       "fused_io": True, "gemv": False, "pair_blocks": False,
+                                                       "split_k": 1},
 }.items()})
+for _cfg in VARIANTS.values():  # the MMA kernel unless a variant names gemv (default_config's choice at 2-16 tokens)
+    _cfg.setdefault("gemv", False)
 PROFILE_CALLS = 10
 
 
@@ -273,6 +284,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help=f"per size, also each CUDA kernel's device time per call (torch.profiler, {PROFILE_CALLS} "
                          "eager calls) for the W4A8 default and Marlin")
+    ap.add_argument("--profile-only", default="",
+                    help="with --variants and --profile: also profile the variants whose name contains this "
+                         "(alternatives joined by |)")
     ap.add_argument("--same-routing", action="store_true",
                     help="every call the same routing (the experts stay in L2 between calls at decode sizes; "
                          "sessions 4-15 timed this way)")
@@ -407,7 +421,11 @@ def main(argv=None) -> int:
         if args.profile:
             # eager calls (timed() replays a CUDA graph): the sum is device time only, launch gaps excluded
             row["profile"] = {}
-            for backend, fn in (("int8", run_int8), ("marlin", run_marlin)):
+            runs = [("int8", run_int8), ("marlin", run_marlin)]
+            for name, cfg in VARIANTS.items() if args.variants and args.profile_only else ():
+                if any(o in name for o in args.profile_only.split("|")) and not cfg.get("_eref0"):
+                    runs.append((name, lambda cfg=cfg: run_int8(dict(cfg))))
+            for backend, fn in runs:
                 try:
                     prof = row["profile"][backend] = kernel_profile(torch, fn)
                     print(f"  profile {backend} (us/call, sum {sum(prof.values()):.1f}):", "  ".join(

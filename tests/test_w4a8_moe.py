@@ -103,9 +103,10 @@ def test_align_by_expert(k):
     assert (block_expert[int(num_padded) // 4:] == -1).all()
 
 
-DECODE = {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3}
-DECODE2 = {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 2, "num_stages": 4}  # 5-64 tokens
-PREFILL = {"block_m": 32, "block_n": 64, "block_n2": 128, "num_warps": 4, "num_stages": 3}
+# the MMA kernel's tiles (default_config takes gemv from 2 to 32 tokens; these name the MMA kernel at any size)
+DECODE = {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3, "gemv": False}
+DECODE2 = {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 2, "num_stages": 4, "gemv": False}  # 33-64
+PREFILL = {"block_m": 32, "block_n": 64, "block_n2": 128, "num_warps": 4, "num_stages": 3, "gemv": False}
 
 
 @pytest.mark.parametrize("seed,t,top_k,input_group,cfg", [
@@ -276,7 +277,7 @@ def test_non_contiguous_weights_refused(k):
 
 
 
-COMPILE = """
+COMPILE = r"""
 import json, re
 import triton
 from triton.backends.compiler import GPUTarget
@@ -321,7 +322,7 @@ for name, cfg in CONFIGS.items():
             layouts = asm_layouts(c.asm["ttgir"])
             out[f"{name}-{'gate_up' if gated else 'down'}-{'shift' if shift else 'span%d' % span}-{'asm' if asm else 'alu'}"] = {
                 "sm80": ".target sm_80" in ptx,
-                "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
+                "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
                 "prmt": "0xF4F8FAFC" in ptx,  # the negative table of the inline decoder
                 "prmt_shift": "0x7F7F7F7F" in ptx,  # the shift decoder's sign mask
                 # the decoders' words must be 4 consecutive k of one column: the INT8 MMA B operand layout
@@ -771,6 +772,33 @@ def test_prefetched_scales_equal_the_plain_loop_bit_for_bit(k):
     for bad in ({"prefetch": 3}, {"prefetch": 1, "unroll": 2}, {"prefetch_down": 1, "merge": True, "split_k": 1}):
         with pytest.raises(ValueError, match="prefetch"):
             run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, **bad))
+
+
+def test_default_config_takes_gemv_from_2_to_32_tokens(k):
+    """default_config at top-6 (session 19's H200 sweep at TP4 shapes): the 16-row MMA tile with pair blocks at one
+    token, gemv (pair blocks, gate-up K in 8 shares) from 2 to 32 tokens, the aligned MMA tiles beyond; w4a8_moe
+    lets an MMA-loop option asked for (merge, shift, unroll, prefetch, aligned blocks) override the default's gemv,
+    as it does its split-K; asked for together with gemv, they are refused. The default's output at 4 tokens equals
+    the gemv config's and holds to the INT8 emulation reference written from the math."""
+    kinds = {t: (k.default_config(6 * t).get("gemv", False), k.default_config(6 * t).get("pair_blocks", False))
+             for t in (1, 2, 4, 16, 32, 33, 64)}
+    assert kinds == {1: (False, True), 2: (True, True), 4: (True, True), 16: (True, True), 32: (True, True),
+                     33: (False, False), 64: (False, False)}, kinds
+    assert k.default_config(12)["split_k"] == 8 and k.default_config(12)["block_n2"] == 64
+    assert k.default_config(192)["block_n2"] == 128
+    x, w13, s13, w2, s2, tw, ids = case(t=4, top_k=3, h=512, inter=64, seed=83)
+    default = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5)
+    gemv = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5,
+                      config=dict(k.default_config(12), gemv=True))
+    assert torch.equal(default, gemv)
+    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=32).float()
+    err = (default.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
+    assert float(err.max()) < 1e-2, err.tolist()
+    mma = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config={"unroll": 2})
+    assert torch.equal(mma, run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5,
+                                       config={"unroll": 2, "gemv": False}))
+    with pytest.raises(ValueError, match="gemv"):
+        run_kernel(k, x, w13, s13, w2, s2, tw, ids, config={"unroll": 2, "gemv": True})
 
 
 def test_gemv_equals_the_pair_block_mma_bit_for_bit(k):

@@ -906,10 +906,17 @@ def default_config(pairs: int) -> dict:
     kernels): session 11's H200 sweep, CUDA-graph replays, 52 -> 32 us at 1 token, 98 -> 66 at 4, 188 -> 143 at
     16, 345 -> 303 at 64; prefill keeps the torch quantizer until its variant is timed. Up to 4 tokens also
     pair_blocks (no alignment launches) and split_k 4 (gate-up K in 4 shares): session 15's sweep at TP4 shapes,
-    33.5 -> 21.4 us at 1 token, 69.0 -> 60.1 at 4 (w4a8_moe lowers split_k where the hidden size needs it)."""
-    if pairs <= 24:  # up to 4 tokens: 4 warps per 16x32 tile, one pair per block, gate-up K in 4 shares
+    33.5 -> 21.4 us at 1 token, 69.0 -> 60.1 at 4 (w4a8_moe lowers split_k where the hidden size needs it).
+    From 2 to 32 tokens gemv (the pair's row on CUDA cores, split_k 8): session 19's H200 sweep at TP4 shapes,
+    CUDA-graph replays, against the MMA configs it replaced: 39.4 -> 35.4 us at 2 tokens, 61.0 -> 43.5 at 4,
+    96.8 -> 76.2 at 8, 150.4 -> 120.4 at 16, 193.4 -> 164.8 at 24, 231.4 -> 211.2 at 32; at 48 and 64 tokens the
+    MMA tile wins (282.8 / 323.7 against 302.1 / 401.7), and at one token (25.0 against 29.3)."""
+    if pairs <= 6:  # one token: 4 warps per 16x32 tile, one pair per block, gate-up K in 4 shares
         return {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3, "shift": False,
                 "fused_io": True, "pair_blocks": True, "split_k": 4}
+    if pairs <= 192:  # 2-32 tokens: each pair's row on CUDA cores (gemv), gate-up K in 8 shares
+        return {"block_m": 16, "block_n": 32, "block_n2": 64 if pairs <= 24 else 128, "num_warps": 4,
+                "num_stages": 3, "shift": False, "fused_io": True, "pair_blocks": True, "gemv": True, "split_k": 8}
     if pairs <= 384:  # decode: few rows per expert, parallelism must come from N
         return {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 2, "num_stages": 4, "shift": False,
                 "fused_io": True}
@@ -941,7 +948,8 @@ def w4a8_moe(
     config prefetch (per-group loop, unroll 1; default 0; prefetch_down the down launch's own): each K step's
     weight-scale words and activation scales loaded 1 or 2 steps ahead. Those 2- and 4-byte loads are not in
     Triton's cp.async pipeline (the codes and activations are): without it every step waits on them.
-    config gemv (with pair_blocks; default off): each pair's one row multiplied on CUDA cores (PRMT decode, DP4A
+    config gemv (with pair_blocks; default_config: 2-32 tokens; yields to merge, shift, unroll, prefetch or
+    pair_blocks off asked for): each pair's one row multiplied on CUDA cores (PRMT decode, DP4A
     per four codes; `_w4a8_gemv_kernel`) instead of a 16-row INT8 MMA tile whose 15 padding rows still take every
     group's conversion and scaling; the same integers and fp32 steps (bit-equal in the interpreter). One column
     per thread: the gate-up tile is gemv_n columns (default 128) with split-K, block_n without; the down tile
@@ -981,6 +989,10 @@ def w4a8_moe(
     span_up = _span(h, input_group, merge)
     span_down = _span(inter, block_n, merge)
     gemv = bool(cfg.get("gemv", False))  # pair blocks on CUDA cores (DP4A), not the 16-row MMA tile
+    if "gemv" not in asked and (merge or asked.get("shift") or asked.get("pair_blocks") is False
+                                or max(int(asked.get(n, 1)) for n in ("unroll", "unroll_down")) > 1
+                                or asked.get("prefetch") or asked.get("prefetch_down")):
+        gemv = False  # default_config's choice yields to an MMA-loop option asked for
     shift = cfg.get("shift", True) and not gemv  # (gemv has no shift path)
     split_k = int(cfg.get("split_k", 1))  # gate-up K shares: more programs when few experts are active
     if "split_k" not in asked:  # default_config's choice yields: to merge or the shift path asked for, and
