@@ -161,15 +161,9 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
                                                             "num_warps": 2, "num_stages": 4},
     "block_n2 128, warps 2, stages 4, fused io, unroll 4": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
                                                             "fused_io": True, "unroll": 4},
-    # session 18: the SASS for sm_80 shows each K step's scale loads (2-byte weight-scale words, 4-byte activation
-    # scales) outside Triton's cp.async pipeline, each step waiting on them (gate-up 16 steps per K share: 10.8 us
-    # at one token, ~0.7 us a step); prefetch loads them a step ahead; without split-K no finishing launch
-    "pair blocks, fused io, split_k 4, prefetch 1": {"pair_blocks": True, "fused_io": True, "split_k": 4, "prefetch": 1},
-    "pair blocks, fused io, split_k 2, prefetch 1": {"pair_blocks": True, "fused_io": True, "split_k": 2, "prefetch": 1},
-    "pair blocks, fused io, prefetch 1": {"pair_blocks": True, "fused_io": True, "split_k": 1, "prefetch": 1},
-    "pair blocks, fused io, split_k 4, prefetch 2": {"pair_blocks": True, "fused_io": True, "split_k": 4, "prefetch": 2},
-    "block_n2 128, warps 2, stages 4, fused io, prefetch 1": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
-                                                              "fused_io": True, "prefetch": 1},
+    # (session 18's config prefetch, the scale loads carried one or two K steps ahead in registers, lost at every
+    # size on the H200 in session 19: 25.4-36.4 us against the default's 24.4 at one token, 55.8-72.5 against 59.5
+    # at 4; removed)
     # ... or the issue rate: the per-group loop converts every 32-deep dot of all 16 tile rows (one real at one token)
     # with I2F at quarter rate; the shift path accumulates in int32 instead (no I2F; no split-K: shift takes K whole;
     # block_n 64 also gives the down launch the 64-column activation group its shift path needs)

@@ -129,11 +129,12 @@ def test_e2e_gemm_runs_natives_linears_without_the_tripwire_beside_each_floor(tm
     assert "DSV4_SM80_LAB_NATIVE_ROUNDING=kv,gemm,idx" in block and "TRIPWIRE" not in block.split("run e2e-gemm")[1]
 
 
-def test_moe_onetoken_is_moe_sweep_with_the_one_token_candidates(tmp_path):
+def test_moe_onetoken_is_moe_sweep_at_the_default_configs_switch_points(tmp_path):
     calls, _ = run_step(tmp_path, "moe-onetoken")
     (bench,) = [a for a in calls if a[0] == "bench/moe.py"]
-    assert bench[bench.index("--tokens") + 1] == "1,4,16"
-    assert bench[bench.index("--only") + 1] == "prefetch|pair blocks, fused io, shift|gemv"
+    assert bench[bench.index("--tokens") + 1] == "1,2,4,8,16,24,32,48,64"
+    assert bench[bench.index("--only") + 1] == "mma|gemv, split_k 8"
+    assert bench[bench.index("--profile-only") + 1] == "gemv, split_k 8, block_n2 128|split_k 4, mma"
     assert os.path.basename(bench[bench.index("--out") + 1]) == "moe-sweep.json" and "--profile" in bench
 
 

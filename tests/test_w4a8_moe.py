@@ -292,7 +292,7 @@ SIG = {
     "stride_bsn": "i32", "stride_cm": "i32", "c_scale_groups": "i32", "stride_ere": "i32",
     "GATED": "constexpr", "MUL_WEIGHT": "constexpr", "A_GROUP": "constexpr", "BLOCK_M": "constexpr",
     "BLOCK_N": "constexpr", "SPAN": "constexpr", "DECODE_ASM": "constexpr", "SHIFT": "constexpr", "SPLIT_K": "constexpr",
-    "PAIR_BLOCKS": "constexpr", "UNROLL": "constexpr", "PREFETCH": "constexpr",
+    "PAIR_BLOCKS": "constexpr", "UNROLL": "constexpr",
 }
 
 
@@ -315,7 +315,7 @@ for name, cfg in CONFIGS.items():
             sig = dict(SIG, c_ptr="*i8" if gated else "*fp32")
             consts = {"GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": a_group, "BLOCK_M": cfg["block_m"],
                       "BLOCK_N": cfg["block_n"] if gated else cfg["block_n2"], "SPAN": span, "DECODE_ASM": asm,
-                      "SHIFT": shift, "SPLIT_K": 1, "PAIR_BLOCKS": False, "UNROLL": 1, "PREFETCH": 0}
+                      "SHIFT": shift, "SPLIT_K": 1, "PAIR_BLOCKS": False, "UNROLL": 1}
             c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 80, 32),
                                options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
             ptx = c.asm["ptx"]
@@ -331,7 +331,7 @@ for name, cfg in CONFIGS.items():
 def extra(name, sig, consts):  # one more decode-tile build, its PTX checked as above
     c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, **sig), constexprs=dict(
         {"MUL_WEIGHT": not consts["GATED"], "BLOCK_M": 16, "SPAN": 32, "DECODE_ASM": True, "SHIFT": False,
-         "SPLIT_K": 1, "PAIR_BLOCKS": False, "UNROLL": 1, "PREFETCH": 0}, **consts)),
+         "SPLIT_K": 1, "PAIR_BLOCKS": False, "UNROLL": 1}, **consts)),
         target=GPUTarget("cuda", 80, 32), options={"num_warps": 4, "num_stages": 3})
     ptx, layouts = c.asm["ptx"], asm_layouts(c.asm["ttgir"])
     out[name] = {
@@ -352,11 +352,6 @@ extra("decode-down-pairs-unroll4-asm", {"c_ptr": "*fp32"},
       {"GATED": False, "A_GROUP": 32, "BLOCK_N": 64, "PAIR_BLOCKS": True, "UNROLL": 4})
 extra("decode-gate_up-pairs-split4-asm", {"c_ptr": "*fp32"},
       {"GATED": True, "A_GROUP": 0, "BLOCK_N": 32, "SPLIT_K": 4, "PAIR_BLOCKS": True})
-# those two with the scales prefetched a step ahead (config prefetch 1)
-extra("decode-gate_up-pairs-split4-prefetch1-asm", {"c_ptr": "*fp32"},
-      {"GATED": True, "A_GROUP": 0, "BLOCK_N": 32, "SPLIT_K": 4, "PAIR_BLOCKS": True, "PREFETCH": 1})
-extra("decode-down-pairs-prefetch1-asm", {"c_ptr": "*fp32"},
-      {"GATED": False, "A_GROUP": 32, "BLOCK_N": 64, "PAIR_BLOCKS": True, "PREFETCH": 1})
 io = {}  # the fused_io kernels: plain sm_80 code, IEEE division in the quantizer
 for fn, sig, consts in (
         (k._quantize_rows_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "q_ptr": "*i8", "s_ptr": "*fp32", "cols": "i32",
@@ -401,9 +396,9 @@ def test_compiles_for_sm80_with_int8_mma():
     code = COMPILE.replace("CONFIGS", repr({"decode": DECODE, "decode2": DECODE2, "prefill": PREFILL}))
     res = last_json(run_python(code, TRITON_INTERPRET="0"))
     out = res["gemm"]
-    assert len(out) == 38  # decode tiles' down has only span 32 (block_n 32); shift: 2 per kernel and config;
+    assert len(out) == 36  # decode tiles' down has only span 32 (block_n 32); shift: 2 per kernel and config;
     # plus the split-K gate-up, the pair-block unrolled gate-up and down, the pair-block gate-up in 4 K shares
-    # (the default up to 4 tokens), and that gate-up and the pair-block down with prefetched scales
+    # (the default at one token)
     for name, r in out.items():
         asm = name.endswith("-asm")
         assert r == {"sm80": True, "int8_mma": True, "prmt": asm, "prmt_shift": asm and "-shift-" in name,
@@ -748,36 +743,10 @@ def test_unrolled_k_steps_equal_the_plain_loop_bit_for_bit(k):
         run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, unroll=2, merge=True, split_k=1))
 
 
-def test_prefetched_scales_equal_the_plain_loop_bit_for_bit(k):
-    """config prefetch 1 / 2: each K step's scale words and activation scales loaded one or two steps ahead,
-    the same arithmetic in the same order: bit-equal to the plain loop, where the last steps prefetch past the
-    end of K (hidden 192 = 3 steps: the loads past it are masked off), with split-K shares of 2 steps and pair
-    blocks, for the gate-up and the down launch (its per-32 activation scales are prefetched too), each launch
-    on its own (prefetch_down); against the INT8 emulation reference written from the math; bad values
-    refused."""
-    x, w13, s13, w2, s2, tw, ids = case(t=2, top_k=3, h=192, inter=64, seed=73)
-    plain = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=DECODE)
-    for extra in ({"prefetch": 1}, {"prefetch": 2}, {"prefetch": 2, "pair_blocks": True, "fused_io": True},
-                  {"prefetch": 0, "prefetch_down": 1}):
-        got = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=dict(DECODE, **extra))
-        assert torch.equal(got, plain), extra
-    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=DECODE["block_n"]).float()
-    err = (plain.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
-    assert float(err.max()) < 1e-2, err.tolist()
-    x, w13, s13, w2, s2, tw, ids = case(t=1, top_k=3, h=256, inter=64, seed=74)
-    split = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=2, pair_blocks=True))
-    for pf in (1, 2):
-        got = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=2, pair_blocks=True, prefetch=pf))
-        assert torch.equal(got, split), pf
-    for bad in ({"prefetch": 3}, {"prefetch": 1, "unroll": 2}, {"prefetch_down": 1, "merge": True, "split_k": 1}):
-        with pytest.raises(ValueError, match="prefetch"):
-            run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, **bad))
-
-
 def test_default_config_takes_gemv_from_2_to_32_tokens(k):
     """default_config at top-6 (session 19's H200 sweep at TP4 shapes): the 16-row MMA tile with pair blocks at one
     token, gemv (pair blocks, gate-up K in 8 shares) from 2 to 32 tokens, the aligned MMA tiles beyond; w4a8_moe
-    lets an MMA-loop option asked for (merge, shift, unroll, prefetch, aligned blocks) override the default's gemv,
+    lets an MMA-loop option asked for (merge, shift, unroll, aligned blocks) override the default's gemv,
     as it does its split-K; asked for together with gemv, they are refused. The default's output at 4 tokens equals
     the gemv config's and holds to the INT8 emulation reference written from the math."""
     kinds = {t: (k.default_config(6 * t).get("gemv", False), k.default_config(6 * t).get("pair_blocks", False))
@@ -829,4 +798,4 @@ def test_gemv_equals_the_pair_block_mma_bit_for_bit(k):
     with pytest.raises(ValueError, match="gemv"):
         run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, gemv=True, pair_blocks=False))
     with pytest.raises(ValueError, match="gemv"):
-        run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, gemv=True, pair_blocks=True, prefetch=1))
+        run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, gemv=True, pair_blocks=True, unroll=2))

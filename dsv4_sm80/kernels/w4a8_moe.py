@@ -306,14 +306,7 @@ def _w4_dots(a0, a1, b_ptrs, s_ptrs, n_ok, DECODE_ASM: tl.constexpr):
     """One 64-deep K step against one byte tile, per group: the two 32-deep INT8 dots (k0..k0+31 and
     k0+32..k0+63) as exact fp32 values, and their groups' E8M0 weight scales; the caller multiplies and
     accumulates (one FFMA per group and element)."""
-    return _w4_dots_word(a0, a1, b_ptrs, _scale_word(s_ptrs, n_ok), n_ok, DECODE_ASM)
-
-
-@triton.jit
-def _w4_dots_word(a0, a1, b_ptrs, sw, n_ok, DECODE_ASM: tl.constexpr):
-    """`_w4_dots` with the step's scale word (`_scale_word`) already loaded: a prefetching loop loads it a step
-    or two ahead."""
-    s0, s1 = _word_scales(sw)
+    s0, s1 = _word_scales(_scale_word(s_ptrs, n_ok))
     lo, hi = _load_codes(b_ptrs, n_ok, 0, DECODE_ASM, False)
     d0 = tl.dot(a0, lo, out_dtype=tl.int32).to(tl.float32)
     d1 = tl.dot(a1, hi, out_dtype=tl.int32).to(tl.float32)
@@ -475,72 +468,20 @@ def _add_groups(acc, d0, d1, s0, s1, sa0, sa1, A_GROUP: tl.constexpr, ROWS: tl.c
 
 
 @triton.jit
-def _step_scales(a_scale_ptr, a_rows, row_ok, a_scale_groups, s_col, up_off, n_ok, k0, k_hi,
-                 GATED: tl.constexpr, A_GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Every scale the 64-deep K step at k0 reads, as a tuple (gate scale word, up scale word, activation
-    scales of its two 32-column halves; `_scale_word`): a prefetching loop loads them ahead. A step at or past
-    k_hi loads nothing (zeros); the up word repeats the gate word when not GATED, the activation scales are
-    zeros when A_GROUP = 0 (per-row scale, applied after the loop)."""
-    live = k0 < k_hi
-    sw = _scale_word(s_col + k0 // 32, n_ok & live)
-    if GATED:
-        sw_up = _scale_word(s_col + up_off + k0 // 32, n_ok & live)
-    else:
-        sw_up = sw
-    if A_GROUP:
-        r_ok = row_ok & live
-        sa0 = tl.load(a_scale_ptr + a_rows * a_scale_groups + k0 // A_GROUP, mask=r_ok, other=0.0)
-        sa1 = tl.load(a_scale_ptr + a_rows * a_scale_groups + (k0 + 32) // A_GROUP, mask=r_ok, other=0.0)
-    else:
-        sa0 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        sa1 = sa0
-    return sw, sw_up, sa0, sa1
-
-
-@triton.jit
 def _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base, offs_n, n_ok,
                 N, k_lo, k_hi, stride_bn, stride_bsn, GATED: tl.constexpr, A_GROUP: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr, DECODE_ASM: tl.constexpr,
-                UNROLL: tl.constexpr = 1, PREFETCH: tl.constexpr = 0):
+                UNROLL: tl.constexpr = 1):
     """The exact per-group loop over K in [k_lo, k_hi) (all of K, or one split-K share; SPAN = 32: each
     32-deep dot converted to fp32 and scaled by its own group's power of two; SPAN = 64/128: groups merged in
     int32 over the span, `_w4_span`). Returns fp32 (gate, up); the per-row activation scale for A_GROUP = 0 is
     still to be applied. UNROLL (SPAN 32): 64-deep K steps per loop iteration, unrolled, so that their
     independent weight loads can be in flight together; the same operations in the same order (a step past
-    k_hi loads nothing and adds zeros). PREFETCH (SPAN 32, UNROLL 1; 1 or 2): the scales (`_step_scales`) of
-    the step that many steps ahead are loaded in this one. Triton's pipeline stages carry the codes and the
-    activations (cp.async), not these 2- and 4-byte loads (below cp.async's 4-byte minimum, or masked per row):
-    in the plain loop each step waits a full memory latency for them (session 18, SASS for sm_80)."""
+    k_hi loads nothing and adds zeros)."""
     offs_j = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if SPAN == 32 and PREFETCH:
-        s_col = bs_base + offs_n * stride_bsn
-        up_off = N * stride_bsn
-        cur = _step_scales(a_scale_ptr, a_rows, row_ok, a_scale_groups, s_col, up_off, n_ok, k_lo, k_hi,
-                           GATED, A_GROUP, BLOCK_M)
-        if PREFETCH == 2:
-            nxt = _step_scales(a_scale_ptr, a_rows, row_ok, a_scale_groups, s_col, up_off, n_ok, k_lo + 64, k_hi,
-                               GATED, A_GROUP, BLOCK_M)
-        for k0 in range(k_lo, k_hi, 64):
-            ahead = _step_scales(a_scale_ptr, a_rows, row_ok, a_scale_groups, s_col, up_off, n_ok,
-                                 k0 + 64 * PREFETCH, k_hi, GATED, A_GROUP, BLOCK_M)
-            sw, sw_up, sa0, sa1 = cur
-            a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_j)[None, :]
-            a0 = tl.load(a_ptrs, mask=row_ok[:, None], other=0)
-            a1 = tl.load(a_ptrs + 32, mask=row_ok[:, None], other=0)
-            b_ptrs = b_base + _col_base(offs_n, stride_bn)[None, :] + (k0 * 16 + offs_j)[:, None]
-            d0, d1, s0, s1 = _w4_dots_word(a0, a1, b_ptrs, sw, n_ok, DECODE_ASM)
-            acc = _add_groups(acc, d0, d1, s0, s1, sa0, sa1, A_GROUP, True)
-            if GATED:  # the up rows of the same columns sit N rows further
-                d0, d1, s0, s1 = _w4_dots_word(a0, a1, b_ptrs + N * stride_bn, sw_up, n_ok, DECODE_ASM)
-                acc_up = _add_groups(acc_up, d0, d1, s0, s1, sa0, sa1, A_GROUP, True)
-            if PREFETCH == 2:
-                cur = nxt
-                nxt = ahead
-            else:
-                cur = ahead
-    elif SPAN == 32:
+    if SPAN == 32:
         for k_it in range(k_lo, k_hi, 64 * UNROLL):
             for u in tl.static_range(UNROLL):
                 k0 = k_it + 64 * u
@@ -630,7 +571,7 @@ def _w4a8_moe_kernel(
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr = 32, DECODE_ASM: tl.constexpr = False,
     SHIFT: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, PAIR_BLOCKS: tl.constexpr = False,
-    UNROLL: tl.constexpr = 1, PREFETCH: tl.constexpr = 0,
+    UNROLL: tl.constexpr = 1,
 ):
     """SPAN = 32: every scale group converted to fp32 on its own (needed when the activation scale
     changes every 32 columns). SPAN = 64 or 128: groups merged in int32 over the span (`_w4_span`); the
@@ -642,7 +583,6 @@ def _w4a8_moe_kernel(
     of 64) and c_ptr is an fp32 [SPLIT_K, pairs, 2, N] buffer of its (gate, up) partial sums; `_glu_finish_kernel`
     adds the shares in a fixed order (deterministic) and runs the epilogue.
     UNROLL: 64-deep K steps per iteration of the per-group loop (`_group_loop`).
-    PREFETCH (1 or 2): the per-group loop loads each step's scales that many steps ahead (`_group_loop`).
     PAIR_BLOCKS (tiny decode batches): no alignment; M block b is pair b alone (its row 0; the other rows
     padding) and block_expert_ptr is the flattened topk_ids [pairs], its expert; sorted_ids_ptr and
     num_padded_ptr are not read."""
@@ -680,17 +620,17 @@ def _w4a8_moe_kernel(
         else:
             acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
                                       offs_n, n_ok, N, 0, K, stride_bn, stride_bsn,
-                                      GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL, PREFETCH)
+                                      GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL)
     elif SPLIT_K > 1:
         k_share = tl.cdiv(K, SPLIT_K * 64) * 64
         k_lo = tl.program_id(1) * k_share
         acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
                                   offs_n, n_ok, N, k_lo, tl.minimum(k_lo + k_share, K), stride_bn, stride_bsn,
-                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL, PREFETCH)
+                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL)
     else:
         acc, acc_up = _group_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
                                   offs_n, n_ok, N, 0, K, stride_bn, stride_bsn,
-                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL, PREFETCH)
+                                  GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL)
 
     if not A_GROUP:  # one activation scale per row
         sa = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
@@ -945,11 +885,8 @@ def w4a8_moe(
     config unroll (per-group loop; default 1): that many 64-deep K steps per loop iteration, unrolled (the same
     operations in the same order), so more independent weight loads can be in flight per program: at one token
     the gate-up launch is latency-bound (96 programs at TP4 shapes; pipeline depth moved it little, session 8).
-    config prefetch (per-group loop, unroll 1; default 0; prefetch_down the down launch's own): each K step's
-    weight-scale words and activation scales loaded 1 or 2 steps ahead. Those 2- and 4-byte loads are not in
-    Triton's cp.async pipeline (the codes and activations are): without it every step waits on them.
-    config gemv (with pair_blocks; default_config: 2-32 tokens; yields to merge, shift, unroll, prefetch or
-    pair_blocks off asked for): each pair's one row multiplied on CUDA cores (PRMT decode, DP4A
+    config gemv (with pair_blocks; default_config: 2-32 tokens; yields to merge, shift, unroll or pair_blocks off
+    asked for): each pair's one row multiplied on CUDA cores (PRMT decode, DP4A
     per four codes; `_w4a8_gemv_kernel`) instead of a 16-row INT8 MMA tile whose 15 padding rows still take every
     group's conversion and scaling; the same integers and fp32 steps (bit-equal in the interpreter). One column
     per thread: the gate-up tile is gemv_n columns (default 128) with split-K, block_n without; the down tile
@@ -990,8 +927,7 @@ def w4a8_moe(
     span_down = _span(inter, block_n, merge)
     gemv = bool(cfg.get("gemv", False))  # pair blocks on CUDA cores (DP4A), not the 16-row MMA tile
     if "gemv" not in asked and (merge or asked.get("shift") or asked.get("pair_blocks") is False
-                                or max(int(asked.get(n, 1)) for n in ("unroll", "unroll_down")) > 1
-                                or asked.get("prefetch") or asked.get("prefetch_down")):
+                                or max(int(asked.get(n, 1)) for n in ("unroll", "unroll_down")) > 1):
         gemv = False  # default_config's choice yields to an MMA-loop option asked for
     shift = cfg.get("shift", True) and not gemv  # (gemv has no shift path)
     split_k = int(cfg.get("split_k", 1))  # gate-up K shares: more programs when few experts are active
@@ -1007,14 +943,8 @@ def w4a8_moe(
     if min(unroll, unroll_down) < 1 or max(unroll, unroll_down) > 1 and merge:
         raise ValueError(f"unroll={unroll}, unroll_down={unroll_down}: at least 1, and the per-group loop only "
                          "(merge off)")
-    prefetch = int(cfg.get("prefetch", 0))  # scales loaded this many K steps ahead (the per-group loop)
-    prefetch_down = int(cfg.get("prefetch_down", prefetch))
-    for name, pf, ur in (("prefetch", prefetch, unroll), ("prefetch_down", prefetch_down, unroll_down)):
-        if pf not in (0, 1, 2) or pf and (merge or ur > 1):
-            raise ValueError(f"{name}={pf}: 0, 1 or 2 steps ahead, for the per-group loop with merge off and "
-                             f"unroll 1 (got merge={bool(merge)}, unroll {ur})")
-    if gemv and (not pair_blocks or merge or max(unroll, unroll_down) > 1 or prefetch or prefetch_down):
-        raise ValueError("gemv: pair_blocks on, and merge, unroll, prefetch off (its own loop has none of them)")
+    if gemv and (not pair_blocks or merge or max(unroll, unroll_down) > 1):
+        raise ValueError("gemv: pair_blocks on, and merge and unroll off (its own loop has neither)")
     shift_up = (split_k == 1 and shift and w13_eref is not None and input_group % CHUNK == 0
                 and h * 127 * 96 < 2**31)
     shift_down = shift and w2_eref is not None and block_n % CHUNK == 0 and inter * 127 * 96 < 2**31
@@ -1049,7 +979,7 @@ def w4a8_moe(
             w13_eref.stride(0) if shift_up else 0,
             GATED=True, MUL_WEIGHT=False, A_GROUP=input_group, BLOCK_M=block_m, BLOCK_N=block_n,
             SPAN=span_up, DECODE_ASM=decode_asm, SHIFT=shift_up, SPLIT_K=split_k, PAIR_BLOCKS=pair_blocks,
-            UNROLL=unroll, PREFETCH=prefetch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            UNROLL=unroll, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if split_k > 1 and pairs:
         _glu_finish_kernel[(triton.cdiv(pairs, 16), groups)](
@@ -1074,7 +1004,7 @@ def w4a8_moe(
             w2_eref.stride(0) if shift_down else 0,
             GATED=False, MUL_WEIGHT=True, A_GROUP=block_n, BLOCK_M=block_m, BLOCK_N=block_n2,
             SPAN=span_down, DECODE_ASM=decode_asm, SHIFT=shift_down, PAIR_BLOCKS=pair_blocks,
-            UNROLL=unroll_down, PREFETCH=prefetch_down, num_warps=cfg["num_warps"],
+            UNROLL=unroll_down, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )
     if fused_io and (out is None or out.is_contiguous()):

@@ -12,8 +12,8 @@
 #   tests/gpu/steps.sh moe-sweep   bench/moe.py at decode sizes (MOE_TOKENS, 1,4,16,64): the decode tile sweep
 #                                  (MOE_ONLY picks variants, decode-) and a per-kernel profile
 #   tests/gpu/steps.sh moe-wide    the same at TP1 full width (intermediate 2048: e2e-bench's experts)
-#   tests/gpu/steps.sh moe-onetoken  moe-sweep at 1-16 tokens: the default against prefetched scales, the pair-block
-#                                  shift path and gemv (session 18's candidates for the one-token goal)
+#   tests/gpu/steps.sh moe-onetoken  moe-sweep at 1-64 tokens: the default against the MMA configs gemv replaced
+#                                  and the gemv tiles (the switch points of default_config), gemv profiled too
 #   tests/gpu/steps.sh attention   SGLang's DSV4 attention test kit on the patched backend + BF16 pool (tripwire on)
 #   tests/gpu/steps.sh oracle      the native record $ORACLE (engine_bed, patch off), unless it exists
 #   tests/gpu/steps.sh e2e         engine_bed with the whole SM80 datapath (tripwire on) vs the native oracle
@@ -556,15 +556,14 @@ case ${1:?step} in
     run moe-wide timeout 540 python bench/moe.py --inter 2048 --tokens 1,16,64 --variants --only decode- --profile \
       --out "$OUT/moe-wide.json" ;;
   moe-onetoken)
-    # moe-sweep with session 18's one-token candidates against the default at 1-16 tokens: scales prefetched
-    # (latency), the shift path (no I2F) and gemv (CUDA cores, DP4A): which of latency and issue rate holds the
-    # one-token launches back
-    MOE_TOKENS=${MOE_TOKENS:-1,4,16} MOE_ONLY="prefetch|pair blocks, fused io, shift|gemv" OUT=$OUT NO_JIT_TAR=1 \
-      "$0" moe-sweep || rc=1 ;;
+    # moe-sweep at the switch points of default_config (session 19: the MMA tile at one token, gemv from 2 to 32
+    # tokens, the aligned MMA tile beyond): the default against the MMA configs gemv replaced and the gemv tiles
+    MOE_TOKENS=${MOE_TOKENS:-1,2,4,8,16,24,32,48,64} MOE_ONLY="mma|gemv, split_k 8" \
+      MOE_PROFILE_ONLY="gemv, split_k 8, block_n2 128|split_k 4, mma" OUT=$OUT NO_JIT_TAR=1 "$0" moe-sweep || rc=1 ;;
   moe-sweep)
     # MOE_TOKENS: the sizes (e.g. 1,4: the batch-1 goal of issue 4 at TP4 shapes); MOE_ONLY: the variants
     run moe-sweep timeout 540 python bench/moe.py --tokens ${MOE_TOKENS:-1,4,16,64} --variants \
-      --only "'${MOE_ONLY:-decode-}'" --profile --out "$OUT/moe-sweep.json" ;;
+      --only "'${MOE_ONLY:-decode-}'" --profile --profile-only "'${MOE_PROFILE_ONLY:-}'" --out "$OUT/moe-sweep.json" ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac
 # keep the JIT caches this step built (restore with: cat jit.tar.xz* | tar -C ~ -xJf -)
