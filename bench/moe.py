@@ -184,6 +184,17 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
     # default's 38.3 / 59.3 / - / 149.6) and is their default now; these are the MMA configs it replaced, to keep
     # the switch points measured (a Triton pipeline over the gemv loop, tl.range with cp.async, was slower at
     # every size, 28.4-31.1 us at one token, 65.7-74.2 at 4: removed)
+    # the gemv loop's warps wait on their loads (H200 profile at one token: 4.5-5.3 cycles of long-scoreboard stall
+    # per issued instruction, 18-22 % of issue slots used; the MMA loop uses 59 %): the loads issued 1 or 2 K
+    # steps ahead, carried in registers
+    "pair blocks, fused io, gemv, split_k 8, block_n2 128, prefetch 1": {
+        "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 8, "block_n2": 128, "gemv_prefetch": 1},
+    "pair blocks, fused io, gemv, split_k 8, block_n2 128, prefetch 2": {
+        "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 8, "block_n2": 128, "gemv_prefetch": 2},
+    "pair blocks, fused io, gemv, split_k 4, prefetch 2": {
+        "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 4, "gemv_prefetch": 2},
+    "pair blocks, fused io, gemv, split_k 16, prefetch 2": {
+        "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 16, "gemv_prefetch": 2},
     "pair blocks, fused io, split_k 4, mma": {"pair_blocks": True, "fused_io": True, "split_k": 4, "gemv": False,
                                               "block_n2": 64},
     "block_n2 128, warps 2, stages 4, fused io, mma": {"block_n2": 128, "num_warps": 2, "num_stages": 4,

@@ -744,8 +744,9 @@ def test_unrolled_k_steps_equal_the_plain_loop_bit_for_bit(k):
 
 
 def test_default_config_takes_gemv_from_2_to_32_tokens(k):
-    """default_config at top-6 (session 19's H200 sweep at TP4 shapes): the 16-row MMA tile with pair blocks at one
-    token, gemv (pair blocks, gate-up K in 8 shares) from 2 to 32 tokens, the aligned MMA tiles beyond; w4a8_moe
+    """default_config at top-6 (session 19's H200 sweeps): the 16-row MMA tile with pair blocks at one token, gemv
+    (pair blocks, gate-up K in 8 shares) from 2 to 32 tokens at TP4's intermediate (512 per rank; to 16 tokens
+    at a wider one), the aligned MMA tiles beyond; w4a8_moe
     lets an MMA-loop option asked for (merge, shift, unroll, aligned blocks) override the default's gemv,
     as it does its split-K; asked for together with gemv, they are refused. The default's output at 4 tokens equals
     the gemv config's and holds to the INT8 emulation reference written from the math."""
@@ -755,6 +756,8 @@ def test_default_config_takes_gemv_from_2_to_32_tokens(k):
                      33: (False, False), 64: (False, False)}, kinds
     assert k.default_config(12)["split_k"] == 8 and k.default_config(12)["block_n2"] == 64
     assert k.default_config(192)["block_n2"] == 128
+    # at a wider intermediate (TP1 full width, 2048 per rank) the aligned MMA tile takes over above 16 tokens
+    assert k.default_config(96, 2048)["gemv"] and not k.default_config(97, 2048).get("gemv", False)
     x, w13, s13, w2, s2, tw, ids = case(t=4, top_k=3, h=512, inter=64, seed=83)
     default = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5)
     gemv = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5,
@@ -776,7 +779,8 @@ def test_gemv_equals_the_pair_block_mma_bit_for_bit(k):
     steps, so bit-equal to the pair-block MMA kernel (in the interpreter; compiled, within fp32 rounding: FMA
     contraction may differ): with split-K partials and with the in-kernel GLU epilogue
     (split 1), per-token and per-32 input scales, a 64-wide gate-up tile, BF16 pair outputs, hidden 192 (three K
-    steps); held to the INT8 emulation reference written from the math; refused without pair blocks."""
+    steps); held to the INT8 emulation reference written from the math; its loads prefetched 1 or 2 K steps ahead
+    (gemv_prefetch, past the end of K too) bit-equal to the plain loop; refused without pair blocks."""
     for t, h, extra in ((1, 256, {"split_k": 4}), (3, 192, {"split_k": 1}), (2, 256, {"split_k": 2, "block_n": 64}),
                         (4, 256, {"split_k": 1, "pair_bf16": True, "block_n2": 128})):
         x, w13, s13, w2, s2, tw, ids = case(t=t, top_k=3, h=h, inter=128, seed=80 + t)
@@ -795,6 +799,19 @@ def test_gemv_equals_the_pair_block_mma_bit_for_bit(k):
                                      input_group=group).float()
         err = (gemv.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
         assert float(err.max()) < 1e-2, (t, extra, err.tolist())
+    for t, h, extra in ((2, 192, {"split_k": 1}), (1, 256, {"split_k": 2})):  # gemv_prefetch: 3 steps, 2 shares of 2
+        x, w13, s13, w2, s2, tw, ids = case(t=t, top_k=3, h=h, inter=128, seed=90 + t)
+        cfg = dict(DECODE, pair_blocks=True, fused_io=True, gemv=True, **extra)
+        plain = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=32, config=cfg)
+        for pf in (1, 2):
+            got = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=32,
+                             config=dict(cfg, gemv_prefetch=pf))
+            if k._INTERPRETED:
+                assert torch.equal(got, plain), (t, h, pf)
+            else:  # (FMA contraction may differ between the two loops' compiled code: an fp32 rounding)
+                assert float((got.float() - plain.float()).norm() / plain.float().norm()) < 1e-3, (t, h, pf)
+    with pytest.raises(ValueError, match="gemv_prefetch=3"):
+        run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(cfg, gemv_prefetch=3))
     with pytest.raises(ValueError, match="gemv"):
         run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, gemv=True, pair_blocks=False))
     with pytest.raises(ValueError, match="gemv"):

@@ -686,47 +686,96 @@ def _gemv_dots(words, xw0, xw1, DECODE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _gemv_step(wbase, x_words, k0, n_ok, DECODE_ASM: tl.constexpr):
-    """One 64-deep K step of one row against BLOCK_N columns: wbase [BLOCK_N] int32 pointers to each column's
-    first K chunk, x_words the row's INT8 activations as int32 words. Each column's chunk (8 words, 32 bytes) is
-    read as two 4-word halves, so that with one column per thread (BLOCK_N = 32 x warps) every sum over words
-    stays in its thread. Returns the two scale groups' exact int32 dots [BLOCK_N]."""
-    offs_q = tl.arange(0, 4)
-    w_ptrs = wbase[None, :] + (k0 * 4 + offs_q)[:, None]
-    xa = x_words + k0 // 4 + offs_q
-    a0, a1 = _gemv_dots(tl.load(w_ptrs, mask=n_ok[None, :], other=0), tl.load(xa)[:, None],
-                        tl.load(xa + 8)[:, None], DECODE_ASM)
-    b0, b1 = _gemv_dots(tl.load(w_ptrs + 4, mask=n_ok[None, :], other=0), tl.load(xa + 4)[:, None],
-                        tl.load(xa + 12)[:, None], DECODE_ASM)
-    return a0 + b0, a1 + b1
+def _gemv_loads(x_words, a_scale_row_ptr, s_ptrs, wbase, wbase_up, up_s, k0, n_ok, k_hi, GATED: tl.constexpr,
+                A_GROUP: tl.constexpr, AHEAD: tl.constexpr):
+    """Every load of one 64-deep K step of one row against BLOCK_N columns (`_gemv_dots_step` uses them), as a
+    tuple: the row's INT8 activation words (x_words: int32 pointer; words k0/4 .. +3, +8, +4, +12, in the order
+    the dots take them), its activation scales when per group (else 0.0), and the gate's and (GATED) the up rows'
+    codes and scale word: wbase [BLOCK_N] int32 pointers to each column's first K chunk, whose 8 words (32 bytes)
+    per step are read as two 4-word halves [4, BLOCK_N], so that with one column per thread (BLOCK_N = 32 x warps)
+    every sum over words stays in its thread; s_ptrs each column's first scale byte, up rows up_s further. Columns
+    past n_ok read as 0; AHEAD (a prefetching loop's step, which may lie at or past k_hi): such a step reads 0."""
+    xa = x_words + k0 // 4 + tl.arange(0, 4)
+    live = k0 < k_hi
+    ok = n_ok
+    if AHEAD:
+        ok = n_ok & live
+        xs = (tl.load(xa, mask=live, other=0), tl.load(xa + 8, mask=live, other=0),
+              tl.load(xa + 4, mask=live, other=0), tl.load(xa + 12, mask=live, other=0))
+    else:
+        xs = (tl.load(xa), tl.load(xa + 8), tl.load(xa + 4), tl.load(xa + 12))
+    sa0 = 0.0  # (per-row activation scale: applied after the loop)
+    sa1 = 0.0
+    if A_GROUP:  # activation scale per group of A_GROUP columns of K
+        if AHEAD:
+            sa0 = tl.load(a_scale_row_ptr + k0 // A_GROUP, mask=live, other=0.0)
+            sa1 = tl.load(a_scale_row_ptr + (k0 + 32) // A_GROUP, mask=live, other=0.0)
+        else:
+            sa0 = tl.load(a_scale_row_ptr + k0 // A_GROUP)
+            sa1 = tl.load(a_scale_row_ptr + (k0 + 32) // A_GROUP)
+    w_ptrs = wbase[None, :] + (k0 * 4 + tl.arange(0, 4))[:, None]
+    gate = (tl.load(w_ptrs, mask=ok[None, :], other=0), tl.load(w_ptrs + 4, mask=ok[None, :], other=0),
+            _scale_word(s_ptrs + k0 // 32, ok))
+    up = gate
+    if GATED:  # the up rows of the same columns sit N rows further
+        w_ptrs = wbase_up[None, :] + (k0 * 4 + tl.arange(0, 4))[:, None]
+        up = (tl.load(w_ptrs, mask=ok[None, :], other=0), tl.load(w_ptrs + 4, mask=ok[None, :], other=0),
+              _scale_word(s_ptrs + up_s + k0 // 32, ok))
+    return xs, sa0, sa1, gate, up
+
+
+@triton.jit
+def _gemv_dots_step(acc, xs, sa0, sa1, w, A_GROUP: tl.constexpr, DECODE_ASM: tl.constexpr):
+    """acc plus one K step from its loads (`_gemv_loads`; w: a (first half, second half, scale word) of the gate
+    or the up rows): the two scale groups' exact int32 dots, scaled in `_add_groups`' order."""
+    a0, a1 = _gemv_dots(w[0], xs[0][:, None], xs[1][:, None], DECODE_ASM)
+    b0, b1 = _gemv_dots(w[1], xs[2][:, None], xs[3][:, None], DECODE_ASM)
+    s0, s1 = _word_scales(w[2])
+    return _add_groups(acc, (a0 + b0).to(tl.float32), (a1 + b1).to(tl.float32), s0, s1, sa0, sa1, A_GROUP, False)
 
 
 @triton.jit
 def _gemv_group_loop(a_row_ptr, a_scale_row_ptr, b_base, bs_base, offs_n, n_ok, N, k_lo, k_hi, stride_bn,
                      stride_bsn, GATED: tl.constexpr, A_GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                     DECODE_ASM: tl.constexpr):
+                     DECODE_ASM: tl.constexpr, PREFETCH: tl.constexpr = 0):
     """`_group_loop` for one row (pair blocks' single real row) on CUDA cores: the same exact int32 dots per
     32-deep group and the same fp32 scaling and accumulation, in the same order (bit-equal to it in the
-    interpreter). Returns fp32 (gate, up) [BLOCK_N]."""
+    interpreter). PREFETCH (1 or 2): every load of the step that many steps ahead is issued in this one, carried
+    in registers: the loop has no tl.dot, so Triton does not pipeline it, and ptxas issues a step's loads next to
+    the DP4As that use them; at one token the warps wait on them (H200 profile, session 19: 4.5-5.3 cycles of
+    long-scoreboard stall per issued instruction, 18-22 % of issue slots used). Returns fp32 (gate, up)."""
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     x_words = a_row_ptr.to(tl.pointer_type(tl.int32))
     wbase = (b_base + _col_base(offs_n, stride_bn)).to(tl.pointer_type(tl.int32))
     wbase_up = (b_base + N * stride_bn + _col_base(offs_n, stride_bn)).to(tl.pointer_type(tl.int32))
-    for k0 in range(k_lo, k_hi, 64):
-        s_ptrs = bs_base + offs_n * stride_bsn + k0 // 32
-        s0, s1 = _word_scales(_scale_word(s_ptrs, n_ok))
-        d0, d1 = _gemv_step(wbase, x_words, k0, n_ok, DECODE_ASM)
-        sa0 = 0.0  # (per-row activation scale: applied after the loop)
-        sa1 = 0.0
-        if A_GROUP:  # activation scale per group of A_GROUP columns of K
-            sa0 = tl.load(a_scale_row_ptr + k0 // A_GROUP)
-            sa1 = tl.load(a_scale_row_ptr + (k0 + 32) // A_GROUP)
-        acc = _add_groups(acc, d0.to(tl.float32), d1.to(tl.float32), s0, s1, sa0, sa1, A_GROUP, False)
-        if GATED:  # the up rows of the same columns sit N rows further
-            s0, s1 = _word_scales(_scale_word(s_ptrs + N * stride_bsn, n_ok))
-            d0, d1 = _gemv_step(wbase_up, x_words, k0, n_ok, DECODE_ASM)
-            acc_up = _add_groups(acc_up, d0.to(tl.float32), d1.to(tl.float32), s0, s1, sa0, sa1, A_GROUP, False)
+    s_ptrs = bs_base + offs_n * stride_bsn
+    up_s = N * stride_bsn
+    if PREFETCH:
+        cur = _gemv_loads(x_words, a_scale_row_ptr, s_ptrs, wbase, wbase_up, up_s, k_lo, n_ok, k_hi,
+                          GATED, A_GROUP, True)
+        if PREFETCH == 2:
+            nxt = _gemv_loads(x_words, a_scale_row_ptr, s_ptrs, wbase, wbase_up, up_s, k_lo + 64, n_ok, k_hi,
+                              GATED, A_GROUP, True)
+        for k0 in range(k_lo, k_hi, 64):
+            ahead = _gemv_loads(x_words, a_scale_row_ptr, s_ptrs, wbase, wbase_up, up_s, k0 + 64 * PREFETCH, n_ok,
+                                k_hi, GATED, A_GROUP, True)
+            xs, sa0, sa1, gate, up = cur
+            acc = _gemv_dots_step(acc, xs, sa0, sa1, gate, A_GROUP, DECODE_ASM)
+            if GATED:
+                acc_up = _gemv_dots_step(acc_up, xs, sa0, sa1, up, A_GROUP, DECODE_ASM)
+            if PREFETCH == 2:
+                cur = nxt
+                nxt = ahead
+            else:
+                cur = ahead
+    else:
+        for k0 in range(k_lo, k_hi, 64):
+            xs, sa0, sa1, gate, up = _gemv_loads(x_words, a_scale_row_ptr, s_ptrs, wbase, wbase_up, up_s, k0, n_ok,
+                                                 k_hi, GATED, A_GROUP, False)
+            acc = _gemv_dots_step(acc, xs, sa0, sa1, gate, A_GROUP, DECODE_ASM)
+            if GATED:
+                acc_up = _gemv_dots_step(acc_up, xs, sa0, sa1, up, A_GROUP, DECODE_ASM)
     return acc, acc_up
 
 
@@ -736,7 +785,7 @@ def _w4a8_gemv_kernel(
     N, K, num_pairs, a_row_div, a_scale_groups, limit,
     stride_am, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, c_scale_groups,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-    DECODE_ASM: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
+    DECODE_ASM: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, PREFETCH: tl.constexpr = 0,
 ):
     """`_w4a8_moe_kernel` with PAIR_BLOCKS for tiny decode batches, without the MMA: program (pair, column tile[,
     K share]) multiplies its pair's one row on CUDA cores (`_gemv_group_loop`). The MMA kernel computes 16 tile
@@ -761,7 +810,8 @@ def _w4a8_gemv_kernel(
         k_hi = tl.minimum(k_lo + k_share, K)
     acc, acc_up = _gemv_group_loop(a_ptr + row * stride_am, a_scale_ptr + row * a_scale_groups,
                                    b_ptr + expert * stride_be, bs_ptr + expert * stride_bse, offs_n, n_ok, N,
-                                   k_lo, k_hi, stride_bn, stride_bsn, GATED, A_GROUP, BLOCK_N, DECODE_ASM)
+                                   k_lo, k_hi, stride_bn, stride_bsn, GATED, A_GROUP, BLOCK_N, DECODE_ASM,
+                                   PREFETCH)
     if not A_GROUP:  # one activation scale per row
         sa = tl.load(a_scale_ptr + row)
         acc = acc * sa
@@ -833,7 +883,7 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return align_by_expert(topk_ids, num_experts, block_m)
 
 
-def default_config(pairs: int) -> dict:
+def default_config(pairs: int, inter: int = 512) -> dict:
     """Tile sizes and the shift path by the number of (token, expert) pairs, from the H200 benches of sessions
     7 and 8 (docs/moe.md; to be re-tuned on an A800). block_n is also the intermediate's INT8 group (a multiple
     of 32). Decode (up to 64 tokens at top-6): the 16x32 tile, per-group scaling (the shift path was 1.4x
@@ -850,11 +900,14 @@ def default_config(pairs: int) -> dict:
     From 2 to 32 tokens gemv (the pair's row on CUDA cores, split_k 8): session 19's H200 sweep at TP4 shapes,
     CUDA-graph replays, against the MMA configs it replaced: 39.4 -> 35.4 us at 2 tokens, 61.0 -> 43.5 at 4,
     96.8 -> 76.2 at 8, 150.4 -> 120.4 at 16, 193.4 -> 164.8 at 24, 231.4 -> 211.2 at 32; at 48 and 64 tokens the
-    MMA tile wins (282.8 / 323.7 against 302.1 / 401.7), and at one token (25.0 against 29.3)."""
+    MMA tile wins (282.8 / 323.7 against 302.1 / 401.7), and at one token (25.0 against 29.3). inter, the expert
+    intermediate width per rank: at TP1 full width (2048) the aligned MMA tile already wins at 32 tokens (870.6 against
+    gemv's 1119.1 us; 16 tokens even, 547.2 / 550.0; 4 tokens gemv 125.4 against 182.0), so above 512 gemv stops at
+    16 tokens (1024, TP2, is not measured)."""
     if pairs <= 6:  # one token: 4 warps per 16x32 tile, one pair per block, gate-up K in 4 shares
         return {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3, "shift": False,
                 "fused_io": True, "pair_blocks": True, "split_k": 4}
-    if pairs <= 192:  # 2-32 tokens: each pair's row on CUDA cores (gemv), gate-up K in 8 shares
+    if pairs <= (192 if inter <= 512 else 96):  # 2-32 tokens (2-16 for a wider intermediate): gemv, K in 8 shares
         return {"block_m": 16, "block_n": 32, "block_n2": 64 if pairs <= 24 else 128, "num_warps": 4,
                 "num_stages": 3, "shift": False, "fused_io": True, "pair_blocks": True, "gemv": True, "split_k": 8}
     if pairs <= 384:  # decode: few rows per expert, parallelism must come from N
@@ -890,7 +943,8 @@ def w4a8_moe(
     per four codes; `_w4a8_gemv_kernel`) instead of a 16-row INT8 MMA tile whose 15 padding rows still take every
     group's conversion and scaling; the same integers and fp32 steps (bit-equal in the interpreter). One column
     per thread: the gate-up tile is gemv_n columns (default 128) with split-K, block_n without; the down tile
-    block_n2; warps = tile / 32.
+    block_n2; warps = tile / 32. gemv_prefetch (0, 1, 2; default 0): each K step's loads issued that many steps
+    ahead, carried in registers (Triton does not pipeline a loop without tl.dot).
     config split_k (gate-up, per-group loop; default 1): K in that many shares, each its own program, their
     fp32 partial sums added in a fixed order by `_glu_finish_kernel` (deterministic): more programs when few
     experts are active (one token: 6 experts x 16 column tiles = 96 programs for the whole GPU).
@@ -903,7 +957,7 @@ def w4a8_moe(
     inter = two_i // 2
     top_k = topk_ids.shape[1]
     asked = config or {}
-    cfg = dict(default_config(t * top_k), **asked)
+    cfg = dict(default_config(t * top_k, inter), **asked)
     block_m, block_n, block_n2 = cfg["block_m"], cfg["block_n"], cfg["block_n2"]
     if h % CHUNK or inter % CHUNK or inter % block_n or block_n % GROUP:
         raise ValueError(f"hidden {h} and intermediate {inter} must be multiples of {CHUNK}, intermediate "
@@ -966,11 +1020,15 @@ def w4a8_moe(
     part = torch.empty((split_k, pairs, 2, inter), dtype=torch.float32, device=dev) if split_k > 1 else hq
     if blocks and gemv:  # one column per thread: warps = tile / 32 (split-K partials free the tile from the group)
         gn = int(cfg.get("gemv_n", 128)) if split_k > 1 else block_n
+        gemv_prefetch = int(cfg.get("gemv_prefetch", 0))  # loads issued this many K steps ahead (0, 1, 2)
+        if gemv_prefetch not in (0, 1, 2):
+            raise ValueError(f"gemv_prefetch={gemv_prefetch}: 0, 1 or 2 K steps ahead")
         _w4a8_gemv_kernel[(pairs * triton.cdiv(inter, gn), split_k)](
             xq, xs, w13b, w13s, part, hs, block_expert, topk_weights, inter, h, pairs, top_k, xs.shape[1],
             float(swiglu_limit), xq.stride(0), w13b.stride(0), w13b.stride(1), w13s.stride(0), w13s.stride(1),
             hq.stride(0), groups, GATED=True, MUL_WEIGHT=False, A_GROUP=input_group, BLOCK_N=gn,
-            DECODE_ASM=decode_asm, SPLIT_K=split_k, num_warps=max(1, gn // 32), num_stages=cfg["num_stages"])
+            DECODE_ASM=decode_asm, SPLIT_K=split_k, PREFETCH=gemv_prefetch, num_warps=max(1, gn // 32),
+            num_stages=cfg["num_stages"])
     elif blocks:  # (pair_blocks: an empty batch launches nothing; aligned, a block is always there)
         _w4a8_moe_kernel[(blocks * triton.cdiv(inter, block_n), split_k)](
             xq, xs, w13b, w13s, part, hs, sorted_ids, block_expert, num_padded, topk_weights,
@@ -994,7 +1052,8 @@ def w4a8_moe(
         _w4a8_gemv_kernel[(pairs * triton.cdiv(h, block_n2),)](
             hq, hs, w2b, w2s, y, y, block_expert, tw, h, inter, pairs, 1, groups, 0.0, hq.stride(0), w2b.stride(0),
             w2b.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0), 0, GATED=False, MUL_WEIGHT=True,
-            A_GROUP=block_n, BLOCK_N=block_n2, DECODE_ASM=decode_asm, num_warps=max(1, block_n2 // 32),
+            A_GROUP=block_n, BLOCK_N=block_n2, DECODE_ASM=decode_asm, PREFETCH=gemv_prefetch,
+            num_warps=max(1, block_n2 // 32),
             num_stages=cfg["num_stages"])
     elif blocks:
         _w4a8_moe_kernel[(blocks * triton.cdiv(h, block_n2),)](
