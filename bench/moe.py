@@ -180,10 +180,11 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
     "pair blocks, fused io, gemv, split_k 8, block_n2 128": {"pair_blocks": True, "fused_io": True, "gemv": True,
                                                              "split_k": 8, "block_n2": 128},
     "pair blocks, fused io, gemv, split_k 1": {"pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 1},
-    # session 19 (H200): gemv won at 2-16 tokens (34.2 / 42.6 / 77.5 / 120.6 us at 2 / 4 / 8 / 16 against the MMA
-    # default's 38.3 / 59.3 / - / 149.6) and is their default now; these are the MMA configs it replaced, to keep
-    # the switch points measured (a Triton pipeline over the gemv loop, tl.range with cp.async, was slower at
-    # every size, 28.4-31.1 us at one token, 65.7-74.2 at 4: removed)
+    # session 19 (H200, TP4 shapes): gemv won from 2 to 32 tokens (35.4 / 43.3 / 78.0 / 120.0 / 211.2 us at 2 / 4 /
+    # 8 / 16 / 32 against the MMA configs' 39.4 / 61.0 / 96.8 / 150.4 / 231.4) and is their default now (to 16
+    # tokens above 512 intermediate per rank); the two "mma" entries below are the configs it replaced, to keep the
+    # switch points measured (a Triton pipeline over the gemv loop, tl.range with cp.async, was slower at every
+    # size, 28.4-31.1 us at one token, 65.7-74.2 at 4: removed)
     # the gemv loop's warps wait on their loads (H200 profile at one token: 4.5-5.3 cycles of long-scoreboard stall
     # per issued instruction, 18-22 % of issue slots used; the MMA loop uses 59 %): the loads issued 1 or 2 K
     # steps ahead, carried in registers
@@ -201,7 +202,7 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
                                                        "fused_io": True, "gemv": False, "pair_blocks": False,
                                                        "split_k": 1},
 }.items()})
-for _cfg in VARIANTS.values():  # the MMA kernel unless a variant names gemv (default_config's choice at 2-16 tokens)
+for _cfg in VARIANTS.values():  # the MMA kernel unless a variant names gemv (default_config's choice at 2-32 tokens)
     _cfg.setdefault("gemv", False)
 PROFILE_CALLS = 10
 

@@ -936,10 +936,10 @@ def w4a8_moe(
     (token, expert) pair is its own M block, its row 0, the rest padding: for tiny decode batches, where a
     block holds one pair anyway and the alignment is a fixed cost (a repeated expert is read once per pair).
     config unroll (per-group loop; default 1): that many 64-deep K steps per loop iteration, unrolled (the same
-    operations in the same order), so more independent weight loads can be in flight per program: at one token
-    the gate-up launch is latency-bound (96 programs at TP4 shapes; pipeline depth moved it little, session 8).
-    config gemv (with pair_blocks; default_config: 2-32 tokens; yields to merge, shift, unroll or pair_blocks off
-    asked for): each pair's one row multiplied on CUDA cores (PRMT decode, DP4A
+    operations in the same order), so more independent weight loads can be in flight per program (session 15:
+    no gain with split-K; session 19's profile found the one-token MMA launches issue-bound, not load-bound).
+    config gemv (with pair_blocks; default_config: 2-32 tokens, 2-16 above 512 intermediate per rank; yields to
+    merge, shift, unroll or pair_blocks off asked for): each pair's one row multiplied on CUDA cores (PRMT decode, DP4A
     per four codes; `_w4a8_gemv_kernel`) instead of a 16-row INT8 MMA tile whose 15 padding rows still take every
     group's conversion and scaling; the same integers and fp32 steps (bit-equal in the interpreter). One column
     per thread: the gate-up tile is gemv_n columns (default 128) with split-K, block_n without; the down tile
@@ -983,6 +983,9 @@ def w4a8_moe(
     if "gemv" not in asked and (merge or asked.get("shift") or asked.get("pair_blocks") is False
                                 or max(int(asked.get(n, 1)) for n in ("unroll", "unroll_down")) > 1):
         gemv = False  # default_config's choice yields to an MMA-loop option asked for
+    gemv_prefetch = int(cfg.get("gemv_prefetch", 0))  # gemv's loads issued this many K steps ahead
+    if gemv_prefetch not in (0, 1, 2):
+        raise ValueError(f"gemv_prefetch={gemv_prefetch}: 0, 1 or 2 K steps ahead")
     shift = cfg.get("shift", True) and not gemv  # (gemv has no shift path)
     split_k = int(cfg.get("split_k", 1))  # gate-up K shares: more programs when few experts are active
     if "split_k" not in asked:  # default_config's choice yields: to merge or the shift path asked for, and
@@ -1020,9 +1023,6 @@ def w4a8_moe(
     part = torch.empty((split_k, pairs, 2, inter), dtype=torch.float32, device=dev) if split_k > 1 else hq
     if blocks and gemv:  # one column per thread: warps = tile / 32 (split-K partials free the tile from the group)
         gn = int(cfg.get("gemv_n", 128)) if split_k > 1 else block_n
-        gemv_prefetch = int(cfg.get("gemv_prefetch", 0))  # loads issued this many K steps ahead (0, 1, 2)
-        if gemv_prefetch not in (0, 1, 2):
-            raise ValueError(f"gemv_prefetch={gemv_prefetch}: 0, 1 or 2 K steps ahead")
         _w4a8_gemv_kernel[(pairs * triton.cdiv(inter, gn), split_k)](
             xq, xs, w13b, w13s, part, hs, block_expert, topk_weights, inter, h, pairs, top_k, xs.shape[1],
             float(swiglu_limit), xq.stride(0), w13b.stride(0), w13b.stride(1), w13s.stride(0), w13s.stride(1),
