@@ -196,6 +196,11 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
         "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 4, "gemv_prefetch": 2},
     "pair blocks, fused io, gemv, split_k 16, prefetch 2": {
         "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 16, "gemv_prefetch": 2},
+    # ... with more warps per scheduler as well (gemv had 1.45 at one token; the MMA launches 2.7)
+    "pair blocks, fused io, gemv, split_k 16, gemv_n 64, prefetch 2": {
+        "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 16, "gemv_n": 64, "gemv_prefetch": 2},
+    "pair blocks, fused io, gemv, split_k 8, block_n2 32, prefetch 2": {
+        "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 8, "block_n2": 32, "gemv_prefetch": 2},
     "pair blocks, fused io, split_k 4, mma": {"pair_blocks": True, "fused_io": True, "split_k": 4, "gemv": False,
                                               "block_n2": 64},
     "block_n2 128, warps 2, stages 4, fused io, mma": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
