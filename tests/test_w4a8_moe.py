@@ -372,12 +372,16 @@ gsig = {"a_ptr": "*i8", "a_scale_ptr": "*fp32", "b_ptr": "*u8", "bs_ptr": "*u8",
         "num_pairs": "i32", "a_row_div": "i32", "a_scale_groups": "i32", "limit": "fp32", "stride_am": "i32",
         "stride_be": "i32", "stride_bn": "i32", "stride_bse": "i32", "stride_bsn": "i32", "stride_cm": "i32",
         "c_scale_groups": "i32", "GATED": "constexpr", "MUL_WEIGHT": "constexpr", "A_GROUP": "constexpr",
-        "BLOCK_N": "constexpr", "DECODE_ASM": "constexpr", "SPLIT_K": "constexpr"}
+        "BLOCK_N": "constexpr", "DECODE_ASM": "constexpr", "SPLIT_K": "constexpr", "PREFETCH": "constexpr"}
 for name, c_ptr, consts, warps in (("gate_up-split4", "*fp32", {"GATED": True, "BLOCK_N": 128, "SPLIT_K": 4}, 4),
+                                   ("gate_up-split8-prefetch2", "*fp32", {"GATED": True, "BLOCK_N": 128, "SPLIT_K": 8,
+                                                                          "PREFETCH": 2}, 4),
+                                   ("down-prefetch1", "*fp32", {"GATED": False, "MUL_WEIGHT": True, "A_GROUP": 32,
+                                                                "BLOCK_N": 64, "PREFETCH": 1}, 2),
                                    ("gate_up-glu", "*i8", {"GATED": True, "BLOCK_N": 32, "SPLIT_K": 1}, 1),
                                    ("down", "*fp32", {"GATED": False, "MUL_WEIGHT": True, "A_GROUP": 32,
                                                       "BLOCK_N": 64, "SPLIT_K": 1}, 2)):
-    consts = dict({"MUL_WEIGHT": False, "A_GROUP": 0, "DECODE_ASM": True}, **consts)
+    consts = dict({"MUL_WEIGHT": False, "A_GROUP": 0, "DECODE_ASM": True, "SPLIT_K": 1, "PREFETCH": 0}, **consts)
     ptx = triton.compile(ASTSource(fn=k._w4a8_gemv_kernel, signature=dict(gsig, c_ptr=c_ptr), constexprs=consts),
                          target=GPUTarget("cuda", 80, 32), options={"num_warps": warps, "num_stages": 3}).asm["ptx"]
     gemv[name] = {"sm80": ".target sm_80" in ptx, "dp4a": "dp4a.s32.s32" in ptx, "prmt": "0xF4F8FAFC" in ptx,
@@ -390,7 +394,9 @@ def test_compiles_for_sm80_with_int8_mma():
     """Both kernels, both tile configurations, per-group and int32-merged spans, the shift path (with its
     per-group fallback), PRMT and ALU code decoding, compiled for sm_80 without a GPU (in a process where
     Triton's interpreter is off): INT8 tensor-core MMA, the PRMT decoders where selected, running in the
-    MMA B-operand layout (what their word layout assumes), no FP8 type anywhere."""
+    MMA B-operand layout (what their word layout assumes), no FP8 type anywhere; and the CUDA-core gemv kernel
+    (split-K gate-up, with its loads prefetched 2 steps ahead, the GLU epilogue, the down launch plain and
+    prefetched 1 step ahead) with DP4A and the PRMT decoder."""
     from conftest import last_json, run_python
 
     code = COMPILE.replace("CONFIGS", repr({"decode": DECODE, "decode2": DECODE2, "prefill": PREFILL}))
@@ -405,7 +411,8 @@ def test_compiles_for_sm80_with_int8_mma():
                      "asm_in_mma_b_layout": asm, "fp8": False}, (name, r)
     assert res["io"]["_quantize_rows_kernel"] == {"sm80": True, "fp8": False, "div_rn": True}, res["io"]
     assert res["gemv"] == {n: {"sm80": True, "dp4a": True, "prmt": True, "fp8": False}
-                           for n in ("gate_up-split4", "gate_up-glu", "down")}, res["gemv"]
+                           for n in ("gate_up-split4", "gate_up-split8-prefetch2", "down-prefetch1", "gate_up-glu",
+                                     "down")}, res["gemv"]
     assert res["io"]["_sum_pairs_kernel"]["sm80"] and not res["io"]["_sum_pairs_kernel"]["fp8"], res["io"]
     assert res["io"]["_glu_finish_kernel"]["sm80"] and not res["io"]["_glu_finish_kernel"]["fp8"], res["io"]
 
@@ -810,6 +817,10 @@ def test_gemv_equals_the_pair_block_mma_bit_for_bit(k):
                 assert torch.equal(got, plain), (t, h, pf)
             else:  # (FMA contraction may differ between the two loops' compiled code: an fp32 rounding)
                 assert float((got.float() - plain.float()).norm() / plain.float().norm()) < 1e-3, (t, h, pf)
+            want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"],
+                                         input_group=32).float()
+            err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
+            assert float(err.max()) < 1e-2, (t, h, pf, err.tolist())
     with pytest.raises(ValueError, match="gemv_prefetch=3"):
         run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(cfg, gemv_prefetch=3))
     with pytest.raises(ValueError, match="gemv"):

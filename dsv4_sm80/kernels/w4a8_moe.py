@@ -713,15 +713,20 @@ def _gemv_loads(x_words, a_scale_row_ptr, s_ptrs, wbase, wbase_up, up_s, k0, n_o
         else:
             sa0 = tl.load(a_scale_row_ptr + k0 // A_GROUP)
             sa1 = tl.load(a_scale_row_ptr + (k0 + 32) // A_GROUP)
-    w_ptrs = wbase[None, :] + (k0 * 4 + tl.arange(0, 4))[:, None]
-    gate = (tl.load(w_ptrs, mask=ok[None, :], other=0), tl.load(w_ptrs + 4, mask=ok[None, :], other=0),
-            _scale_word(s_ptrs + k0 // 32, ok))
+    gate = _gemv_column_loads(wbase, s_ptrs, k0, ok)
     up = gate
     if GATED:  # the up rows of the same columns sit N rows further
-        w_ptrs = wbase_up[None, :] + (k0 * 4 + tl.arange(0, 4))[:, None]
-        up = (tl.load(w_ptrs, mask=ok[None, :], other=0), tl.load(w_ptrs + 4, mask=ok[None, :], other=0),
-              _scale_word(s_ptrs + up_s + k0 // 32, ok))
+        up = _gemv_column_loads(wbase_up, s_ptrs + up_s, k0, ok)
     return xs, sa0, sa1, gate, up
+
+
+@triton.jit
+def _gemv_column_loads(wbase, s_ptrs, k0, ok):
+    """One K step's codes of BLOCK_N columns as (first half, second half) [4, BLOCK_N] int32 and their scale word
+    (`_gemv_loads`)."""
+    w_ptrs = wbase[None, :] + (k0 * 4 + tl.arange(0, 4))[:, None]
+    return (tl.load(w_ptrs, mask=ok[None, :], other=0), tl.load(w_ptrs + 4, mask=ok[None, :], other=0),
+            _scale_word(s_ptrs + k0 // 32, ok))
 
 
 @triton.jit
@@ -732,6 +737,16 @@ def _gemv_dots_step(acc, xs, sa0, sa1, w, A_GROUP: tl.constexpr, DECODE_ASM: tl.
     b0, b1 = _gemv_dots(w[1], xs[2][:, None], xs[3][:, None], DECODE_ASM)
     s0, s1 = _word_scales(w[2])
     return _add_groups(acc, (a0 + b0).to(tl.float32), (a1 + b1).to(tl.float32), s0, s1, sa0, sa1, A_GROUP, False)
+
+
+@triton.jit
+def _gemv_step(acc, acc_up, loads, GATED: tl.constexpr, A_GROUP: tl.constexpr, DECODE_ASM: tl.constexpr):
+    """(acc, acc_up) plus one K step from its `_gemv_loads`: the gate, then (GATED) the up rows."""
+    xs, sa0, sa1, gate, up = loads
+    acc = _gemv_dots_step(acc, xs, sa0, sa1, gate, A_GROUP, DECODE_ASM)
+    if GATED:
+        acc_up = _gemv_dots_step(acc_up, xs, sa0, sa1, up, A_GROUP, DECODE_ASM)
+    return acc, acc_up
 
 
 @triton.jit
@@ -760,10 +775,7 @@ def _gemv_group_loop(a_row_ptr, a_scale_row_ptr, b_base, bs_base, offs_n, n_ok, 
         for k0 in range(k_lo, k_hi, 64):
             ahead = _gemv_loads(x_words, a_scale_row_ptr, s_ptrs, wbase, wbase_up, up_s, k0 + 64 * PREFETCH, n_ok,
                                 k_hi, GATED, A_GROUP, True)
-            xs, sa0, sa1, gate, up = cur
-            acc = _gemv_dots_step(acc, xs, sa0, sa1, gate, A_GROUP, DECODE_ASM)
-            if GATED:
-                acc_up = _gemv_dots_step(acc_up, xs, sa0, sa1, up, A_GROUP, DECODE_ASM)
+            acc, acc_up = _gemv_step(acc, acc_up, cur, GATED, A_GROUP, DECODE_ASM)
             if PREFETCH == 2:
                 cur = nxt
                 nxt = ahead
@@ -771,11 +783,9 @@ def _gemv_group_loop(a_row_ptr, a_scale_row_ptr, b_base, bs_base, offs_n, n_ok, 
                 cur = ahead
     else:
         for k0 in range(k_lo, k_hi, 64):
-            xs, sa0, sa1, gate, up = _gemv_loads(x_words, a_scale_row_ptr, s_ptrs, wbase, wbase_up, up_s, k0, n_ok,
-                                                 k_hi, GATED, A_GROUP, False)
-            acc = _gemv_dots_step(acc, xs, sa0, sa1, gate, A_GROUP, DECODE_ASM)
-            if GATED:
-                acc_up = _gemv_dots_step(acc_up, xs, sa0, sa1, up, A_GROUP, DECODE_ASM)
+            loads = _gemv_loads(x_words, a_scale_row_ptr, s_ptrs, wbase, wbase_up, up_s, k0, n_ok, k_hi, GATED,
+                                A_GROUP, False)
+            acc, acc_up = _gemv_step(acc, acc_up, loads, GATED, A_GROUP, DECODE_ASM)
     return acc, acc_up
 
 
