@@ -196,6 +196,9 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
         "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 4, "gemv_prefetch": 2},
     "pair blocks, fused io, gemv, split_k 16, prefetch 2": {
         "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 16, "gemv_prefetch": 2},
+    # (session 20, H200, TP4 shapes: prefetch 1 the fastest gemv at 2-32 tokens, 29.7 / 41.0 / 71.2 / 113.5 / 200.9 us
+    # at 2 / 4 / 8 / 16 / 32 against the plain loop's 33.4 / 42.6 / 76.9 / 119.2 / 207.8, and default_config's since;
+    # 24.7 at one token against the MMA tile's 24.6; prefetch 2 between the two)
     # ... with more warps per scheduler as well (gemv had 1.45 at one token; the MMA launches 2.7)
     "pair blocks, fused io, gemv, split_k 16, gemv_n 64, prefetch 2": {
         "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 16, "gemv_n": 64, "gemv_prefetch": 2},
@@ -207,8 +210,9 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
                                                        "fused_io": True, "gemv": False, "pair_blocks": False,
                                                        "split_k": 1},
 }.items()})
-for _cfg in VARIANTS.values():  # the MMA kernel unless a variant names gemv (default_config's choice at 2-32 tokens)
-    _cfg.setdefault("gemv", False)
+for _cfg in VARIANTS.values():  # the MMA kernel unless a variant names gemv (default_config's choice at 2-32 tokens),
+    _cfg.setdefault("gemv", False)  # and gemv's plain loop unless it names a prefetch depth (default_config's is 1)
+    _cfg.setdefault("gemv_prefetch", 0)
 PROFILE_CALLS = 10
 
 

@@ -761,8 +761,9 @@ def test_default_config_takes_gemv_from_2_to_32_tokens(k):
              for t in (1, 2, 4, 16, 32, 33, 64)}
     assert kinds == {1: (False, True), 2: (True, True), 4: (True, True), 16: (True, True), 32: (True, True),
                      33: (False, False), 64: (False, False)}, kinds
-    assert k.default_config(12)["split_k"] == 8 and k.default_config(12)["block_n2"] == 64
-    assert k.default_config(192)["block_n2"] == 128
+    for pairs in (12, 192):  # session 20: the loads one K step ahead, the 128-wide down tile
+        assert {n: k.default_config(pairs)[n] for n in ("split_k", "block_n2", "gemv_prefetch")} == {
+            "split_k": 8, "block_n2": 128, "gemv_prefetch": 1}
     # at a wider intermediate (TP1 full width, 2048 per rank) the aligned MMA tile takes over above 16 tokens
     assert k.default_config(96, 2048)["gemv"] and not k.default_config(97, 2048).get("gemv", False)
     x, w13, s13, w2, s2, tw, ids = case(t=4, top_k=3, h=512, inter=64, seed=83)

@@ -913,13 +913,16 @@ def default_config(pairs: int, inter: int = 512) -> dict:
     MMA tile wins (282.8 / 323.7 against 302.1 / 401.7), and at one token (25.0 against 29.3). inter, the expert
     intermediate width per rank: at TP1 full width (2048) the aligned MMA tile already wins at 32 tokens (870.6 against
     gemv's 1119.1 us; 16 tokens even, 547.2 / 550.0; 4 tokens gemv 125.4 against 182.0), so above 512 gemv stops at
-    16 tokens (1024, TP2, is not measured)."""
+    16 tokens (1024, TP2, is not measured). gemv_prefetch 1 with the 128-wide down tile: session 20's H200 sweep
+    (TP4 shapes), against the gemv config above: 33.2 -> 29.7 us at 2 tokens, 42.6 -> 41.0 at 4, 77.3 -> 71.2 at 8,
+    118.9 -> 113.5 at 16, 207.8 -> 200.9 at 32; at one token 24.7 against the MMA tile's 24.4-24.6, which stays
+    (prefetch 2 was slower than 1 from 1 to 32 tokens, 25.2 / 31.3 / 45.3 at 1 / 2 / 4)."""
     if pairs <= 6:  # one token: 4 warps per 16x32 tile, one pair per block, gate-up K in 4 shares
         return {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3, "shift": False,
                 "fused_io": True, "pair_blocks": True, "split_k": 4}
     if pairs <= (192 if inter <= 512 else 96):  # 2-32 tokens (2-16 for a wider intermediate): gemv, K in 8 shares
-        return {"block_m": 16, "block_n": 32, "block_n2": 64 if pairs <= 24 else 128, "num_warps": 4,
-                "num_stages": 3, "shift": False, "fused_io": True, "pair_blocks": True, "gemv": True, "split_k": 8}
+        return {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": False,
+                "fused_io": True, "pair_blocks": True, "gemv": True, "split_k": 8, "gemv_prefetch": 1}
     if pairs <= 384:  # decode: few rows per expert, parallelism must come from N
         return {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 2, "num_stages": 4, "shift": False,
                 "fused_io": True}
@@ -953,7 +956,7 @@ def w4a8_moe(
     per four codes; `_w4a8_gemv_kernel`) instead of a 16-row INT8 MMA tile whose 15 padding rows still take every
     group's conversion and scaling; the same integers and fp32 steps (bit-equal in the interpreter). One column
     per thread: the gate-up tile is gemv_n columns (default 128) with split-K, block_n without; the down tile
-    block_n2; warps = tile / 32. gemv_prefetch (0, 1, 2; default 0): each K step's loads issued that many steps
+    block_n2; warps = tile / 32. gemv_prefetch (0, 1, 2; default_config 1, else 0): each K step's loads issued that many steps
     ahead, carried in registers (Triton does not pipeline a loop without tl.dot).
     config split_k (gate-up, per-group loop; default 1): K in that many shares, each its own program, their
     fp32 partial sums added in a fixed order by `_glu_finish_kernel` (deterministic): more programs when few
