@@ -62,15 +62,17 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", default="8192,32768", help="prefill token counts ('' for none)")
     ap.add_argument("--no-native", action="store_true")
     ap.add_argument("--variants", action="store_true",
-                    help="also time other split counts, BLOCK_N 64, 8 warps, 3 stages, the prefetching loop and fp32 split "
-                         "partials per decode shape")
+                    help="also time other split counts, BLOCK_N 64, 8 warps, 3 stages, the prefetching loop, fp32 split "
+                         "partials, the tiled combine and joint lists per decode shape")
+    ap.add_argument("--only", default="", help="with --variants: only the variants whose name contains one of these "
+                                               "'|'-separated strings")
     args = ap.parse_args(argv)
 
     import torch
 
     import common
     from common import timed
-    from dsv4_sm80.kernels.sparse_attn import default_splits, sparse_attn
+    from dsv4_sm80.kernels.sparse_attn import decode_plan, default_splits, sparse_attn
 
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -103,13 +105,14 @@ def main(argv=None) -> int:
                 lens_e = torch.full((b,), extra_n, device=dev, dtype=torch.int32)
                 q = torch.randn(b, HPAD, D, device=dev, generator=gen).to(torch.bfloat16)
                 sink = torch.randn(HPAD, device=dev, generator=gen)
-                splits = default_splits(b, HEADS, WINDOW + ext_ids.shape[1], q.device)
+                plan = decode_plan(b, HEADS, WINDOW + ext_ids.shape[1], q.device)  # sparse_attn's own choice
+                splits = plan["splits"]
                 sec = timed(lambda: sparse_attn(q, swa, swa_ids, lens_s, extra, ext_ids, lens_e, sink,
-                                                      heads=HEADS, splits=splits))
+                                                      heads=HEADS, splits=None))
                 nbytes = b * (WINDOW + extra_n) * D * 2
                 floor = empty_us / 1e6 + nbytes / (copy_gbps * 1e9)
                 row = {"layer": layer, "context": ctx, "batch": b, "keys_per_query": WINDOW + extra_n,
-                       "splits": splits, "us": sec * 1e6, "gbps": nbytes / sec / 1e9, "floor_us": floor * 1e6}
+                       "splits": splits, "joint": plan["joint"], "combine": plan["combine"], "us": sec * 1e6, "gbps": nbytes / sec / 1e9, "floor_us": floor * 1e6}
                 record["decode"].append(row)
                 nat = ""
                 if native is not None:
@@ -122,11 +125,15 @@ def main(argv=None) -> int:
                         record["native_error"] = f"{type(err).__name__}: {err}"[:300]
                         print(f"native FlashMLA failed, not measured further: {record['native_error']}")
                         native = None
-                print(f"{layer:6s} {ctx:7d} {b:5d} {WINDOW + extra_n:7d} {splits:6d} {sec * 1e6:8.1f} "
+                print(f"{layer:6s} {ctx:7d} {b:5d} {WINDOW + extra_n:7d} {splits:3d}{'j' if plan['joint'] else ' '}"
+                      f"{'t' if plan['combine'] == 'tiles' else ' '} {sec * 1e6:8.1f} "
                       f"{row['gbps']:8.0f} ({100 * row['gbps'] / copy_gbps:3.0f}%) {floor * 1e6:8.1f} "
                       f"{sec / floor:7.2f}{nat}")
                 if args.variants:
-                    alts = {f"splits {max(1, splits // 2)}": dict(splits=max(1, splits // 2)),
+                    old = default_splits(b, HEADS, WINDOW + ext_ids.shape[1], q.device)
+                    alts = {f"session 19 (splits {old}, lists apart, loop combine)": dict(
+                                splits=old, joint=False, combine="loop"),
+                            f"splits {max(1, splits // 2)}": dict(splits=max(1, splits // 2)),
                             f"splits {min(64, splits * 2)}": dict(splits=min(64, splits * 2)),
                             "block_n 64": dict(splits=splits, block_n=64),
                             "8 warps": dict(splits=splits, num_warps=8),
@@ -136,14 +143,28 @@ def main(argv=None) -> int:
                             # the split partials unnormalised in fp32 (the default until session 16 made them
                             # normalised BF16: at batch 64 and 640 keys the fp32 ones were half as many bytes
                             # again as the keys, written by the main kernel and read back by the combine)
-                            "fp32 partials": dict(splits=splits, partial_dtype=torch.float32)}
+                            "fp32 partials": dict(splits=splits, partial_dtype=torch.float32),
+                            # session 20, for batch 1 (9-11x its floor: each program a serial chain of dependent
+                            # loads): the combine's loads all at once, and splits over the two lists read as one
+                            # (one run of steps per program), with more splits; decode_plan takes them from 8
+                            # splits on; here each the other way round
+                            "tiles" if plan["combine"] == "loop" else "loop combine": dict(
+                                splits=splits, combine="loop" if plan["combine"] == "tiles" else "tiles"),
+                            "joint" if not plan["joint"] else "lists apart": dict(splits=splits, joint=not plan["joint"]),
+                            f"joint, tiles, splits {min(64, splits * 2)}": dict(
+                                splits=min(64, splits * 2), joint=True, combine="tiles"),
+                            f"joint, tiles, splits {min(64, splits * 4)}, block_n 16": dict(
+                                splits=min(64, splits * 4), joint=True, combine="tiles", block_n=16)}
                     # session 16 timed 3, 4, 6 and 8 splits at batch 64 (default_splits then rounded two waves up
                     # to 5 at 640 keys: 320 programs on 132 SMs; 4 was 24.5 us against 27.9): the neighbours
                     for n in sorted({3, 4, 6, 8} - {splits}):
                         if n * 64 <= WINDOW + extra_n:
                             alts.setdefault(f"splits {n}", dict(splits=n))
                     row["variants_us"] = {}
+                    keep = [x for x in args.only.split("|") if x]
                     for name, kw in alts.items():
+                        if keep and not any(x in name for x in keep):
+                            continue
                         try:
                             row["variants_us"][name] = timed(lambda: sparse_attn(
                                 q, swa, swa_ids, lens_s, extra, ext_ids, lens_e, sink, heads=HEADS, **kw)) * 1e6

@@ -110,6 +110,32 @@ def test_fp32_partials_variant_on_empty_lists(k, splits):
         check(k, args, heads=16, use_sink=False, splits=splits, partial_dtype=torch.float16)
 
 
+@pytest.mark.parametrize("ext_w", [40, 77], ids=["c4-topk", "c128-all"])
+@pytest.mark.parametrize("splits", [1, 3, 7])
+def test_joint_lists_variant_matches_reference(k, ext_w, splits):
+    """joint: a split owns a contiguous range of the SWA and extra lists read as one (steps that straddle the two
+    lists pick each row's cache); odd lengths, -1 slots, the sink, with the tiled combine as well."""
+    args = setup(t=4, ext_w=ext_w, seed=31 + ext_w + splits)
+    check(k, args, heads=20, use_sink=True, splits=splits, block_n=16, joint=True)
+    check(k, args, heads=20, use_sink=True, splits=splits, block_n=16, joint=True, combine="tiles")
+
+
+@pytest.mark.parametrize("splits", [3, 5, 17])
+@pytest.mark.parametrize("partial_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_tiles_combine_variant_matches_reference(k, splits, partial_dtype):
+    """combine "tiles": every split's partial loaded at once and reduced over the split axis (split counts not a
+    power of two, so the padded split rows are masked; more splits than list steps, so some splits are empty);
+    both workspaces, with and without the sink, and key sets that are empty or all -1 slots give zeros."""
+    args = setup(t=4, ext_w=40, lens=[0, 5, 90, 128], ext_lens=[0, 0, 3, 40], seed=41 + splits)
+    args[2][1, :5] = -1  # token 1: its five SWA entries are all -1 slots
+    for use_sink in (True, False):
+        out, _ = check(k, args, heads=20, use_sink=use_sink, splits=splits, combine="tiles",
+                       partial_dtype=partial_dtype)
+        assert (out[:2, :20] == 0).all()
+    with pytest.raises(ValueError, match="combine"):
+        check(k, args, heads=20, use_sink=True, splits=splits, combine="tree")
+
+
 def test_empty_key_sets_give_zero(k):
     args = setup(t=3, ext_w=16, lens=[0, 5, 0], ext_lens=[0, 0, 3], seed=3)
     args[2][1, :5] = -1  # token 1: its five SWA entries are all -1 slots
@@ -138,6 +164,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from dsv4_sm80.kernels import sparse_attn as k
+import sys
+sys.path.insert(0, "bench")
+import sass_census as sc
+def spills(cubin):  # local-memory loads and stores in the SASS
+    census = sc.loops(sc.disassemble(cubin))
+    return census["LDL"] + census["STL"]
 P = lambda t: "*" + t
 main_sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32",
             "swa_ptr": "*bf16", "swa_ids_ptr": "*i32", "stride_swa_ids": "i32", "swa_lens_ptr": "*i32", "swa_width": "i32",
@@ -145,21 +177,24 @@ main_sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32",
             "sink_ptr": "*fp32", "o_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32", "ws_acc_ptr": "*fp32",
             "ws_ml_ptr": "*fp32", "heads": "i32", "scale": "fp32", "HAS_EXTRA": "constexpr", "HAS_SINK": "constexpr",
             "SPLITS": "constexpr", "D": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "DOT_F32": "constexpr",
-            "PREFETCH": "constexpr", "NORM_PARTIAL": "constexpr"}
+            "PREFETCH": "constexpr", "NORM_PARTIAL": "constexpr", "JOINT": "constexpr"}
 comb_sig = {"ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32", "sink_ptr": "*fp32", "o_ptr": "*bf16", "stride_ot": "i32",
             "stride_oh": "i32", "heads": "i32", "HAS_SINK": "constexpr", "SPLITS": "constexpr", "D": "constexpr",
             "BLOCK_H": "constexpr", "BLOCK_D": "constexpr", "NORM_PARTIAL": "constexpr"}
 out = {}
 target = GPUTarget("cuda", 80, 32)
-for splits, prefetch, norm in ((1, False, False), (8, False, False), (8, True, False), (8, False, True)):
+for splits, prefetch, norm, joint in ((1, False, False, False), (8, False, False, False), (8, True, False, False),
+                                     (8, False, True, False), (20, False, True, True)):
     c = dict(HAS_EXTRA=True, HAS_SINK=True, SPLITS=splits, D=512, BLOCK_H=16, BLOCK_N=32, DOT_F32=False,
-             PREFETCH=prefetch, NORM_PARTIAL=norm)
+             PREFETCH=prefetch, NORM_PARTIAL=norm, JOINT=joint)
     sig = dict(main_sig, ws_acc_ptr="*bf16") if norm else main_sig
     r = triton.compile(ASTSource(fn=k._sparse_attn_kernel, signature=sig, constexprs=c), target=target,
                        options={"num_warps": 4, "num_stages": 2})
     ptx = r.asm["ptx"]
-    out[f"main-splits{splits}" + ("-prefetch" if prefetch else "") + ("-bf16-partials" if norm else "")] = {"sm80": ".target sm_80" in ptx, "bf16_mma": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx,
-                                    "fp8": "e4m3" in ptx or "e5m2" in ptx, "shared": r.metadata.shared}
+    out[f"main-splits{splits}" + ("-prefetch" if prefetch else "") + ("-bf16-partials" if norm else "")
+        + ("-joint" if joint else "")] = {"sm80": ".target sm_80" in ptx, "bf16_mma": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx,
+                                    "fp8": "e4m3" in ptx or "e5m2" in ptx, "shared": r.metadata.shared,
+                                    "spills": spills(r.asm["cubin"])}
 for norm in (False, True):
     r = triton.compile(ASTSource(fn=k._combine_kernel, signature=dict(comb_sig, ws_acc_ptr="*bf16") if norm else comb_sig,
                                  constexprs=dict(HAS_SINK=True, SPLITS=8, D=512, BLOCK_H=16, BLOCK_D=k.COMBINE_D,
@@ -167,6 +202,16 @@ for norm in (False, True):
                        options={"num_warps": 4})
     out["combine" + ("-bf16-partials" if norm else "")] = {"sm80": ".target sm_80" in r.asm["ptx"], "bf16_mma": True,
                                                             "fp8": False, "shared": r.metadata.shared}
+for norm, splits in ((False, 8), (True, 20), (True, 64)):
+    sig = dict(comb_sig, SPLITS_P2="constexpr", ws_acc_ptr="*bf16" if norm else "*fp32")
+    p2 = triton.next_power_of_2(splits)
+    r = triton.compile(ASTSource(fn=k._combine_tiles_kernel, signature=sig,
+                                 constexprs=dict(HAS_SINK=True, SPLITS=splits, SPLITS_P2=p2, D=512, BLOCK_H=16,
+                                                 BLOCK_D=max(16, min(128, 512 // p2)), NORM_PARTIAL=norm)),
+                       target=target, options={"num_warps": 4})
+    out[f"combine-tiles{splits}" + ("-bf16-partials" if norm else "")] = {
+        "sm80": ".target sm_80" in r.asm["ptx"], "bf16_mma": True, "fp8": False, "shared": r.metadata.shared,
+        "spills": spills(r.asm["cubin"])}
 print(json.dumps(out))
 """
 
@@ -178,9 +223,13 @@ def test_compiles_for_sm80():
 
     out = last_json(run_python(COMPILE, TRITON_INTERPRET="0"))
     assert set(out) == {"main-splits1", "main-splits8", "main-splits8-prefetch", "main-splits8-bf16-partials",
-                        "combine", "combine-bf16-partials"}
+                        "main-splits20-bf16-partials-joint", "combine", "combine-bf16-partials", "combine-tiles8",
+                        "combine-tiles20-bf16-partials", "combine-tiles64-bf16-partials"}
     for name, r in out.items():
         assert r["sm80"] and r["bf16_mma"] and not r["fp8"], (name, r)
+        # no local-memory spills (LDL/STL in the sm_80 SASS), but in the prefetching variant: its second step of
+        # [32, 512] rows in registers beside the fp32 accumulator spills (653 in Triton 3.6; slower at batch 64)
+        assert not r.get("spills") or "prefetch" in name, (name, r)
         assert r["shared"] <= 163 * 1024, (name, r)
 
 
@@ -201,3 +250,26 @@ def test_default_splits_on_a_gpu_shape(k, monkeypatch):
     assert k.default_splits(64, 16, 160, cuda) == 2  # C128 at 4K: 160 // 64
     assert k.default_splits(8192, 16, 640, cuda) == 1  # prefill
     assert k.default_splits(1, 16, 16, cuda) == 1  # a list shorter than one step
+
+
+def test_decode_plan_on_gpu_shapes(k, monkeypatch):
+    """decode_plan (sparse_attn's splits=None): few query tokens with long lists (from 8 splits on) take the tiled
+    combine, read the two lists as one where a split's share is at most 64 entries, and at batch 1 take a program per
+    32-entry step while one wave holds them;
+    batch 64 and short lists keep session 16's plan (the loop combine, lists apart)."""
+    monkeypatch.setattr(k, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    assert k.decode_plan(1, 16, 640, cuda) == {"splits": 20, "joint": True, "combine": "tiles"}
+    assert k.decode_plan(8, 16, 640, cuda) == {"splits": 10, "joint": True, "combine": "tiles"}  # 160 > 132
+    assert k.decode_plan(64, 16, 640, cuda) == {"splits": 4, "joint": False, "combine": "loop"}
+    assert k.decode_plan(1, 16, 4224, cuda) == {"splits": 32, "joint": False, "combine": "tiles"}  # 132 a split
+    assert k.decode_plan(1, 16, 160, cuda) == {"splits": 2, "joint": False, "combine": "loop"}
+
+
+def test_default_plan_matches_reference(k, monkeypatch):
+    """splits=None with a GPU's SM count: the plan's split count, joint lists and tiled combine, against the
+    reference (the interpreter reports no SM count; the plan is taken as on an H200)."""
+    monkeypatch.setattr(k, "sm_count", lambda device: 132)
+    args = setup(t=1, ext_w=400, lens=[100], ext_lens=[350], seed=61)
+    assert k.decode_plan(1, 16, 128 + 400, "cuda") == {"splits": 16, "joint": True, "combine": "tiles"}
+    check(k, args, heads=16, use_sink=True, splits=None)

@@ -45,6 +45,61 @@ def _gather_rows(cache_ptr, ids_ptr, j0, hi, D: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _gather_joint(swa_ptr, swa_ids_ptr, n_swa, ext_ptr, ext_ids_ptr, j0, hi, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """`_gather_rows` over the two lists read as one, the SWA list then the extra one: entries [j0, j0 + BLOCK_N)
+    below hi; entry j < n_swa is SWA entry j, else extra entry j - n_swa (both id loads at once, then one gather
+    whose row pointers pick their cache)."""
+    offs_j = j0 + tl.arange(0, BLOCK_N)
+    in_range = offs_j < hi
+    in_swa = offs_j < n_swa
+    ids_s = tl.load(swa_ids_ptr + offs_j, mask=in_range & in_swa, other=-1)
+    ids_e = tl.load(ext_ids_ptr + (offs_j - n_swa), mask=in_range & (offs_j >= n_swa), other=-1)
+    ids = tl.where(in_swa, ids_s, ids_e)
+    ok = in_range & (ids >= 0)
+    rows = tl.where(ok, ids, 0).to(tl.int64) * D
+    row_ptrs = tl.where(in_swa, swa_ptr + rows, ext_ptr + rows)  # one select per row, not per element
+    k = tl.load(row_ptrs[:, None] + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
+    return k, ok
+
+
+@triton.jit
+def _fold_step(q, m, l, acc, k, ok, scale, DOT_F32: tl.constexpr):
+    """One BLOCK_N step of the online softmax: k [BLOCK_N, D] rows (zeros where not ok) into (m, l, acc)."""
+    if DOT_F32:  # Triton's CPU interpreter mis-multiplies BF16 operands; same math in fp32
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-invalid so far: keep exp() finite
+    alpha = tl.exp(m - m_ref)
+    p = tl.exp(s - m_ref[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype).to(tl.float32), k.to(tl.float32))
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+    return m_new, l, acc
+
+
+@triton.jit
+def _stream_joint(q, m, l, acc, swa_ptr, swa_ids_ptr, n_swa, ext_ptr, ext_ids_ptr, n_ext, split, scale,
+                  SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+    """Fold this split's share of the two lists read as one (`_gather_joint`): a split owns a contiguous range
+    of SWA + extra entries, so at one query token each program walks cdiv(n_swa + n_ext, SPLITS) entries in one
+    run of steps instead of a share of each list (two runs, each with its partly empty last step)."""
+    n = n_swa + n_ext
+    chunk = (n + SPLITS - 1) // SPLITS
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n)
+    for j0 in range(lo, hi, BLOCK_N):
+        k, ok = _gather_joint(swa_ptr, swa_ids_ptr, n_swa, ext_ptr, ext_ids_ptr, j0, hi, D, BLOCK_N)
+        m, l, acc = _fold_step(q, m, l, acc, k, ok, scale, DOT_F32)
+    return m, l, acc
+
+
+@triton.jit
 def _stream_list(q, m, l, acc, cache_ptr, ids_ptr, n, split, scale,
                  SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
                  PREFETCH: tl.constexpr):
@@ -62,21 +117,7 @@ def _stream_list(q, m, l, acc, cache_ptr, ids_ptr, n, split, scale,
             k_next, ok_next = _gather_rows(cache_ptr, ids_ptr, j0 + BLOCK_N, hi, D, BLOCK_N)  # masked past hi
         else:
             k, ok = _gather_rows(cache_ptr, ids_ptr, j0, hi, D, BLOCK_N)
-        if DOT_F32:  # Triton's CPU interpreter mis-multiplies BF16 operands; same math in fp32
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-invalid so far: keep exp() finite
-        alpha = tl.exp(m - m_ref)
-        p = tl.exp(s - m_ref[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype).to(tl.float32), k.to(tl.float32))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
-        m = m_new
+        m, l, acc = _fold_step(q, m, l, acc, k, ok, scale, DOT_F32)
     return m, l, acc
 
 
@@ -89,7 +130,7 @@ def _sparse_attn_kernel(
     heads, scale,
     HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLITS: tl.constexpr,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-    PREFETCH: tl.constexpr = False, NORM_PARTIAL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, NORM_PARTIAL: tl.constexpr = False, JOINT: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -103,9 +144,14 @@ def _sparse_attn_kernel(
     l = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, D), tl.float32)
     n_swa = tl.minimum(tl.load(swa_lens_ptr + t), swa_width)
-    m, l, acc = _stream_list(q, m, l, acc, swa_ptr, swa_ids_ptr + t * stride_swa_ids, n_swa, split, scale,
-                             SPLITS, D, BLOCK_N, DOT_F32, PREFETCH)
-    if HAS_EXTRA:
+    if JOINT and HAS_EXTRA:
+        n_ext = tl.minimum(tl.load(ext_lens_ptr + t), ext_width)
+        m, l, acc = _stream_joint(q, m, l, acc, swa_ptr, swa_ids_ptr + t * stride_swa_ids, n_swa, ext_ptr,
+                                  ext_ids_ptr + t * stride_ext_ids, n_ext, split, scale, SPLITS, D, BLOCK_N, DOT_F32)
+    else:
+        m, l, acc = _stream_list(q, m, l, acc, swa_ptr, swa_ids_ptr + t * stride_swa_ids, n_swa, split, scale,
+                                 SPLITS, D, BLOCK_N, DOT_F32, PREFETCH)
+    if HAS_EXTRA and not JOINT:
         n_ext = tl.minimum(tl.load(ext_lens_ptr + t), ext_width)
         m, l, acc = _stream_list(q, m, l, acc, ext_ptr, ext_ids_ptr + t * stride_ext_ids, n_ext, split, scale,
                                  SPLITS, D, BLOCK_N, DOT_F32, PREFETCH)
@@ -166,6 +212,39 @@ def _combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, o_ptr, stride_ot, stride_oh
              mask=h_ok[:, None])
 
 
+@triton.jit
+def _combine_tiles_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, o_ptr, stride_ot, stride_oh, heads,
+                          HAS_SINK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, D: tl.constexpr,
+                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NORM_PARTIAL: tl.constexpr = False):
+    """`_combine_kernel` with every split's (max, sum) and partial loaded at once as [SPLITS_P2, BLOCK_H(, BLOCK_D)]
+    tiles and reduced over the split axis, instead of two loops over the splits whose loads wait on each other
+    (2 x SPLITS dependent memory round trips per program: at batch 1 and 10-32 splits, most of the combine)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < heads
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_s = tl.arange(0, SPLITS_P2)
+    sh_ok = (offs_s < SPLITS)[:, None] & h_ok[None, :]
+    sh = (t * SPLITS + offs_s[:, None]) * heads + offs_h[None, :]  # [SPLITS_P2, BLOCK_H] rows of the workspace
+    ms = tl.load(ws_ml_ptr + sh * 2, mask=sh_ok, other=float("-inf"))
+    ls = tl.load(ws_ml_ptr + sh * 2 + 1, mask=sh_ok, other=0.0)
+    part = tl.load(ws_acc_ptr + sh[:, :, None] * D + offs_d[None, None, :], mask=sh_ok[:, :, None],
+                   other=0.0).to(tl.float32)
+    top = tl.max(ms, axis=0)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
+        top = tl.maximum(top, sink)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp(ms - top[None, :])
+    den = tl.sum(ls * w, axis=0)
+    num = tl.sum(part * (ls * w if NORM_PARTIAL else w)[:, :, None], axis=0)
+    if HAS_SINK:
+        den += tl.exp(sink - top)
+    o = num / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(o_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=h_ok[:, None])
+
+
 def default_splits(rows: int, heads: int, width: int, device, waves: int = 2, min_keys: int = 64,
                    max_splits: int = 32) -> int:
     """Split-K count from static shapes only (capture-safe): as many programs as fit in `waves` waves of one
@@ -184,13 +263,39 @@ def default_splits(rows: int, heads: int, width: int, device, waves: int = 2, mi
     return int(max(1, min(want, width // min_keys, max_splits)))
 
 
+SMALL_BATCH_SPLITS = 8  # from this many splits on: the tiled combine, and the two lists read as one where ...
+JOINT_MAX_SHARE = 64  # ... a split's share of the list entries is at most this many
+
+
+def decode_plan(rows: int, heads: int, width: int, device) -> dict:
+    """`sparse_attn`'s choices for splits=None, from static shapes only: `default_splits`, and where that gives at
+    least SMALL_BATCH_SPLITS (few query tokens with long lists: batch 1-8 decode) the lists read as one (joint)
+    with the tiled combine, and twice the splits (a program a 32-entry step) while they still fit in one wave of
+    one program per SM. Session 20's H200 bench at TP4 shapes (16 heads, 640 entries): batch 1 13.4-13.7 us ->
+    9.1-9.4 with joint, tiles and 20 splits (11.5-11.8 with the lists apart); batch 8 14.5-14.7 -> 11.4-11.7 (10
+    splits; 20: 12.0-12.3); C128 at 512K (4224 entries, 32 splits), batch 1 and 8: the tiled combine 23.8 -> 17.4
+    and 29.8 -> 24.5 us with the lists apart, 18.7 and 25.4 joint, so joint only where a split's share is at most
+    JOINT_MAX_SHARE entries. At 2-4 splits (batch 64) the loop combine stayed faster (24.4 against 29.6 us), and
+    joint lost at 4224 entries (123.0 against 111.8)."""
+    splits = default_splits(rows, heads, width, device)
+    if splits < SMALL_BATCH_SPLITS:
+        return {"splits": splits, "joint": False, "combine": "loop"}
+    sms = sm_count(device) or 1
+    wide = min(2 * splits, max(width // 32, 1), 32)
+    if rows * triton.cdiv(heads, BLOCK_H) * wide <= sms:
+        splits = max(splits, wide)
+    # joint pays where a split's share is at most two 32-entry steps (apart: a partly empty step of each list)
+    return {"splits": splits, "joint": width <= JOINT_MAX_SHARE * splits, "combine": "tiles"}
+
+
 def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=None, extra_lens=None, sink=None,
                 *, scale: float = HEAD_DIM ** -0.5, heads: int | None = None, splits: int | None = 1,
                 block_n: int = 32, prefetch: bool = False, partial_dtype: torch.dtype = torch.bfloat16,
-                out: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                out: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2, joint: bool | None = None,
+                combine: str | None = None) -> torch.Tensor:
     """o [T, Hpad, 512] (BF16) for q [T, Hpad, 512]; caches [slots, 512] BF16; ids [T, W] int32 slots;
     lens [T] int32; sink [>= heads] fp32. Only the first `heads` heads are computed (default all).
-    splits=None picks `default_splits` from the static shapes. prefetch: the next list step's loads are issued
+    splits=None picks them with `decode_plan` from the static shapes. prefetch: the next list step's loads are issued
     before this step's math (off: session 7 measured it no faster at batch 1-8 and slower at batch 64 on the H200).
     partial_dtype (splits > 1): the split partials' workspace dtype. bfloat16 (default) stores each split's
     partial normalised (acc / l: a weighted mean of value rows, rounded once to BF16, so off by at most 2^-9 of
@@ -198,7 +303,12 @@ def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=Non
     traffic, which at batch 64 and 640 keys per query is half as many bytes again as the keys themselves in fp32
     with 4 splits of [16, 512] partials; float32 keeps each split's unnormalised sum. Session 16's H200 bench: BF16
     partials as fast or faster on 7 of the 9 decode shapes (batch 64, 640 entries: 24.5 against 27.6 us at 4
-    splits), 0.2-1.3 us slower at 4224 entries and batch 1-8 (32 splits)."""
+    splits), 0.2-1.3 us slower at 4224 entries and batch 1-8 (32 splits).
+    joint (with an extra list): a split owns a contiguous range of the SWA and extra lists read as one, not a share
+    of each (`_stream_joint`). combine "tiles": the split-K combine loads every split's partial at once
+    (`_combine_tiles_kernel`), "loop": one split after another (`_combine_kernel`). None (default): both from the
+    split count as `decode_plan` sets them (from SMALL_BATCH_SPLITS splits on: joint and tiles), which with
+    splits=None also picks the split count."""
     t_total, hpad, dim = q.shape
     if dim != HEAD_DIM or swa_cache.shape[-1] != HEAD_DIM:
         raise ValueError(f"head dim must be {HEAD_DIM}, got q {dim}, cache {swa_cache.shape[-1]}")
@@ -206,14 +316,19 @@ def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=Non
     if q.stride(2) != 1 or swa_ids.stride(-1) != 1 or any(c.stride(0) != HEAD_DIM or c.stride(-1) != 1 for c in caches):
         raise ValueError("q and the index lists must be contiguous in their last dimension and the caches [slots, 512]")
     heads = hpad if heads is None else heads
+    width = swa_ids.shape[1] + (extra_ids.shape[1] if extra_ids is not None else 0)
     if splits is None:
-        width = swa_ids.shape[1] + (extra_ids.shape[1] if extra_ids is not None else 0)
-        splits = default_splits(t_total, heads, width, q.device)
+        splits = decode_plan(t_total, heads, width, q.device)["splits"]
+    few_rows = splits >= SMALL_BATCH_SPLITS
+    joint = (few_rows and width <= JOINT_MAX_SHARE * splits) if joint is None else joint
+    combine = ("tiles" if few_rows else "loop") if combine is None else combine
     out = torch.empty_like(q) if out is None else out
     has_extra = extra_cache is not None
     if not has_extra:
         extra_cache, extra_ids, extra_lens = swa_cache, swa_ids, swa_lens  # never read
     ws_acc = ws_ml = out
+    if combine not in ("loop", "tiles"):
+        raise ValueError(f"combine must be 'loop' or 'tiles', got {combine!r}")
     if partial_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype}")
     norm_partial = partial_dtype != torch.float32
@@ -229,10 +344,18 @@ def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=Non
         sink_arg, out, out.stride(0), out.stride(1), ws_acc, ws_ml,
         heads, float(scale),
         HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLITS=splits, D=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_N=block_n,
-        DOT_F32=_INTERPRETED, PREFETCH=prefetch, NORM_PARTIAL=norm_partial and splits > 1, num_warps=num_warps,
-        num_stages=num_stages,
+        DOT_F32=_INTERPRETED, PREFETCH=prefetch, NORM_PARTIAL=norm_partial and splits > 1, JOINT=joint and has_extra,
+        num_warps=num_warps, num_stages=num_stages,
     )
-    if splits > 1:
+    if splits > 1 and combine == "tiles":
+        splits_p2 = triton.next_power_of_2(splits)
+        block_d = max(16, min(128, 512 // splits_p2))  # SPLITS_P2 x 16 heads x block_d = 8192 values a program
+        _combine_tiles_kernel[(t_total, triton.cdiv(heads, BLOCK_H), HEAD_DIM // block_d)](
+            ws_acc, ws_ml, sink_arg, out, out.stride(0), out.stride(1), heads,
+            HAS_SINK=sink is not None, SPLITS=splits, SPLITS_P2=splits_p2, D=HEAD_DIM, BLOCK_H=BLOCK_H,
+            BLOCK_D=block_d, NORM_PARTIAL=norm_partial, num_warps=4,
+        )
+    elif splits > 1:
         _combine_kernel[(t_total, triton.cdiv(heads, BLOCK_H), HEAD_DIM // COMBINE_D)](
             ws_acc, ws_ml, sink_arg, out, out.stride(0), out.stride(1), heads,
             HAS_SINK=sink is not None, SPLITS=splits, D=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=COMBINE_D,
