@@ -64,6 +64,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", action="store_true",
                     help="also time other split counts, BLOCK_N 64, 8 warps, 3 stages, the prefetching loop, fp32 split "
                          "partials, the tiled combine and joint lists per decode shape")
+    ap.add_argument("--profile", default="",
+                    help="comma-separated batch sizes whose default decode call is also profiled per CUDA kernel "
+                         "(device us per call, eager: the main kernel against the split-K combine)")
     ap.add_argument("--only", default="", help="with --variants: only the variants whose name contains one of these "
                                                "'|'-separated strings")
     args = ap.parse_args(argv)
@@ -71,7 +74,7 @@ def main(argv=None) -> int:
     import torch
 
     import common
-    from common import timed
+    from common import kernel_profile, timed
     from dsv4_sm80.kernels.sparse_attn import decode_plan, default_splits, sparse_attn
 
     dev = "cuda"
@@ -129,6 +132,11 @@ def main(argv=None) -> int:
                       f"{'t' if plan['combine'] == 'tiles' else ' '} {sec * 1e6:8.1f} "
                       f"{row['gbps']:8.0f} ({100 * row['gbps'] / copy_gbps:3.0f}%) {floor * 1e6:8.1f} "
                       f"{sec / floor:7.2f}{nat}")
+                if str(b) in args.profile.split(","):
+                    prof = row["profile"] = kernel_profile(torch, lambda: sparse_attn(
+                        q, swa, swa_ids, lens_s, extra, ext_ids, lens_e, sink, heads=HEADS, splits=None))
+                    print(f"        profile (us/call, sum {sum(prof.values()):.1f}):",
+                          "  ".join(f"{n} {v:.1f}" for n, v in prof.items()))
                 if args.variants:
                     old = default_splits(b, HEADS, WINDOW + ext_ids.shape[1], q.device)
                     alts = {f"session 19 (splits {old}, lists apart, loop combine)": dict(

@@ -31,7 +31,7 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
 E, H, I_PP, TOP_K = 256, 4096, 512, 6
 import common  # noqa: E402
-from common import timed  # noqa: E402
+from common import PROFILE_CALLS, kernel_profile, timed  # noqa: E402
 
 ROUTINGS = 20  # distinct routings per size, cycled call by call (common.timed captures 20 calls per replay)
 DECODE = (1, 2, 4, 8, 16, 32, 64)
@@ -213,65 +213,6 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
 for _cfg in VARIANTS.values():  # the MMA kernel unless a variant names gemv (default_config's choice at 2-32 tokens),
     _cfg.setdefault("gemv", False)  # and gemv's plain loop unless it names a prefetch depth (default_config's is 1)
     _cfg.setdefault("gemv_prefetch", 0)
-PROFILE_CALLS = 10
-
-
-def kernel_profile(torch, fn, calls: int = PROFILE_CALLS) -> dict:
-    """Device microseconds per call of each CUDA kernel fn launches (torch.profiler over `calls` eager calls),
-    largest first. A kernel launched more than once per call (the W4A8 gate-up and down launches share one
-    Triton kernel) is split by launch order into "name #1", "name #2", ...; names are shortened to ~40 chars."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-
-    def dev_total(ev):
-        t = getattr(ev, "device_time_total", None)
-        return float(t if t is not None else getattr(ev, "cuda_time_total", 0) or 0)
-
-    def is_kernel(ev):
-        kind = str(getattr(ev, "device_type", ""))
-        if kind:  # DeviceType.CUDA for kernels, memsets and memcpys
-            return kind.endswith("CUDA")
-        return not ev.key.startswith(("aten::", "cuda", "cuLaunch", "ProfilerStep"))  # an older event type
-
-    totals = {}  # full name -> (device us over all calls, launches)
-    for ev in prof.key_averages():
-        if dev_total(ev) > 0 and is_kernel(ev):
-            totals[ev.key] = (dev_total(ev), ev.count)
-    split = {}
-    try:  # the per-launch split of kernels launched several times per call
-        events = sorted((ev for ev in prof.events() if ev.name in totals and is_kernel(ev)),
-                        key=lambda ev: ev.time_range.start)
-        for name, (_, count) in totals.items():
-            per_call = count // calls
-            if per_call > 1 and count % calls == 0:
-                mine = [dev_total(ev) for ev in events if ev.name == name]
-                if len(mine) == count:
-                    split[name] = [sum(mine[i::per_call]) for i in range(per_call)]
-    except Exception as err:
-        print(f"  profile: per-launch split failed ({type(err).__name__}: {err})"[:200])
-
-    def short(name):
-        name = name[5:] if name.startswith("void ") else name
-        cut = min([i for i in (name.find("<"), name.find("(")) if i > 0] or [len(name)])
-        return name[:cut][:40]
-
-    out = {}
-    for name, (total, _) in totals.items():
-        parts = split.get(name, [total])
-        for i, part in enumerate(parts):
-            key = short(name) + (f" #{i + 1}" if len(parts) > 1 else "")
-            while key in out:  # two template instances with one short name
-                key += "'"
-            out[key] = part / calls
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
-
 def mxfp4_like_scales(torch, e, n, k, gen):
     """E8M0 bytes [e, n, k/32] as MXFP4 quantization of Gaussian rows gives them: each group's exponent is
     floor(log2(amax of its 32 values)) (minus a constant), so a row's groups share its scale and differ by
