@@ -52,8 +52,18 @@ STEPS = {  # step: files it expects from earlier steps
     "kernels": (), "moe-bench": (), "moe-sweep": (), "mhc-bench": (), "attn-bench": (), "idx-bench": (), "cold": (),
     "e2e-floors": ("engine-e2e.json",), "trace": (), "e2e": (), "oracle": (), "soak": (), "soak-native": (),
     "wide-parity": (), "e2e-bench": (), "moe-wide": (), "machines": (), "trace-linears": (), "e2e-replay": ("native-alone.json",),
-    "e2e-gemm": ("native-alone.json",), "vision-replay": (),
+    "e2e-gemm": ("native-alone.json",), "vision-replay": (), "graphs-self": (),
 }
+
+
+def test_graphs_self_makes_its_own_teacher_then_runs_graphs_on_it(tmp_path):
+    calls, _ = run_step(tmp_path, "graphs-self")
+    beds = [a for a in calls if a[0] == "tests/gpu/engine_bed.py"]
+    assert len(beds) == 3 and "--teacher-from" not in beds[0], beds
+    made = beds[0][beds[0].index("--out") + 1]
+    assert os.path.basename(made) == "self.json"
+    assert all(b[b.index("--teacher-from") + 1] == made for b in beds[1:])
+    assert "--cuda-graph" in beds[2] and "--cuda-graph" not in beds[1]
 
 
 def test_steps_on_the_wide_checkpoint_refuse_without_its_marker(tmp_path):

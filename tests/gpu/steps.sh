@@ -28,7 +28,7 @@
 #                                  kv,gemm,idx, against the oracle with each e2e-floors floor present
 #   tests/gpu/steps.sh machines    the across-machines floor: native teacher-forcing an earlier machine's native record
 #                                  ($PREV), alone too, and patched on the same sequences; each against each
-#   tests/gpu/steps.sh attn-bench  bench/attention.py
+#   tests/gpu/steps.sh attn-bench  bench/attention.py (variants; batch 1 and 8 profiled per kernel)
 #   tests/gpu/steps.sh idx-bench   bench/indexer.py (the C4 indexer's Q, compress-store and logits kernels at decode)
 #   tests/gpu/steps.sh cold        the patched engine's first start on empty JIT caches (a fresh HOME) with SGLang's
 #                                  own 300 s scheduler watchdog: does a user's first request survive the compiling?
@@ -56,6 +56,7 @@
 #                                  own activation quantizer and FP8 linear on their recorded inputs (lab_trace
 #                                  --sglang-models): what the replay's fp8-act model misses of native's linear
 #   tests/gpu/steps.sh graphs      patched with CUDA graphs vs patched eager (decode outputs)
+#   tests/gpu/steps.sh graphs-self graphs on the teacher sequences of a patched eager run made first (no oracle)
 #   tests/gpu/steps.sh spec        patched DSPARK vs patched without speculation (greedy tokens, acceptance), and
 #                                  native DSPARK vs native without speculation beside it (the floor)
 #   tests/gpu/steps.sh wide        generate the full-width checkpoint (/tmp/dsv4-wide, ~24 GB, fast experts)
@@ -264,7 +265,7 @@ case ${1:?step} in
       python tests/gpu/compare.py "$OUT/native-here.json" "$OUT/patched-here.json" --floor "$OUT/native-here-alone.json"
     } 2>&1 | tee "$OUT/machines.log" | grep -E "^(===|verdict|confident)" ;;
   attn-bench)
-    run attn-bench timeout 500 python bench/attention.py --variants --out "$OUT/attention.json" ;;
+    run attn-bench timeout 500 python bench/attention.py --variants --profile 1,8 --out "$OUT/attention.json" ;;
   idx-bench)
     run idx-bench timeout 300 python bench/indexer.py --out "$OUT/indexer.json" ;;
   floor)
@@ -388,6 +389,13 @@ case ${1:?step} in
         --out "$OUT/graphs-$g.json" --teacher-from "$ORACLE" --max-new 64 $([ $g = graph ] && echo --cuda-graph)
     done
     python tests/gpu/compare.py "$OUT/graphs-eager.json" "$OUT/graphs-graph.json" | tee -a "$OUT/graphs-graph.log" ;;
+  graphs-self)
+    # graphs without the native oracle (a cold native start compiles for minutes): a patched eager run makes the
+    # teacher sequences ($SELF, unless there; session 20's 250 s were not enough for its cold Triton compiles)
+    SELF=${SELF:-$OUT/self.json}
+    [ -f "$SELF" ] || run graphs-self env $LAB DSV4_SM80_TRIPWIRE=1 timeout ${SELF_T:-540} python tests/gpu/engine_bed.py \
+      --out "$SELF" --max-new 64
+    OUT=$OUT ORACLE=$SELF "$0" graphs ;;
   spec)
     run spec-off env $LAB DSV4_SM80_TRIPWIRE=1 timeout 250 python tests/gpu/engine_bed.py \
       --out "$OUT/spec-off.json" --teacher-from "$ORACLE" --lengths 20,300 --max-new 64
