@@ -29,6 +29,7 @@
 #   tests/gpu/steps.sh machines    the across-machines floor: native teacher-forcing an earlier machine's native record
 #                                  ($PREV), alone too, and patched on the same sequences; each against each
 #   tests/gpu/steps.sh attn-bench  bench/attention.py (variants; batch 1 and 8 profiled per kernel)
+#   tests/gpu/steps.sh mma-peak    bench/mma_peak.py: this GPU's mma.sync BF16 and INT8 peaks and their ratio (an A800's is 2)
 #   tests/gpu/steps.sh idx-bench   bench/indexer.py (the C4 indexer's Q, compress-store and logits kernels at decode)
 #   tests/gpu/steps.sh cold        the patched engine's first start on empty JIT caches (a fresh HOME) with SGLang's
 #                                  own 300 s scheduler watchdog: does a user's first request survive the compiling?
@@ -130,7 +131,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
   ( eval "$@" ) >"$OUT/$name.log" 2>&1 || { echo "=== $name: exit $?"; rc=1; }
-  grep -E "^(  A/B|fault_kill|hygiene|mhc_check|mhc bench|soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|layer_trace|attention_kit|attention bench|prefill|native|c4 |c128|indexer bench|q  |compress|logits|engine_bed|e2e |kernels per|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|us of kernels per decode step|Error|passed|failed|watchdog timeout" \
+  grep -E "^(  A/B|mma.sync|fault_kill|hygiene|mhc_check|mhc bench|soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|layer_trace|attention_kit|attention bench|prefill|native|c4 |c128|indexer bench|q  |compress|logits|engine_bed|e2e |kernels per|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|us of kernels per decode step|Error|passed|failed|watchdog timeout" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
 }
 vs_floors() {  # RECORD LOG: compare.py, RECORD against the oracle beside each e2e-floors floor this $OUT holds (native
@@ -266,6 +267,8 @@ case ${1:?step} in
     } 2>&1 | tee "$OUT/machines.log" | grep -E "^(===|verdict|confident)" ;;
   attn-bench)
     run attn-bench timeout 500 python bench/attention.py --variants --profile 1,8 --out "$OUT/attention.json" ;;
+  mma-peak)
+    run mma-peak timeout 120 python bench/mma_peak.py --out "$OUT/mma_peak.json" ;;
   idx-bench)
     run idx-bench timeout 300 python bench/indexer.py --out "$OUT/indexer.json" ;;
   floor)
