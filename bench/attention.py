@@ -18,6 +18,9 @@ import json
 import os
 import sys
 
+import triton
+import triton.language as tl
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
@@ -54,6 +57,43 @@ def native_decode(native, q, swa_ids, lens_s, ext_ids, lens_e, sink, ratio, dev)
                          extra_topk_length=lens_e)
 
 
+@triton.jit
+def _gather_chain_kernel(cache_ptr, ids_ptr, part_ptr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Only what any split-K sparse decode of one query must do in order (`chain_us`): an index load, the
+    dependent gather of the BLOCK_N rows it names, one store per program."""
+    pid = tl.program_id(0)
+    ids = tl.load(ids_ptr + pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rows = tl.load(cache_ptr + ids[:, None] * D + tl.arange(0, D)[None, :])
+    tl.store(part_ptr + pid * D + tl.arange(0, D), tl.sum(rows.to(tl.float32), axis=0))
+
+
+@triton.jit
+def _read_parts_kernel(part_ptr, out_ptr, PARTS: tl.constexpr, PARTS_P2: tl.constexpr, D: tl.constexpr):
+    """... then a second launch reading every program's store (the split-K combine's part of the chain)."""
+    offs = tl.arange(0, PARTS_P2)
+    vals = tl.load(part_ptr + offs[:, None] * D + tl.arange(0, D)[None, :], mask=(offs < PARTS)[:, None], other=0.0)
+    tl.store(out_ptr + tl.arange(0, D), tl.sum(vals, axis=0))
+
+
+def chain_us(cache, ids, block_n: int = 32) -> float:
+    """Microseconds (CUDA-graph replays) of the two chain kernels over ids [entries] into cache [slots, 512]: one
+    program per block_n entries, then one program reading their partials. A latency floor the launch + bytes floor
+    leaves out: no sparse decode of one query can be shorter than this chain."""
+    import torch
+
+    from common import timed
+
+    programs = ids.numel() // block_n
+    parts = torch.empty(programs, D, dtype=torch.float32, device=cache.device)
+    out = torch.empty(D, dtype=torch.float32, device=cache.device)
+
+    def run():
+        _gather_chain_kernel[(programs,)](cache, ids, parts, D=D, BLOCK_N=block_n)
+        _read_parts_kernel[(1,)](parts, out, PARTS=programs, PARTS_P2=triton.next_power_of_2(programs), D=D)
+
+    return timed(run) * 1e6
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -83,6 +123,14 @@ def main(argv=None) -> int:
     record = {"gpu": torch.cuda.get_device_name(0), "copy_gbps": copy_gbps, "empty_kernel_us": empty_us,
               "decode": [], "prefill": []}
     print(f"attention bench on {record['gpu']}: copy {copy_gbps:.0f} GB/s, empty kernel {empty_us:.1f} us")
+    # batch 1's 640 entries (C4: 128 SWA + 512 top-k) as 20 programs of 32: the dependent chain alone
+    cache = torch.randn(1 << 16, D, device=dev, generator=gen).to(torch.bfloat16)
+    ids = torch.randperm(1 << 16, device=dev, generator=gen)[:640].to(torch.int32)
+    record["chain_us"] = chain_us(cache, ids)
+    print(f"latency floor: index load -> dependent 32-row gather -> store in 20 programs, then one program reading "
+          f"their 20 partials: {record['chain_us']:.1f} us (the launch + bytes floor of 640 keys: "
+          f"{empty_us + 640 * D * 2 / (copy_gbps * 1e3):.1f} us)")
+    del cache
 
     native = None
     if not args.no_native:

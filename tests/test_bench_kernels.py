@@ -1,6 +1,7 @@
-"""bench/mma_peak.py compiled for sm_80 on the CPU: the loop issues the two instructions it claims to time, four
-independent ones an iteration, and nothing else of weight (it cannot run here: the interpreter does not execute
-inline PTX). The timing itself is a GPU run (issue 4: whether an H200's mma.sync keeps an A800's INT8:BF16 2:1)."""
+"""Kernels the benchmarks bring of their own, on the CPU: bench/mma_peak.py's loop compiled for sm_80 (it issues the
+two instructions it claims to time, four independent ones an iteration; the interpreter cannot execute inline PTX,
+so the timing is a GPU run: issue 4, whether an H200's mma.sync keeps an A800's INT8:BF16 2:1), and
+bench/attention.py's latency-chain kernels in the interpreter."""
 
 from conftest import last_json, run_python
 
@@ -34,3 +35,27 @@ def test_the_loop_issues_four_independent_mma_sync_of_each_kind_for_sm80():
     assert out["bf16"]["hmma"] >= 4 and out["bf16"]["imma"] == 0, out
     assert out["int8"]["imma"] >= 4 and out["int8"]["hmma"] == 0, out
     assert out["bf16"]["spills"] == 0 and out["int8"]["spills"] == 0, out
+
+
+def test_attention_bench_latency_chain_computes_what_it_claims():
+    """bench/attention.py's latency floor (`chain_us`): its two kernels, in the interpreter here, gather the rows
+    the ids name and sum them per program, then sum the programs' partials (a count that is not a power of two)."""
+    import importlib.util
+    import os
+
+    import torch
+
+    from conftest import DEV, REPO
+
+    spec = importlib.util.spec_from_file_location("bench_attention", os.path.join(REPO, "bench", "attention.py"))
+    att = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(att)
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(300, 512, generator=g).to(torch.bfloat16)
+    ids = torch.randperm(300, generator=g)[:80].to(torch.int32)
+    parts = torch.empty(5, 512, device=DEV)
+    out = torch.empty(512, device=DEV)
+    att._gather_chain_kernel[(5,)](cache.to(DEV), ids.to(DEV), parts, D=512, BLOCK_N=16)
+    att._read_parts_kernel[(1,)](parts, out, PARTS=5, PARTS_P2=8, D=512)
+    want = cache[ids.long()].float().view(5, 16, 512).sum(1)
+    assert torch.allclose(parts.cpu(), want, atol=1e-4) and torch.allclose(out.cpu(), want.sum(0), atol=1e-3)
