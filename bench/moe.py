@@ -33,6 +33,47 @@ E, H, I_PP, TOP_K = 256, 4096, 512, 6
 import common  # noqa: E402
 from common import PROFILE_CALLS, kernel_profile, timed  # noqa: E402
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+READ_CHUNK = 16384  # bytes per program of the read floor's kernel
+
+
+@triton.jit
+def _read_experts_kernel(w_ptr, ids_ptr, out_ptr, expert_bytes, CHUNK: tl.constexpr):
+    """Program (pair, chunk) reads CHUNK bytes of its pair's expert (16-byte loads, 4 warps) and stores a sum of
+    them: the routed experts' bytes read and nothing else (`read_floor_us`)."""
+    p = tl.program_id(0)
+    c = tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    words = (w_ptr + e * expert_bytes + c * CHUNK).to(tl.pointer_type(tl.int32))
+    v = tl.load(words + tl.arange(0, CHUNK // 4))
+    tl.store(out_ptr + p * tl.num_programs(1) + c, tl.sum(v & 0xFF, axis=0))  # (each word's low byte: no overflow)
+
+
+def read_floor_us(torch, w13, w2, routes) -> float:
+    """Microseconds (CUDA-graph replays over the routings, in turn) of two launches that only read the routed
+    experts' codes, per pair: the gate-up bytes, then the down bytes, each pair's expert in READ_CHUNK pieces.
+    What any two-GEMM MoE with these bytes takes before its arithmetic; the launch + bytes floor counts one launch
+    and no ramp."""
+    turn = [0]
+    outs = {}
+
+    def run():
+        ids = routes[turn[0] % len(routes)][1].reshape(-1)
+        turn[0] += 1
+        for w in (w13, w2):
+            per = w[0].numel()  # int8 bytes per expert
+            chunks = per // READ_CHUNK
+            key = (w.data_ptr(), ids.numel())
+            if key not in outs:
+                outs[key] = torch.empty(ids.numel() * chunks, dtype=torch.int32, device=w.device)
+            out = outs[key]
+            _read_experts_kernel[(ids.numel(), chunks)](w, ids, out, per, CHUNK=READ_CHUNK, num_warps=4)
+
+    return timed(run) * 1e6
+
+
 ROUTINGS = 20  # distinct routings per size, cycled call by call (common.timed captures 20 calls per replay)
 DECODE = (1, 2, 4, 8, 16, 32, 64)
 PREFILL = (512, 2048, 8192, 16384)
@@ -344,6 +385,8 @@ def main(argv=None) -> int:
         flops = 2 * m * TOP_K * (2 * inter * H + H * inter)
         row.update(experts_touched=touched, bytes=nbytes, flops=flops,
                    floor_s=pk["empty_kernel_us"] / 1e6 + nbytes / (pk["copy_gbps"] * 1e9))
+        if m <= 8:  # decode sizes where nearly every pair has its own expert (the read is per pair)
+            row["read_floor_us"] = read_floor_us(torch, ours[0], ours[2], routes)
         record["rows"].append(row)
 
         def cell(key, peak, unit_div, width):
@@ -361,6 +404,9 @@ def main(argv=None) -> int:
         for k in ("int8_error", "marlin_error"):
             if k in row:
                 print("  ", k, row[k])
+        if "read_floor_us" in row:
+            print(f"        read floor: {row['read_floor_us']:.1f} us (two launches reading only the pairs' expert codes, "
+                  f"gate-up then down, {READ_CHUNK // 1024} KiB a program)")
         if args.variants:
             row["variants"] = {}
             for name, cfg in VARIANTS.items():

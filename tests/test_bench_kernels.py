@@ -59,3 +59,28 @@ def test_attention_bench_latency_chain_computes_what_it_claims():
     att._read_parts_kernel[(1,)](parts, out, PARTS=5, PARTS_P2=8, D=512)
     want = cache[ids.long()].float().view(5, 16, 512).sum(1)
     assert torch.allclose(parts.cpu(), want, atol=1e-4) and torch.allclose(out.cpu(), want.sum(0), atol=1e-3)
+
+
+def test_moe_bench_read_floor_kernel_reads_each_pairs_expert():
+    """bench/moe.py's read floor: program (pair, chunk) reads READ_CHUNK bytes of its pair's expert as int32 words
+    and stores the sum of their low bytes (in the interpreter; a repeated expert is read once per pair, as pair
+    blocks do)."""
+    import importlib.util
+    import os
+
+    import torch
+
+    from conftest import DEV, REPO
+
+    spec = importlib.util.spec_from_file_location("bench_moe_rf", os.path.join(REPO, "bench", "moe.py"))
+    moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(moe)
+    chunk = moe.READ_CHUNK
+    g = torch.Generator().manual_seed(5)
+    w = torch.randint(-128, 128, (4, 2, chunk), generator=g, dtype=torch.int8)  # 2 chunks an expert
+    ids = torch.tensor([3, 1, 3], dtype=torch.int32)
+    out = torch.empty(3 * 2, dtype=torch.int32, device=DEV)
+    moe._read_experts_kernel[(3, 2)](w.to(DEV), ids.to(DEV), out, 2 * chunk, CHUNK=chunk)
+    words = w.view(4, 2, chunk // 4, 4).view(torch.int32).view(4, 2, chunk // 4).long()
+    want = (words[ids.long()] & 0xFF).sum(-1).reshape(-1)
+    assert torch.equal(out.cpu().long(), want)
