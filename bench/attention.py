@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", default="8192,32768", help="prefill token counts ('' for none)")
     ap.add_argument("--no-native", action="store_true")
     ap.add_argument("--variants", action="store_true",
-                    help="also time other split counts, BLOCK_N 64, 8 warps, 3 stages, the prefetching loop, fp32 split "
+                    help="also time other split counts, BLOCK_N 64, 8 warps, 3 stages, fp32 split "
                          "partials, the tiled combine and joint lists per decode shape")
     ap.add_argument("--profile", default="",
                     help="comma-separated batch sizes whose default decode call is also profiled per CUDA kernel "
@@ -194,8 +194,6 @@ def main(argv=None) -> int:
                             "block_n 64": dict(splits=splits, block_n=64),
                             "8 warps": dict(splits=splits, num_warps=8),
                             "stages 3": dict(splits=splits, num_stages=3),
-                            "prefetch": dict(splits=splits, prefetch=True),
-                            "prefetch 8 warps": dict(splits=splits, prefetch=True, num_warps=8),
                             # the split partials unnormalised in fp32 (the default until session 16 made them
                             # normalised BF16: at batch 64 and 640 keys the fp32 ones were half as many bytes
                             # again as the keys, written by the main kernel and read back by the combine)

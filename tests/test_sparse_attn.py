@@ -44,11 +44,11 @@ def setup(t=5, hpad=32, slots=300, swa_w=128, ext_w=0, seed=0, lens=None, ext_le
     return q, swa, swa_ids, swa_lens, extra, (ext_ids if ext_w else None), (ext_lens if ext_w else None), sink
 
 
-def check(k, args, heads, use_sink, splits, block_n=32, prefetch=False, **kw):
+def check(k, args, heads, use_sink, splits, block_n=32, **kw):
     q, swa, swa_ids, swa_lens, extra, ext_ids, ext_lens, sink = args
     out = dev(torch.full_like(q, 7.0))  # rows past `heads` must stay untouched
     k.sparse_attn(*dev(q, swa, swa_ids, swa_lens, extra, ext_ids, ext_lens, sink if use_sink else None),
-                  heads=heads, splits=splits, block_n=block_n, prefetch=prefetch, out=out, **kw)
+                  heads=heads, splits=splits, block_n=block_n, out=out, **kw)
     out = out.cpu()
     want = sparse_attn_ref(q[:, :heads], swa, swa_ids, swa_lens, extra, ext_ids, ext_lens,
                            sink[:heads] if use_sink else None)
@@ -68,24 +68,6 @@ def check(k, args, heads, use_sink, splits, block_n=32, prefetch=False, **kw):
 @pytest.mark.parametrize("splits", [1, 3])
 def test_matches_reference(k, ext_w, use_sink, splits):
     check(k, setup(t=4, ext_w=ext_w, seed=ext_w + splits), heads=20, use_sink=use_sink, splits=splits)
-
-
-@pytest.mark.parametrize("ext_w", [0, 77], ids=["ratio0-swa-only", "c128-all"])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_prefetch_variant_matches_reference(k, ext_w, splits):
-    """The bench variant that issues the next list step's loads first: same math, odd and empty lists (the
-    empty ones in test_prefetch_variant_on_empty_lists)."""
-    check(k, setup(t=4, ext_w=ext_w, seed=11 + ext_w + splits), heads=20, use_sink=True, splits=splits,
-          block_n=16, prefetch=True)
-
-
-@pytest.mark.parametrize("splits", [1, 3])
-def test_prefetch_variant_on_empty_lists(k, splits):
-    """The prefetch variant's empty-list case, once per split count (it does not depend on the list widths that
-    test_prefetch_variant_matches_reference varies; it ran there once per width, the same computation)."""
-    args = setup(t=3, ext_w=16, lens=[0, 5, 0], ext_lens=[0, 0, 3], seed=3)
-    out, _ = check(k, args, heads=16, use_sink=False, splits=splits, prefetch=True)
-    assert (out[0, :16] == 0).all()
 
 
 @pytest.mark.parametrize("ext_w", [0, 40, 77], ids=["ratio0-swa-only", "c4-topk", "c128-all"])
@@ -177,21 +159,20 @@ main_sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32",
             "sink_ptr": "*fp32", "o_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32", "ws_acc_ptr": "*fp32",
             "ws_ml_ptr": "*fp32", "heads": "i32", "scale": "fp32", "HAS_EXTRA": "constexpr", "HAS_SINK": "constexpr",
             "SPLITS": "constexpr", "D": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "DOT_F32": "constexpr",
-            "PREFETCH": "constexpr", "NORM_PARTIAL": "constexpr", "JOINT": "constexpr"}
+            "NORM_PARTIAL": "constexpr", "JOINT": "constexpr"}
 comb_sig = {"ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32", "sink_ptr": "*fp32", "o_ptr": "*bf16", "stride_ot": "i32",
             "stride_oh": "i32", "heads": "i32", "HAS_SINK": "constexpr", "SPLITS": "constexpr", "D": "constexpr",
             "BLOCK_H": "constexpr", "BLOCK_D": "constexpr", "NORM_PARTIAL": "constexpr"}
 out = {}
 target = GPUTarget("cuda", 80, 32)
-for splits, prefetch, norm, joint in ((1, False, False, False), (8, False, False, False), (8, True, False, False),
-                                     (8, False, True, False), (20, False, True, True)):
+for splits, norm, joint in ((1, False, False), (8, False, False), (8, True, False), (20, True, True)):
     c = dict(HAS_EXTRA=True, HAS_SINK=True, SPLITS=splits, D=512, BLOCK_H=16, BLOCK_N=32, DOT_F32=False,
-             PREFETCH=prefetch, NORM_PARTIAL=norm, JOINT=joint)
+             NORM_PARTIAL=norm, JOINT=joint)
     sig = dict(main_sig, ws_acc_ptr="*bf16") if norm else main_sig
     r = triton.compile(ASTSource(fn=k._sparse_attn_kernel, signature=sig, constexprs=c), target=target,
                        options={"num_warps": 4, "num_stages": 2})
     ptx = r.asm["ptx"]
-    out[f"main-splits{splits}" + ("-prefetch" if prefetch else "") + ("-bf16-partials" if norm else "")
+    out[f"main-splits{splits}" + ("-bf16-partials" if norm else "")
         + ("-joint" if joint else "")] = {"sm80": ".target sm_80" in ptx, "bf16_mma": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx,
                                     "fp8": "e4m3" in ptx or "e5m2" in ptx, "shared": r.metadata.shared,
                                     "spills": spills(r.asm["cubin"])}
@@ -222,14 +203,12 @@ def test_compiles_for_sm80():
     from conftest import last_json, run_python
 
     out = last_json(run_python(COMPILE, TRITON_INTERPRET="0"))
-    assert set(out) == {"main-splits1", "main-splits8", "main-splits8-prefetch", "main-splits8-bf16-partials",
+    assert set(out) == {"main-splits1", "main-splits8", "main-splits8-bf16-partials",
                         "main-splits20-bf16-partials-joint", "combine", "combine-bf16-partials", "combine-tiles8",
                         "combine-tiles20-bf16-partials", "combine-tiles64-bf16-partials"}
     for name, r in out.items():
         assert r["sm80"] and r["bf16_mma"] and not r["fp8"], (name, r)
-        # no local-memory spills (LDL/STL in the sm_80 SASS), but in the prefetching variant: its second step of
-        # [32, 512] rows in registers beside the fp32 accumulator spills (653 in Triton 3.6; slower at batch 64)
-        assert not r.get("spills") or "prefetch" in name, (name, r)
+        assert not r.get("spills"), (name, r)  # no local-memory traffic (LDL/STL) in the sm_80 SASS
         assert r["shared"] <= 163 * 1024, (name, r)
 
 

@@ -101,22 +101,16 @@ def _stream_joint(q, m, l, acc, swa_ptr, swa_ids_ptr, n_swa, ext_ptr, ext_ids_pt
 
 @triton.jit
 def _stream_list(q, m, l, acc, cache_ptr, ids_ptr, n, split, scale,
-                 SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-                 PREFETCH: tl.constexpr):
-    """Fold this split's share of one index list into the running (m, l, acc). PREFETCH: the next step's
-    index load and row gather are issued before this step's math (two dependent memory round trips per
-    step otherwise serialise with it: the batch-1 decode latency, docs/attention.md); a bench variant."""
+                 SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+    """Fold this split's share of one index list into the running (m, l, acc). (A variant that issued the next
+    step's index load and row gather before this step's math was no faster at batch 1-8 and 50-80 % slower at
+    batch 64 on the H200, session 7: its second [BLOCK_N, 512] step in registers beside the fp32 accumulator
+    spilled, 653 LDL/STL in the sm_80 SASS; removed in session 20.)"""
     chunk = (n + SPLITS - 1) // SPLITS
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n)
-    if PREFETCH:
-        k_next, ok_next = _gather_rows(cache_ptr, ids_ptr, lo, hi, D, BLOCK_N)
     for j0 in range(lo, hi, BLOCK_N):
-        if PREFETCH:
-            k, ok = k_next, ok_next
-            k_next, ok_next = _gather_rows(cache_ptr, ids_ptr, j0 + BLOCK_N, hi, D, BLOCK_N)  # masked past hi
-        else:
-            k, ok = _gather_rows(cache_ptr, ids_ptr, j0, hi, D, BLOCK_N)
+        k, ok = _gather_rows(cache_ptr, ids_ptr, j0, hi, D, BLOCK_N)
         m, l, acc = _fold_step(q, m, l, acc, k, ok, scale, DOT_F32)
     return m, l, acc
 
@@ -130,7 +124,7 @@ def _sparse_attn_kernel(
     heads, scale,
     HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLITS: tl.constexpr,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-    PREFETCH: tl.constexpr = False, NORM_PARTIAL: tl.constexpr = False, JOINT: tl.constexpr = False,
+    NORM_PARTIAL: tl.constexpr = False, JOINT: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -150,11 +144,11 @@ def _sparse_attn_kernel(
                                   ext_ids_ptr + t * stride_ext_ids, n_ext, split, scale, SPLITS, D, BLOCK_N, DOT_F32)
     else:
         m, l, acc = _stream_list(q, m, l, acc, swa_ptr, swa_ids_ptr + t * stride_swa_ids, n_swa, split, scale,
-                                 SPLITS, D, BLOCK_N, DOT_F32, PREFETCH)
+                                 SPLITS, D, BLOCK_N, DOT_F32)
     if HAS_EXTRA and not JOINT:
         n_ext = tl.minimum(tl.load(ext_lens_ptr + t), ext_width)
         m, l, acc = _stream_list(q, m, l, acc, ext_ptr, ext_ids_ptr + t * stride_ext_ids, n_ext, split, scale,
-                                 SPLITS, D, BLOCK_N, DOT_F32, PREFETCH)
+                                 SPLITS, D, BLOCK_N, DOT_F32)
 
     if SPLITS == 1:
         if HAS_SINK:
@@ -290,13 +284,12 @@ def decode_plan(rows: int, heads: int, width: int, device) -> dict:
 
 def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=None, extra_lens=None, sink=None,
                 *, scale: float = HEAD_DIM ** -0.5, heads: int | None = None, splits: int | None = 1,
-                block_n: int = 32, prefetch: bool = False, partial_dtype: torch.dtype = torch.bfloat16,
+                block_n: int = 32, partial_dtype: torch.dtype = torch.bfloat16,
                 out: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2, joint: bool | None = None,
                 combine: str | None = None) -> torch.Tensor:
     """o [T, Hpad, 512] (BF16) for q [T, Hpad, 512]; caches [slots, 512] BF16; ids [T, W] int32 slots;
     lens [T] int32; sink [>= heads] fp32. Only the first `heads` heads are computed (default all).
-    splits=None picks them with `decode_plan` from the static shapes. prefetch: the next list step's loads are issued
-    before this step's math (off: session 7 measured it no faster at batch 1-8 and slower at batch 64 on the H200).
+    splits=None picks them with `decode_plan` from the static shapes.
     partial_dtype (splits > 1): the split partials' workspace dtype. bfloat16 (default) stores each split's
     partial normalised (acc / l: a weighted mean of value rows, rounded once to BF16, so off by at most 2^-9 of
     the largest value row, which exceeds the output's own rounding where splits cancel) and halves the workspace
@@ -344,7 +337,7 @@ def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=Non
         sink_arg, out, out.stride(0), out.stride(1), ws_acc, ws_ml,
         heads, float(scale),
         HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLITS=splits, D=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_N=block_n,
-        DOT_F32=_INTERPRETED, PREFETCH=prefetch, NORM_PARTIAL=norm_partial and splits > 1, JOINT=joint and has_extra,
+        DOT_F32=_INTERPRETED, NORM_PARTIAL=norm_partial and splits > 1, JOINT=joint and has_extra,
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1 and combine == "tiles":
