@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import triton
 import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import best_seconds  # noqa: E402
 
 # one warp-wide instruction each; D = A x B + C with every fragment register of A and B the same value
 BF16_MMA = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$4,$4,$4}, {$4,$4}, "
@@ -72,17 +76,8 @@ def measure(kind: str, iters: int = 4096, warps: int = 8, blocks_per_sm: int = 4
     grid = sms * blocks_per_sm
     block = 32 * warps
     out = torch.empty(grid * block, dtype=torch.int32 if kind == "int8" else torch.float32, device="cuda")
-    run = lambda: _mma_loop_kernel[(grid,)](out, iters, INT8=kind == "int8", BLOCK=block, num_warps=warps)
-    run()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) / 1e3)
+    best = best_seconds(lambda: _mma_loop_kernel[(grid,)](out, iters, INT8=kind == "int8", BLOCK=block,
+                                                          num_warps=warps))
     return grid * warps * iters * CHAINS * OPS[kind] / best / 1e12
 
 
