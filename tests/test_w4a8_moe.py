@@ -781,6 +781,25 @@ def test_default_config_takes_gemv_from_2_to_32_tokens(k):
         run_kernel(k, x, w13, s13, w2, s2, tw, ids, config={"unroll": 2, "gemv": True})
 
 
+def test_unknown_config_options_are_refused(k):
+    """A config option w4a8_moe does not read (misspelt, or retired like session 18's `prefetch`) is refused by
+    name, not ignored: a bench variant or test carrying it would otherwise run the default in its place; every key
+    default_config sets and every bench variant uses is one it knows."""
+    x, w13, s13, w2, s2, tw, ids = case(t=1, top_k=2, h=128, inter=64, seed=5)
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['prefetch'\]"):
+        run_kernel(k, x, w13, s13, w2, s2, tw, ids, config={"prefetch": 1})
+    for pairs in (6, 12, 300, 1000, 9000):
+        assert set(k.default_config(pairs)) <= k.CONFIG_KEYS
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_moe_keys", os.path.join(os.path.dirname(__file__), "..",
+                                                                               "bench", "moe.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for name, cfg in bench.VARIANTS.items():
+        assert set(cfg) - {"_eref0"} <= k.CONFIG_KEYS, name
+
+
 def test_gemv_equals_the_pair_block_mma_bit_for_bit(k):
     """config gemv: each pair's one row on CUDA cores (the codes decoded once, multiplied by DP4A on the GPU,
     elementwise here) instead of the 16-row INT8 MMA tile: the same exact int32 group dots and the same fp32

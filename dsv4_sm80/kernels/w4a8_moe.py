@@ -931,6 +931,11 @@ def default_config(pairs: int, inter: int = 512) -> dict:
     return {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": True}
 
 
+CONFIG_KEYS = frozenset({  # every option `w4a8_moe` reads from its config (`default_config` sets a subset)
+    "block_m", "block_n", "block_n2", "num_warps", "num_stages", "shift", "fused_io", "pair_blocks", "split_k", "gemv",
+    "gemv_n", "gemv_prefetch", "merge", "unroll", "unroll_down", "pair_bf16", "decode"})
+
+
 def w4a8_moe(
     x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, swiglu_limit: float = 10.0,
@@ -970,6 +975,9 @@ def w4a8_moe(
     inter = two_i // 2
     top_k = topk_ids.shape[1]
     asked = config or {}
+    unknown = set(asked) - CONFIG_KEYS
+    if unknown:  # a misspelt or retired option would otherwise time or test the default instead, silently
+        raise ValueError(f"w4a8_moe config: unknown option(s) {sorted(unknown)}; known: {sorted(CONFIG_KEYS)}")
     cfg = dict(default_config(t * top_k, inter), **asked)
     block_m, block_n, block_n2 = cfg["block_m"], cfg["block_n"], cfg["block_n2"]
     if h % CHUNK or inter % CHUNK or inter % block_n or block_n % GROUP:
