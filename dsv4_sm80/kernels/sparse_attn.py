@@ -261,6 +261,14 @@ SMALL_BATCH_SPLITS = 8  # from this many splits on: the tiled combine, and the t
 JOINT_MAX_SHARE = 64  # ... a split's share of the list entries is at most this many
 
 
+def _split_choices(splits: int, width: int) -> dict:
+    """joint and combine for a split count over lists `width` entries wide (`decode_plan`'s rule, also sparse_attn's
+    default for an explicit split count): from SMALL_BATCH_SPLITS splits on the tiled combine, and joint where a
+    split's share is at most JOINT_MAX_SHARE entries (two 32-entry steps; apart: a partly empty step of each list)."""
+    few = splits >= SMALL_BATCH_SPLITS
+    return {"joint": few and width <= JOINT_MAX_SHARE * splits, "combine": "tiles" if few else "loop"}
+
+
 def decode_plan(rows: int, heads: int, width: int, device) -> dict:
     """`sparse_attn`'s choices for splits=None, from static shapes only: `default_splits`, and where that gives at
     least SMALL_BATCH_SPLITS (few query tokens with long lists: batch 1-8 decode) the lists read as one (joint)
@@ -272,14 +280,11 @@ def decode_plan(rows: int, heads: int, width: int, device) -> dict:
     JOINT_MAX_SHARE entries. At 2-4 splits (batch 64) the loop combine stayed faster (24.4 against 29.6 us), and
     joint lost at 4224 entries (123.0 against 111.8)."""
     splits = default_splits(rows, heads, width, device)
-    if splits < SMALL_BATCH_SPLITS:
-        return {"splits": splits, "joint": False, "combine": "loop"}
-    sms = sm_count(device) or 1
-    wide = min(2 * splits, max(width // 32, 1), 32)
-    if rows * triton.cdiv(heads, BLOCK_H) * wide <= sms:
-        splits = max(splits, wide)
-    # joint pays where a split's share is at most two 32-entry steps (apart: a partly empty step of each list)
-    return {"splits": splits, "joint": width <= JOINT_MAX_SHARE * splits, "combine": "tiles"}
+    if splits >= SMALL_BATCH_SPLITS:
+        wide = min(2 * splits, max(width // 32, 1), 32)
+        if rows * triton.cdiv(heads, BLOCK_H) * wide <= (sm_count(device) or 1):
+            splits = max(splits, wide)
+    return {"splits": splits, **_split_choices(splits, width)}
 
 
 def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=None, extra_lens=None, sink=None,
@@ -300,8 +305,7 @@ def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=Non
     joint (with an extra list): a split owns a contiguous range of the SWA and extra lists read as one, not a share
     of each (`_stream_joint`). combine "tiles": the split-K combine loads every split's partial at once
     (`_combine_tiles_kernel`), "loop": one split after another (`_combine_kernel`). None (default): both from the
-    split count as `decode_plan` sets them (from SMALL_BATCH_SPLITS splits on: joint and tiles), which with
-    splits=None also picks the split count."""
+    split count by `decode_plan`'s rule (`_split_choices`), which with splits=None also picks the split count."""
     t_total, hpad, dim = q.shape
     if dim != HEAD_DIM or swa_cache.shape[-1] != HEAD_DIM:
         raise ValueError(f"head dim must be {HEAD_DIM}, got q {dim}, cache {swa_cache.shape[-1]}")
@@ -312,9 +316,9 @@ def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=Non
     width = swa_ids.shape[1] + (extra_ids.shape[1] if extra_ids is not None else 0)
     if splits is None:
         splits = decode_plan(t_total, heads, width, q.device)["splits"]
-    few_rows = splits >= SMALL_BATCH_SPLITS
-    joint = (few_rows and width <= JOINT_MAX_SHARE * splits) if joint is None else joint
-    combine = ("tiles" if few_rows else "loop") if combine is None else combine
+    choices = _split_choices(splits, width)
+    joint = choices["joint"] if joint is None else joint
+    combine = choices["combine"] if combine is None else combine
     out = torch.empty_like(q) if out is None else out
     has_extra = extra_cache is not None
     if not has_extra:
