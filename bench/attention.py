@@ -181,7 +181,7 @@ def main(argv=None) -> int:
                       f"{row['gbps']:8.0f} ({100 * row['gbps'] / copy_gbps:3.0f}%) {floor * 1e6:8.1f} "
                       f"{sec / floor:7.2f}{nat}")
                 if str(b) in args.profile.split(","):
-                    prof = row["profile"] = kernel_profile(torch, lambda: sparse_attn(
+                    prof = row["profile"] = kernel_profile(lambda: sparse_attn(
                         q, swa, swa_ids, lens_s, extra, ext_ids, lens_e, sink, heads=HEADS, splits=None))
                     print(f"        profile (us/call, sum {sum(prof.values()):.1f}):",
                           "  ".join(f"{n} {v:.1f}" for n, v in prof.items()))

@@ -57,7 +57,7 @@ def empty_kernel_us() -> float:
 PROFILE_CALLS = 10
 
 
-def kernel_profile(torch, fn, calls: int = PROFILE_CALLS) -> dict:
+def kernel_profile(fn, calls: int = PROFILE_CALLS) -> dict:
     """Device microseconds per call of each CUDA kernel fn launches (torch.profiler over `calls` eager calls),
     largest first. A kernel launched more than once per call (the W4A8 gate-up and down launches share one
     Triton kernel) is split by launch order into "name #1", "name #2", ...; names are shortened to ~40 chars."""
