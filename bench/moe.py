@@ -239,7 +239,7 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
         "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 16, "gemv_prefetch": 2},
     # (session 20, H200, TP4 shapes: prefetch 1 the fastest gemv at 2-32 tokens, 29.7 / 41.0 / 71.2 / 113.5 / 200.9 us
     # at 2 / 4 / 8 / 16 / 32 against the plain loop's 33.4 / 42.6 / 76.9 / 119.2 / 207.8, and default_config's since;
-    # 24.7 at one token against the MMA tile's 24.6; prefetch 2 between the two)
+    # 24.7 at one token against the MMA tile's 24.6; prefetch 2 ahead of 1 only at 8 tokens, 70.9 against 71.2)
     # ... with more warps per scheduler as well (gemv had 1.45 at one token; the MMA launches 2.7)
     "pair blocks, fused io, gemv, split_k 16, gemv_n 64, prefetch 2": {
         "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 16, "gemv_n": 64, "gemv_prefetch": 2},
@@ -429,7 +429,7 @@ def main(argv=None) -> int:
                     runs.append((name, lambda cfg=cfg: run_int8(dict(cfg))))
             for backend, fn in runs:
                 try:
-                    prof = row["profile"][backend] = kernel_profile(torch, fn)
+                    prof = row["profile"][backend] = kernel_profile(fn)
                     print(f"  profile {backend} (us/call, sum {sum(prof.values()):.1f}):", "  ".join(
                         f"{n} {us:.1f}" for n, us in prof.items()))
                 except Exception as err:

@@ -916,7 +916,7 @@ def default_config(pairs: int, inter: int = 512) -> dict:
     16 tokens (1024, TP2, is not measured). gemv_prefetch 1 with the 128-wide down tile: session 20's H200 sweep
     (TP4 shapes), against the gemv config above: 33.2 -> 29.7 us at 2 tokens, 42.6 -> 41.0 at 4, 77.3 -> 71.2 at 8,
     118.9 -> 113.5 at 16, 207.8 -> 200.9 at 32; at one token 24.7 against the MMA tile's 24.4-24.6, which stays
-    (prefetch 2 was slower than 1 from 1 to 32 tokens, 25.2 / 31.3 / 45.3 at 1 / 2 / 4)."""
+    (prefetch 2: 25.2 / 31.3 / 45.3 / 70.9 / 118.9 / 210.4 at 1 / 2 / 4 / 8 / 16 / 32, ahead of 1 only at 8)."""
     if pairs <= 6:  # one token: 4 warps per 16x32 tile, one pair per block, gate-up K in 4 shares
         return {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3, "shift": False,
                 "fused_io": True, "pair_blocks": True, "split_k": 4}
@@ -961,8 +961,8 @@ def w4a8_moe(
     per four codes; `_w4a8_gemv_kernel`) instead of a 16-row INT8 MMA tile whose 15 padding rows still take every
     group's conversion and scaling; the same integers and fp32 steps (bit-equal in the interpreter). One column
     per thread: the gate-up tile is gemv_n columns (default 128) with split-K, block_n without; the down tile
-    block_n2; warps = tile / 32. gemv_prefetch (0, 1, 2; default_config 1, else 0): each K step's loads issued that many steps
-    ahead, carried in registers (Triton does not pipeline a loop without tl.dot).
+    block_n2; warps = tile / 32. gemv_prefetch (0, 1, 2; default_config 1, else 0): each K step's loads issued
+    that many steps ahead, carried in registers (Triton does not pipeline a loop without tl.dot).
     config split_k (gate-up, per-group loop; default 1): K in that many shares, each its own program, their
     fp32 partial sums added in a fixed order by `_glu_finish_kernel` (deterministic): more programs when few
     experts are active (one token: 6 experts x 16 column tiles = 96 programs for the whole GPU).
