@@ -218,11 +218,13 @@ def test_split_k_equals_the_unsplit_kernel_and_is_deterministic(k):
 
 
 def test_default_configs_are_valid(k):
-    for pairs in (1, 24, 25, 64, 384, 385, 4096, 4097, 100000):
+    for pairs in (1, 24, 25, 64, 384, 385, 3072, 3073, 4096, 4097, 100000):
         cfg = k.default_config(pairs)
         assert cfg["block_n"] % 32 == 0 and 512 % cfg["block_n"] == 0 and 4096 % cfg["block_n2"] == 0, cfg
-        # decode sizes (up to 64 tokens at top-6) take the one-launch quantizer and combine (session 11)
-        assert cfg.get("fused_io", False) == (pairs <= 384), (pairs, cfg)
+        # decode sizes (session 11) and prefill to 512 tokens at top-6 (session 21) take the one-launch quantizer and
+        # combine, and the 16-row tile
+        assert cfg.get("fused_io", False) == (pairs <= 3072), (pairs, cfg)
+        assert (cfg["block_m"] == 16) == (pairs <= 3072), (pairs, cfg)
 
 
 def test_error_against_exact_is_bounded(k):
@@ -671,13 +673,14 @@ def test_every_bench_variant_computes_the_moe(k):
     # column shiftable: the shift path runs where a variant asks)
     cases, want = {}, {}
 
-    def at(h):
-        if h not in cases:
-            x, w13, s13, w2, s2, tw, ids = case(t=3, h=h, inter=128, e=3, top_k=2, seed=53, exp_lo=121, exp_hi=124)
+    def at(h, inter):
+        if (h, inter) not in cases:
+            x, w13, s13, w2, s2, tw, ids = case(t=3, h=h, inter=inter, e=3, top_k=2, seed=53, exp_lo=121, exp_hi=124)
             a, b = k.repack_mxfp4_for_w4a8(dev(w13.clone())), k.repack_mxfp4_for_w4a8(dev(w2.clone()))
             maps = {"w13_eref": k.shift_refs(dev(s13)), "w2_eref": k.shift_refs(dev(s2))}
-            cases[h] = (x, w13, s13, w2, s2, tw, ids), (a, b), maps, {n: torch.zeros_like(m) for n, m in maps.items()}
-        return cases[h]
+            cases[h, inter] = ((x, w13, s13, w2, s2, tw, ids), (a, b), maps,
+                               {n: torch.zeros_like(m) for n, m in maps.items()})
+        return cases[h, inter]
 
     # In Triton's interpreter num_warps and num_stages are not part of the program (each program runs once, in
     # numpy) and the decode is the ALU one unless a config asks otherwise: variants that differ only there run
@@ -695,14 +698,16 @@ def test_every_bench_variant_computes_the_moe(k):
                 continue
             ran.add(key)
         h = max(256, 64 * cfg.get("split_k", 1))  # a whole 64-deep step per K share
-        (x, w13, s13, w2, s2, tw, ids), (a, b), maps, zero = at(h)
         group = dict(k.default_config(3 * 2), **cfg)["block_n"]
-        if (h, group) not in want:
-            want[h, group] = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=group).float()
+        inter = max(128, group)  # (a 256-wide gate-up tile: intermediate 256)
+        (x, w13, s13, w2, s2, tw, ids), (a, b), maps, zero = at(h, inter)
+        if (h, inter, group) not in want:
+            want[h, inter, group] = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5,
+                                                          group=group).float()
         out = k.w4a8_moe(*dev(x, a, s13, b, s2, tw, ids), routed_scaling_factor=1.5, config=cfg,
                          out=dev(torch.empty(x.shape, dtype=torch.float32)), **(zero if eref0 else maps)).cpu()
-        err = (out - want[h, group]).norm(dim=-1) / want[h, group].norm(dim=-1).clamp_min(1e-30)
-        assert float(err.max()) < 1e-2, (name, h, err.tolist())
+        err = (out - want[h, inter, group]).norm(dim=-1) / want[h, inter, group].norm(dim=-1).clamp_min(1e-30)
+        assert float(err.max()) < 1e-2, (name, h, inter, err.tolist())
 
 
 @pytest.mark.parametrize("cfg", [DECODE, PREFILL, dict(PREFILL, fused_io=False), dict(DECODE, fused_io=True),

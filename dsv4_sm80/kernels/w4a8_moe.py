@@ -916,14 +916,19 @@ def default_config(pairs: int, inter: int = 512) -> dict:
     16 tokens (1024, TP2, is not measured). gemv_prefetch 1 with the 128-wide down tile: session 20's H200 sweep
     (TP4 shapes), against the gemv config above: 33.2 -> 29.7 us at 2 tokens, 42.6 -> 41.0 at 4, 77.3 -> 71.2 at 8,
     118.9 -> 113.5 at 16, 207.8 -> 200.9 at 32; at one token 24.7 against the MMA tile's 24.4-24.6, which stays
-    (prefetch 2: 25.2 / 31.3 / 45.3 / 70.9 / 118.9 / 210.4 at 1 / 2 / 4 / 8 / 16 / 32, ahead of 1 only at 8)."""
+    (prefetch 2: 25.2 / 31.3 / 45.3 / 70.9 / 118.9 / 210.4 at 1 / 2 / 4 / 8 / 16 / 32, ahead of 1 only at 8).
+    The 33-64-token tile (16x32, 2 warps, down 128, 4 stages, fused io) also from 65 to 512 tokens (3072 pairs):
+    session 21's H200 sweep at 512 tokens (TP4 shapes, CUDA-graph replays, one process) had it at 553 us against
+    763 for the 32x128 tile it replaced (698 with fused io added; Marlin 497 in that session's other run); the
+    block_m-16 tile spreads the ~12 rows an expert gets at 512 tokens over no padding rows. Between 65 and 511
+    tokens neither tile is timed (both ends favour this one); from 513 tokens the 32x128 tile stays until timed."""
     if pairs <= 6:  # one token: 4 warps per 16x32 tile, one pair per block, gate-up K in 4 shares
         return {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3, "shift": False,
                 "fused_io": True, "pair_blocks": True, "split_k": 4}
     if pairs <= (192 if inter <= 512 else 96):  # 2-32 tokens (2-16 for a wider intermediate): gemv, K in 8 shares
         return {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": False,
                 "fused_io": True, "pair_blocks": True, "gemv": True, "split_k": 8, "gemv_prefetch": 1}
-    if pairs <= 384:  # decode: few rows per expert, parallelism must come from N
+    if pairs <= 3072:  # decode and short prefill (to 512 tokens): few rows per expert, parallelism from N
         return {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 2, "num_stages": 4, "shift": False,
                 "fused_io": True}
     if pairs <= 4096:
