@@ -122,6 +122,28 @@ VARIANTS = {
                                         "shift": False},
     "shift off, tile 16x32, warps 4": {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "shift": False},
 }
+# The prefill sweep (--only prefill-): session 21's H200 run had W4A8 at Marlin's time from 2048 tokens on (1.04 / 1.00 /
+# 0.99 at 2048 / 8192 / 16384), i.e. 14-18 % of the INT8 peak, while an H200's mma.sync INT8 runs at 2.26x its BF16
+# (bench/mma_peak.py) and Marlin reached 48 % of that BF16 rate. The sm_80 SASS census (bench/sass_census.py) of the
+# >4096-pair tile (64x128, 4 warps, shift) counts 9.3 instructions per IMMA, within an SM80 or H200 scheduler's
+# issue budget, but 45 spilled words; with 8 warps 10.8 and no spill (more warps to hide latency with, each holding
+# half the accumulators). The rest of the [pairs, H] traffic: pair_bf16 (half the bytes of the largest buffer) and
+# fused_io (one-launch quantizer and combine; 763 -> 698 us at 512 tokens, session 21). Each entry names its shift
+# setting and tiles; the down tile is block_n2 wide with the gate-up's block_m and warps.
+PREFILL_TILE = {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": True}
+VARIANTS.update({f"prefill-{name}": dict(PREFILL_TILE, **cfg) for name, cfg in {
+    "64x128, warps 4, fused io": {"fused_io": True},
+    "64x128, warps 4, fused io, pair bf16": {"fused_io": True, "pair_bf16": True},
+    "64x128, warps 4, stages 4": {"num_stages": 4},
+    "64x128, warps 8": {"num_warps": 8},
+    "64x128, warps 8, stages 4": {"num_warps": 8, "num_stages": 4},
+    "64x128, warps 8, fused io, pair bf16": {"num_warps": 8, "fused_io": True, "pair_bf16": True},
+    "64x256, warps 8": {"block_n": 256, "num_warps": 8},  # (block_n 256: the intermediate's INT8 group is 256)
+    "32x128, warps 4": {"block_m": 32},
+    "32x128, warps 8": {"block_m": 32, "num_warps": 8},
+    "128x32, warps 2": {"block_m": 128, "block_n": 32, "block_n2": 64, "num_warps": 2},  # one warp's tile 64 rows tall
+    "64x32, warps 1": {"block_m": 64, "block_n": 32, "block_n2": 64, "num_warps": 1},
+}.items()})
 # The decode sweep (--only decode-): which tile, warp count and pipeline depth reach HBM bandwidth at 1-64 tokens
 # on this GPU (session 7's decode tile moved 35-45 % of the copy peak on the H200, Marlin 70-78 %); each entry is
 # that tile (pinned here, shift off) with the keys it names changed. Session 8's H200 sweep put 2 warps, the
@@ -287,6 +309,10 @@ def main(argv=None) -> int:
     ap.add_argument("--same-routing", action="store_true",
                     help="every call the same routing (the experts stay in L2 between calls at decode sizes; "
                          "sessions 4-15 timed this way)")
+    ap.add_argument("--once", default="",
+                    help="for Nsight Compute: at the first --tokens size, two eager calls of this variant ('default': "
+                         "default_config) and nothing else (ncu -k regex:_w4a8 --launch-skip 2: the second call's "
+                         "launches)")
     ap.add_argument("--no-marlin", action="store_true",
                     help="the W4A8 kernel alone, without SGLang (no Marlin column): a quick timing on a GPU host "
                          "with only torch and Triton")
@@ -367,6 +393,14 @@ def main(argv=None) -> int:
                                     layer.w2_weight_scale, logits, tw, ids, global_num_experts=e,
                                     workspace=workspace, num_bits=4, clamp_limit=10.0)
 
+        if args.once:
+            cfg = None if args.once == "default" else dict(VARIANTS[args.once])
+            maps = no_shift if cfg is not None and cfg.pop("_eref0", False) else None
+            for _ in range(2):
+                run_int8(cfg, maps)
+            torch.cuda.synchronize()
+            print(f"moe bench --once: two calls of {args.once!r} at {m} tokens")
+            return 0
         row = {"tokens": m}
         try:
             row["int8_s"] = timed(run_int8)

@@ -3,6 +3,7 @@ scripts would get are checked here and not after minutes of device time. steps.s
 a quoted argument with a space or a `|` must survive as one argument (session 11: `--only "fused io|pair bf16"`
 would have become a shell pipe). Every `--flag` a step passes must be an option its script defines."""
 
+import importlib.util
 import json
 import os
 import re
@@ -179,6 +180,26 @@ def test_moe_sweep_takes_its_sizes_and_variants_from_the_environment(tmp_path):
     calls, _ = run_step(tmp_path / "unset", "moe-sweep")
     (bench,) = [a for a in calls if a[0] == "bench/moe.py"]
     assert bench[bench.index("--tokens") + 1] == "1,4,16,64" and bench[bench.index("--only") + 1] == "decode-"
+
+
+def test_moe_ncu_profiles_the_second_call_of_each_variant(tmp_path):
+    """moe-ncu: one Nsight Compute run per variant (a name with a space and a comma stays one argument), the first
+    call's two W4A8 launches skipped, and each variant a name bench/moe.py knows."""
+    ncu = tmp_path / "ncu"
+    ncu.write_text('#!/bin/bash\necho "$@" >> "$(dirname "$0")/ncu.log"\nwhile [ "$1" != python ]; do shift; done\n'
+                   'exec "$@"\n')
+    ncu.chmod(0o755)
+    calls, _ = run_step(tmp_path, "moe-ncu", env={"NCU": str(ncu), "NCU_TOKENS": "2048"})
+    benches = [a for a in calls if a[0] == "bench/moe.py"]
+    assert [b[b.index("--once") + 1] for b in benches] == ["default", "prefill-64x128, warps 8"]
+    assert all(b[b.index("--tokens") + 1] == "2048" and "--no-marlin" in b for b in benches)
+    assert all({a for a in b[1:] if a.startswith("--")} <= options_of("bench/moe.py") for b in benches)
+    assert all("--launch-skip 2 --launch-count 2" in line and "-k regex:_w4a8" in line
+               for line in (tmp_path / "ncu.log").read_text().splitlines())
+    spec = importlib.util.spec_from_file_location("bench_moe_v", os.path.join(REPO, "bench", "moe.py"))
+    moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(moe)
+    assert "prefill-64x128, warps 8" in moe.VARIANTS
 
 
 def test_e2e_replay_runs_marlin_experts_with_every_rounding_replayed_against_the_batch_floor(tmp_path):

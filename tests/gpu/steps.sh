@@ -11,6 +11,8 @@
 #   tests/gpu/steps.sh moe-bench   bench/moe.py
 #   tests/gpu/steps.sh moe-sweep   bench/moe.py at decode sizes (MOE_TOKENS, 1,4,16,64): the decode tile sweep
 #                                  (MOE_ONLY picks variants, decode-) and a per-kernel profile
+#   tests/gpu/steps.sh moe-ncu     Nsight Compute of the W4A8 launches at NCU_TOKENS (8192) for NCU_VARIANTS (default and
+#                                  the 8-warp prefill tile): occupancy, issue slots, warp stalls, DRAM (no SGLang needed)
 #   tests/gpu/steps.sh moe-wide    the same at TP1 full width (intermediate 2048: e2e-bench's experts)
 #   tests/gpu/steps.sh moe-onetoken  moe-sweep at 1-64 tokens: the default against the MMA configs gemv replaced
 #                                  and the gemv tiles (the switch points of default_config), gemv profiled too
@@ -571,6 +573,21 @@ case ${1:?step} in
     # tokens, the aligned MMA tile beyond): the default against the MMA configs gemv replaced and the gemv tiles
     MOE_TOKENS=${MOE_TOKENS:-1,2,4,8,16,24,32,48,64} MOE_ONLY="mma|gemv, split_k 8" \
       MOE_PROFILE_ONLY="gemv, split_k 8, block_n2 128|split_k 4, mma" OUT=$OUT NO_JIT_TAR=1 "$0" moe-sweep || rc=1 ;;
+  moe-ncu)
+    # Nsight Compute of the W4A8 launches (the second of two eager calls: gate-up and down) per variant at
+    # NCU_TOKENS (8192): occupancy, issue slots, warp stalls, DRAM; NCU_VARIANTS '|'-separated (default and the
+    # 8-warp prefill tile); no SGLang needed (torch alignment fallback; its launches are not profiled)
+    NCU=${NCU:-$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)}
+    [ -n "$NCU" ] || { echo "=== moe-ncu: no ncu on this host"; exit 1; }
+    IFS='|' read -ra vs <<< "${NCU_VARIANTS:-default|prefill-64x128, warps 8}"
+    i=0
+    for v in "${vs[@]}"; do
+      run "moe-ncu-$i" timeout 280 "$NCU" --target-processes all -k regex:_w4a8 --launch-skip 2 --launch-count 2 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
+        --section WarpStateStats python bench/moe.py --no-marlin --tokens "${NCU_TOKENS:-8192}" --once "'$v'" \
+        --out "$OUT/moe-ncu-$i.json"
+      i=$((i + 1))
+    done ;;
   moe-sweep)
     # MOE_TOKENS: the sizes (e.g. 1,4: the batch-1 goal of issue 4 at TP4 shapes); MOE_ONLY: the variants
     run moe-sweep timeout 540 python bench/moe.py --tokens ${MOE_TOKENS:-1,4,16,64} --variants \
