@@ -75,10 +75,31 @@ def _read_parts_kernel(part_ptr, out_ptr, PARTS: tl.constexpr, PARTS_P2: tl.cons
     tl.store(out_ptr + tl.arange(0, D), tl.sum(vals, axis=0))
 
 
-def chain_us(cache, ids, block_n: int = 32) -> float:
-    """Microseconds (CUDA-graph replays) of the two chain kernels over ids [entries] into cache [slots, 512]: one
-    program per block_n entries, then one program reading their partials. A latency floor the launch + bytes floor
-    leaves out: no sparse decode of one query can be shorter than this chain."""
+@triton.jit
+def _gather_chain_ticket_kernel(cache_ptr, ids_ptr, part_ptr, count_ptr, out_ptr, PARTS: tl.constexpr,
+                                PARTS_P2: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The same chain in one launch: each program's gather and store, then a ticket (an acquire-release atomic on
+    a counter); the program drawing the last ticket reads every partial (a split-K combine done by the
+    last-arriving split) and sets the counter back to 0 for the next call."""
+    pid = tl.program_id(0)
+    ids = tl.load(ids_ptr + pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rows = tl.load(cache_ptr + ids[:, None] * D + tl.arange(0, D)[None, :])
+    tl.store(part_ptr + pid * D + tl.arange(0, D), tl.sum(rows.to(tl.float32), axis=0))
+    tl.debug_barrier()  # every thread's stores before the one thread's release (Triton issues a scalar atomic once)
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if ticket == PARTS - 1:
+        offs = tl.arange(0, PARTS_P2)
+        vals = tl.load(part_ptr + offs[:, None] * D + tl.arange(0, D)[None, :], mask=(offs < PARTS)[:, None],
+                       other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + tl.arange(0, D), tl.sum(vals, axis=0))
+        tl.atomic_xchg(count_ptr, 0)
+
+
+def chain_us(cache, ids, block_n: int = 32, one_launch: bool = False) -> float:
+    """Microseconds (CUDA-graph replays) of the chain over ids [entries] into cache [slots, 512]: one program per
+    block_n entries, then one program reading their partials, as a second launch or (one_launch) by the program
+    that finishes last. A latency floor the launch + bytes floor leaves out: no sparse decode of one query built
+    that way can be shorter than this chain."""
     import torch
 
     from common import timed
@@ -86,10 +107,16 @@ def chain_us(cache, ids, block_n: int = 32) -> float:
     programs = ids.numel() // block_n
     parts = torch.empty(programs, D, dtype=torch.float32, device=cache.device)
     out = torch.empty(D, dtype=torch.float32, device=cache.device)
+    count = torch.zeros(1, dtype=torch.int32, device=cache.device)
+    p2 = triton.next_power_of_2(programs)
 
     def run():
+        if one_launch:
+            _gather_chain_ticket_kernel[(programs,)](cache, ids, parts, count, out, PARTS=programs, PARTS_P2=p2, D=D,
+                                                     BLOCK_N=block_n)
+            return
         _gather_chain_kernel[(programs,)](cache, ids, parts, D=D, BLOCK_N=block_n)
-        _read_parts_kernel[(1,)](parts, out, PARTS=programs, PARTS_P2=triton.next_power_of_2(programs), D=D)
+        _read_parts_kernel[(1,)](parts, out, PARTS=programs, PARTS_P2=p2, D=D)
 
     return timed(run) * 1e6
 
@@ -127,8 +154,10 @@ def main(argv=None) -> int:
     cache = torch.randn(1 << 16, D, device=dev, generator=gen).to(torch.bfloat16)
     ids = torch.randperm(1 << 16, device=dev, generator=gen)[:640].to(torch.int32)
     record["chain_us"] = chain_us(cache, ids)
+    record["chain_one_launch_us"] = chain_us(cache, ids, one_launch=True)
     print(f"latency floor: index load -> dependent 32-row gather -> store in 20 programs, then one program reading "
-          f"their 20 partials: {record['chain_us']:.1f} us (the launch + bytes floor of 640 keys: "
+          f"their 20 partials: {record['chain_us']:.1f} us as two launches, {record['chain_one_launch_us']:.1f} us "
+          f"in one (the last program to finish reads them) (the launch + bytes floor of 640 keys: "
           f"{empty_us + 640 * D * 2 / (copy_gbps * 1e3):.1f} us)")
     del cache
 

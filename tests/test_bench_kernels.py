@@ -59,6 +59,14 @@ def test_attention_bench_latency_chain_computes_what_it_claims():
     att._read_parts_kernel[(1,)](parts, out, PARTS=5, PARTS_P2=8, D=512)
     want = cache[ids.long()].float().view(5, 16, 512).sum(1)
     assert torch.allclose(parts.cpu(), want, atol=1e-4) and torch.allclose(out.cpu(), want.sum(0), atol=1e-3)
+    # the one-launch chain: the last program's ticket reads the five partials, and the counter is back at 0 for the
+    # next call (a CUDA graph replays it), twice in a row
+    count = torch.zeros(1, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        parts.zero_(), out.zero_()
+        att._gather_chain_ticket_kernel[(5,)](cache.to(DEV), ids.to(DEV), parts, count, out, PARTS=5, PARTS_P2=8,
+                                              D=512, BLOCK_N=16)
+        assert torch.allclose(out.cpu(), want.sum(0), atol=1e-3) and int(count.item()) == 0
 
 
 def test_moe_bench_read_floor_kernel_reads_each_pairs_expert():
