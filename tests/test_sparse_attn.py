@@ -232,17 +232,20 @@ def test_default_splits_on_a_gpu_shape(k, monkeypatch):
 
 
 def test_decode_plan_on_gpu_shapes(k, monkeypatch):
-    """decode_plan (sparse_attn's splits=None): few query tokens with long lists (from 8 splits on) take the tiled
-    combine, read the two lists as one where a split's share is at most 64 entries, and at batch 1 take a program per
-    32-entry step while one wave holds them;
-    batch 64 and short lists keep session 16's plan (the loop combine, lists apart)."""
+    """decode_plan (sparse_attn's splits=None): few query tokens take a program per 32-entry step while one wave holds
+    them (short lists too, session 21), and from 8 splits on the tiled combine, reading the two lists as one where a
+    split's share is at most 64 entries; batch 64 keeps session 16's plan (the loop combine, lists apart)."""
     monkeypatch.setattr(k, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     assert k.decode_plan(1, 16, 640, cuda) == {"splits": 20, "joint": True, "combine": "tiles"}
     assert k.decode_plan(8, 16, 640, cuda) == {"splits": 10, "joint": True, "combine": "tiles"}  # 160 > 132
     assert k.decode_plan(64, 16, 640, cuda) == {"splits": 4, "joint": False, "combine": "loop"}
     assert k.decode_plan(1, 16, 4224, cuda) == {"splits": 32, "joint": False, "combine": "tiles"}  # 132 a split
-    assert k.decode_plan(1, 16, 160, cuda) == {"splits": 2, "joint": False, "combine": "loop"}
+    assert k.decode_plan(1, 16, 160, cuda) == {"splits": 4, "joint": False, "combine": "loop"}  # 2 before session 21
+    assert k.decode_plan(8, 16, 256, cuda) == {"splits": 8, "joint": True, "combine": "tiles"}
+    assert k.decode_plan(1, 16, 384, cuda) == {"splits": 12, "joint": True, "combine": "tiles"}
+    assert k.decode_plan(64, 16, 160, cuda) == {"splits": 2, "joint": False, "combine": "loop"}  # 64 x 4 > 132
+    assert k.decode_plan(1, 16, 16, cuda)["splits"] == 1  # a list shorter than one step
 
 
 def test_default_plan_matches_reference(k, monkeypatch):
