@@ -848,6 +848,12 @@ def test_gemv_equals_the_pair_block_mma_bit_for_bit(k):
             assert float(err.max()) < 1e-2, (t, h, pf, err.tolist())
     with pytest.raises(ValueError, match="gemv_prefetch=3"):
         run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(cfg, gemv_prefetch=3))
+    # a prefetch depth asked for where the MMA kernel runs would time or test the MMA kernel under gemv's name
+    not_asked = {n: v for n, v in cfg.items() if n != "gemv"}  # gemv left to default_config (and merge asked)
+    for mma in (dict(cfg, gemv=False), dict(not_asked, merge=True, split_k=1)):
+        with pytest.raises(ValueError, match="gemv_prefetch=1 asked for, but this call runs the MMA kernel"):
+            run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(mma, gemv_prefetch=1))
+    run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(cfg, gemv=False, gemv_prefetch=0))  # 0: nothing asked
     with pytest.raises(ValueError, match="gemv"):
         run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, gemv=True, pair_blocks=False))
     with pytest.raises(ValueError, match="gemv"):

@@ -1012,6 +1012,10 @@ def w4a8_moe(
     gemv_prefetch = int(cfg.get("gemv_prefetch", 0))  # gemv's loads issued this many K steps ahead
     if gemv_prefetch not in (0, 1, 2):
         raise ValueError(f"gemv_prefetch={gemv_prefetch}: 0, 1 or 2 K steps ahead")
+    if asked.get("gemv_prefetch") and not gemv:  # (default_config's own yields silently with its gemv)
+        raise ValueError(f"gemv_prefetch={asked['gemv_prefetch']} asked for, but this call runs the MMA kernel (gemv "
+                         "off: not asked for, or yielding to merge, shift, unroll or pair_blocks off), which has no "
+                         "such loop; ask gemv=True with pair_blocks, or drop gemv_prefetch")
     shift = cfg.get("shift", True) and not gemv  # (gemv has no shift path)
     split_k = int(cfg.get("split_k", 1))  # gate-up K shares: more programs when few experts are active
     if "split_k" not in asked:  # default_config's choice yields: to merge or the shift path asked for, and
