@@ -123,8 +123,8 @@ VARIANTS = {
     "shift off, tile 16x32, warps 4": {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "shift": False},
 }
 # The prefill sweep (--only prefill-): session 21's H200 run had W4A8 at Marlin's time from 2048 tokens on (1.04 / 1.00 /
-# 0.99 at 2048 / 8192 / 16384), i.e. 14-18 % of the INT8 peak, while an H200's mma.sync INT8 runs at 2.26x its BF16
-# (bench/mma_peak.py) and Marlin reached 48 % of that BF16 rate. The sm_80 SASS census (bench/sass_census.py) of the
+# 0.99 at 2048 / 8192 / 16384), i.e. 16-21 % of the mma.sync INT8 peak, while an H200's mma.sync INT8 runs at 2.26x
+# its BF16 (bench/mma_peak.py) and Marlin reached 39-48 % of that BF16 rate. The sm_80 SASS census (bench/sass_census.py) of the
 # >4096-pair tile (64x128, 4 warps, shift) counts 9.3 instructions per IMMA, within an SM80 or H200 scheduler's
 # issue budget, but 45 spilled words; with 8 warps 10.8 and no spill (more warps to hide latency with, each holding
 # half the accumulators). The rest of the [pairs, H] traffic: pair_bf16 (half the bytes of the largest buffer) and
