@@ -50,7 +50,7 @@ def options_of(script):
 
 
 STEPS = {  # step: files it expects from earlier steps
-    "kernels": (), "moe-bench": (), "moe-sweep": (), "mhc-bench": (), "attn-bench": (), "idx-bench": (), "cold": (),
+    "kernels": (), "moe-bench": (), "moe-sweep": (), "moe-prefill": (), "mhc-bench": (), "attn-bench": (), "idx-bench": (), "cold": (),
     "e2e-floors": ("engine-e2e.json",), "trace": (), "e2e": (), "oracle": (), "soak": (), "soak-native": (),
     "wide-parity": (), "e2e-bench": (), "moe-wide": (), "machines": (), "trace-linears": (), "e2e-replay": ("native-alone.json",),
     "e2e-gemm": ("native-alone.json",), "vision-replay": (), "graphs-self": (), "mma-peak": (),

@@ -11,6 +11,7 @@
 #   tests/gpu/steps.sh moe-bench   bench/moe.py
 #   tests/gpu/steps.sh moe-sweep   bench/moe.py at decode sizes (MOE_TOKENS, 1,4,16,64): the decode tile sweep
 #                                  (MOE_ONLY picks variants, decode-) and a per-kernel profile
+#   tests/gpu/steps.sh moe-prefill bench/moe.py's prefill sweep (prefill- variants, MOE_TOKENS 512-16384) with Marlin beside it
 #   tests/gpu/steps.sh moe-ncu     Nsight Compute of the W4A8 launches at NCU_TOKENS (8192) for NCU_VARIANTS (default and
 #                                  the 8-warp prefill tile): occupancy, issue slots, warp stalls, DRAM (no SGLang needed)
 #   tests/gpu/steps.sh moe-wide    the same at TP1 full width (intermediate 2048: e2e-bench's experts)
@@ -573,6 +574,11 @@ case ${1:?step} in
     # tokens, the aligned MMA tile beyond): the default against the MMA configs gemv replaced and the gemv tiles
     MOE_TOKENS=${MOE_TOKENS:-1,2,4,8,16,24,32,48,64} MOE_ONLY="mma|gemv, split_k 8" \
       MOE_PROFILE_ONLY="gemv, split_k 8, block_n2 128|split_k 4, mma" OUT=$OUT NO_JIT_TAR=1 "$0" moe-sweep || rc=1 ;;
+  moe-prefill)
+    # the prefill sweep (session 21: W4A8 at Marlin's time from 2048 tokens): bench/moe.py's prefill- variants at
+    # MOE_TOKENS (512,2048,8192,16384), Marlin beside the default where SGLang is importable, kernels profiled
+    run moe-prefill timeout 540 python bench/moe.py --tokens ${MOE_TOKENS:-512,2048,8192,16384} --variants \
+      --only "'prefill-'" --profile --out "$OUT/moe-prefill.json" ;;
   moe-ncu)
     # Nsight Compute of the W4A8 launches (the second of two eager calls: gate-up and down) per variant at
     # NCU_TOKENS (8192): occupancy, issue slots, warp stalls, DRAM; NCU_VARIANTS '|'-separated (default and the
