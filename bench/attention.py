@@ -4,8 +4,9 @@ it runs, SGLang's native FlashMLA sparse decode over the FP8 cache (584-byte row
 one run:
 
   decode   batch 1, 8, 64 at 4K, 64K and 512K context, for a C4 layer (128 SWA + 512 top-k keys) and a
-           C128 layer (128 SWA + context/128 keys): microseconds, GB/s of key bytes gathered against the
-           measured HBM peak (device copy), and the floor = empty-kernel time + bytes / peak
+           C128 layer (128 SWA + context/128 keys), and once an SWA-only layer (its 128 window keys; the
+           SM80 kernel alone): microseconds, GB/s of key bytes gathered against the measured HBM peak
+           (device copy), and the floor = empty-kernel time + bytes / peak
   prefill  8K and 32K query tokens of one request, C4 layer: microseconds and TFLOP/s
 
     python bench/attention.py --out attention.json      (an H200 prints H200 numbers, not A800 ones)
@@ -172,30 +173,32 @@ def main(argv=None) -> int:
 
     print(f"{'layer':6s} {'ctx':>7s} {'batch':>5s} {'keys/q':>7s} {'splits':>6s} {'us':>8s} {'GB/s (%pk)':>14s} "
           f"{'floor us':>8s} {'x floor':>7s} {'native us':>9s} {'native GB/s':>11s} {'sm80/native':>11s}")
-    for ctx in [int(x) for x in args.contexts.split(",")]:
-        for layer in ("c4", "c128"):
-            extra_n = TOPK if layer == "c4" else ctx // 128
+    for i, ctx in enumerate(int(x) for x in args.contexts.split(",")):
+        # an SWA-only layer (its 128 window entries, no extra list; any context) once, with the first context
+        for layer in ("swa", "c4", "c128")[0 if i == 0 else 1:]:
+            extra_n = {"swa": 0, "c4": TOPK}.get(layer, ctx // 128)
             for b in [int(x) for x in args.batches.split(",")]:
                 swa_slots, extra_slots = b * WINDOW, max(b * extra_n, 1)
                 swa = torch.randn(swa_slots, D, device=dev, generator=gen).to(torch.bfloat16)
                 extra = torch.randn(extra_slots, D, device=dev, generator=gen).to(torch.bfloat16)
                 swa_ids = torch.arange(swa_slots, device=dev, dtype=torch.int32).view(b, WINDOW)
-                ext_ids = torch.randperm(extra_slots, device=dev, generator=gen).to(torch.int32).view(b, -1)
+                ext_ids = torch.randperm(extra_slots, device=dev, generator=gen)[:b * extra_n].to(torch.int32).view(
+                    b, extra_n)
                 lens_s = torch.full((b,), WINDOW, device=dev, dtype=torch.int32)
                 lens_e = torch.full((b,), extra_n, device=dev, dtype=torch.int32)
+                lists = (extra, ext_ids, lens_e) if extra_n else (None, None, None)  # (the extra list, if any)
                 q = torch.randn(b, HPAD, D, device=dev, generator=gen).to(torch.bfloat16)
                 sink = torch.randn(HPAD, device=dev, generator=gen)
-                plan = decode_plan(b, HEADS, WINDOW + ext_ids.shape[1], q.device)  # sparse_attn's own choice
+                plan = decode_plan(b, HEADS, WINDOW + extra_n, q.device)  # sparse_attn's own choice
                 splits = plan["splits"]
-                sec = timed(lambda: sparse_attn(q, swa, swa_ids, lens_s, extra, ext_ids, lens_e, sink,
-                                                      heads=HEADS, splits=None))
+                sec = timed(lambda: sparse_attn(q, swa, swa_ids, lens_s, *lists, sink, heads=HEADS, splits=None))
                 nbytes = b * (WINDOW + extra_n) * D * 2
                 floor = empty_us / 1e6 + nbytes / (copy_gbps * 1e9)
                 row = {"layer": layer, "context": ctx, "batch": b, "keys_per_query": WINDOW + extra_n,
                        "splits": splits, "joint": plan["joint"], "combine": plan["combine"], "us": sec * 1e6, "gbps": nbytes / sec / 1e9, "floor_us": floor * 1e6}
                 record["decode"].append(row)
                 nat = ""
-                if native is not None:
+                if native is not None and extra_n:  # (FlashMLA's call here passes an extra cache: C4 / C128 only)
                     try:  # the native path's own bytes: 584 per key
                         nsec = timed(native_decode(native, q, swa_ids, lens_s, ext_ids, lens_e, sink,
                                                    4 if layer == "c4" else 128, dev))
@@ -211,11 +214,11 @@ def main(argv=None) -> int:
                       f"{sec / floor:7.2f}{nat}")
                 if str(b) in args.profile.split(","):
                     prof = row["profile"] = kernel_profile(lambda: sparse_attn(
-                        q, swa, swa_ids, lens_s, extra, ext_ids, lens_e, sink, heads=HEADS, splits=None))
+                        q, swa, swa_ids, lens_s, *lists, sink, heads=HEADS, splits=None))
                     print(f"        profile (us/call, sum {sum(prof.values()):.1f}):",
                           "  ".join(f"{n} {v:.1f}" for n, v in prof.items()))
                 if args.variants:
-                    old = default_splits(b, HEADS, WINDOW + ext_ids.shape[1], q.device)
+                    old = default_splits(b, HEADS, WINDOW + extra_n, q.device)
                     alts = {f"session 19 (splits {old}, lists apart, loop combine)": dict(
                                 splits=old, joint=False, combine="loop"),
                             f"splits {max(1, splits // 2)}": dict(splits=max(1, splits // 2)),
@@ -250,7 +253,7 @@ def main(argv=None) -> int:
                             continue
                         try:
                             row["variants_us"][name] = timed(lambda: sparse_attn(
-                                q, swa, swa_ids, lens_s, extra, ext_ids, lens_e, sink, heads=HEADS, **kw)) * 1e6
+                                q, swa, swa_ids, lens_s, *lists, sink, heads=HEADS, **kw)) * 1e6
                         except Exception as err:
                             row["variants_us"][name] = f"{type(err).__name__}: {err}"[:200]
                     print("        variants (us):", "  ".join(

@@ -255,3 +255,9 @@ def test_default_plan_matches_reference(k, monkeypatch):
     args = setup(t=1, ext_w=400, lens=[100], ext_lens=[350], seed=61)
     assert k.decode_plan(1, 16, 128 + 400, "cuda") == {"splits": 16, "joint": True, "combine": "tiles"}
     check(k, args, heads=16, use_sink=True, splits=None)
+    # short lists doubled (session 21): an SWA-only layer's 128 entries in 4 splits (loop combine), and 128 + 256
+    # in 12 (joint, tiles), shorter lengths than the widths
+    assert k.decode_plan(1, 16, 128, "cuda") == {"splits": 4, "joint": False, "combine": "loop"}
+    check(k, setup(t=1, lens=[90], seed=62), heads=16, use_sink=True, splits=None)
+    assert k.decode_plan(1, 16, 128 + 256, "cuda") == {"splits": 12, "joint": True, "combine": "tiles"}
+    check(k, setup(t=1, ext_w=256, lens=[128], ext_lens=[201], seed=63), heads=16, use_sink=False, splits=None)
