@@ -590,8 +590,8 @@ case ${1:?step} in
     for v in "${vs[@]}"; do
       run "moe-ncu-$i" timeout 280 "$NCU" --target-processes all -k regex:_w4a8 --launch-skip 2 --launch-count 2 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
-        --section WarpStateStats --section MemoryWorkloadAnalysis python bench/moe.py --no-marlin --tokens "${NCU_TOKENS:-8192}" --once "'$v'" \
-        --out "$OUT/moe-ncu-$i.json"
+        --section WarpStateStats --section MemoryWorkloadAnalysis \
+        python bench/moe.py --no-marlin --tokens "${NCU_TOKENS:-8192}" --once "'$v'" --out "$OUT/moe-ncu-$i.json"
       i=$((i + 1))
     done ;;
   moe-sweep)
