@@ -143,6 +143,10 @@ VARIANTS.update({f"prefill-{name}": dict(PREFILL_TILE, **cfg) for name, cfg in {
     "32x128, warps 8": {"block_m": 32, "num_warps": 8},
     "128x32, warps 2": {"block_m": 128, "block_n": 32, "block_n2": 64, "num_warps": 2},  # one warp's tile 64 rows tall
     "64x32, warps 1": {"block_m": 64, "block_n": 32, "block_n2": 64, "num_warps": 1},
+    # the shift loop alone (no per-group fallback compiled beside it): the census's 4-warp in-loop spills, 8 -> 0 (the
+    # bench's maps are all shiftable; a real checkpoint's fraction is printed at start-up)
+    "64x128, warps 4, shift only": {"shift_only": True},
+    "64x128, warps 8, shift only": {"num_warps": 8, "shift_only": True},
 }.items()})
 # The decode sweep (--only decode-): which tile, warp count and pipeline depth reach HBM bandwidth at 1-64 tokens
 # on this GPU (session 7's decode tile moved 35-45 % of the copy peak on the H200, Marlin 70-78 %); each entry is

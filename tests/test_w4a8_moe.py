@@ -607,6 +607,23 @@ def test_shift_path_equals_int8_emulation(k, spread, bad_every, cfg, t, top_k, i
     assert (frac == 1.0) if not bad_every else (frac < 1.0)
 
 
+def test_shift_only_is_the_shift_loop_and_an_unshiftable_column_is_loud(k):
+    """config shift_only compiles the shift loop alone: with every column shiftable it is the shift path's result
+    bit for bit; with a map that marks columns unshiftable (zeros; the per-tile fallback would take them) the
+    output is NaN, not a number; asked where a launch has no shift path, it is refused by name."""
+    cfg = dict(PREFILL, split_k=1, shift=True)
+    x, w13, s13, w2, s2, tw, ids = shift_case(2, 0, t=5, top_k=2, seed=71)
+    e13, e2 = k.shift_refs(s13), k.shift_refs(s2)
+    shifted = run_shift(k, x, w13, s13, w2, s2, tw, ids, config=cfg)
+    assert torch.equal(run_shift(k, x, w13, s13, w2, s2, tw, ids, config=dict(cfg, shift_only=True)), shifted)
+    for zeros in ((torch.zeros_like(e13), e2), (e13, torch.zeros_like(e2))):
+        got = run_shift(k, x, w13, s13, w2, s2, tw, ids, erefs=zeros, config=dict(cfg, shift_only=True))
+        assert bool(torch.isnan(got).all()), got
+    for bad in (dict(cfg, shift=False, shift_only=True), dict(cfg, block_n=32, shift_only=True)):
+        with pytest.raises(ValueError, match="shift_only needs the shift path in both launches"):
+            run_shift(k, x, w13, s13, w2, s2, tw, ids, config=bad)
+
+
 @pytest.mark.parametrize("cfg", [DECODE64, PREFILL])
 def test_shift_path_is_taken_and_a_wrong_map_is_loud(k, cfg):
     """With every column shiftable, a map off by one binade (shifts -1..2) must give NaN, not a number:

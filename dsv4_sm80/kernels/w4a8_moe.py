@@ -571,14 +571,16 @@ def _w4a8_moe_kernel(
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr = 32, DECODE_ASM: tl.constexpr = False,
     SHIFT: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, PAIR_BLOCKS: tl.constexpr = False,
-    UNROLL: tl.constexpr = 1,
+    UNROLL: tl.constexpr = 1, SHIFT_ONLY: tl.constexpr = False,
 ):
     """SPAN = 32: every scale group converted to fp32 on its own (needed when the activation scale
     changes every 32 columns). SPAN = 64 or 128: groups merged in int32 over the span (`_w4_span`); the
     activation scale, if grouped, is constant over the span (A_GROUP == SPAN).
     SHIFT: eref_ptr is the shift map [E, N (x2 gated: gate rows, then up rows)] (`shift_refs`); a tile whose
     columns are all shiftable runs `_shift_loop` (A_GROUP must then be 0 or a multiple of 64), any other
-    the per-group loop.
+    the per-group loop. SHIFT_ONLY (with SHIFT): the shift loop alone is compiled, no per-group fallback beside it
+    (fewer live registers: the 4-warp 64x128 prefill tile's in-loop spills go, sm_80 census); every tile runs it, and
+    a column the map marks unshiftable (0) gives NaN through the shift loop's range check, never a silent number.
     SPLIT_K > 1 (gate-up, per-group loop only): program_id(1) takes one of SPLIT_K equal shares of K (multiples
     of 64) and c_ptr is an fp32 [SPLIT_K, pairs, 2, N] buffer of its (gate, up) partial sums; `_glu_finish_kernel`
     adds the shares in a fixed order (deterministic) and runs the epilogue.
@@ -613,7 +615,7 @@ def _w4a8_moe_kernel(
         if GATED:
             er_up = tl.load(eref_ptr + expert * stride_ere + N + offs_n, mask=n_ok, other=1).to(tl.int32) & 0xFF
             tile_ok = tile_ok & (tl.min(er_up, axis=0) > 0)
-        if tile_ok:
+        if SHIFT_ONLY or tile_ok:
             acc, acc_up = _shift_loop(a_ptr, a_scale_ptr, a_rows, row_ok, stride_am, a_scale_groups, b_base, bs_base,
                                       offs_n, n_ok, er, er_up, N, K, stride_bn, stride_bsn,
                                       GATED, A_GROUP, BLOCK_M, BLOCK_N, DECODE_ASM)
@@ -938,7 +940,7 @@ def default_config(pairs: int, inter: int = 512) -> dict:
 
 CONFIG_KEYS = frozenset({  # every option `w4a8_moe` reads from its config (`default_config` sets a subset)
     "block_m", "block_n", "block_n2", "num_warps", "num_stages", "shift", "fused_io", "pair_blocks", "split_k", "gemv",
-    "gemv_n", "gemv_prefetch", "merge", "unroll", "unroll_down", "pair_bf16", "decode"})
+    "gemv_n", "gemv_prefetch", "merge", "unroll", "unroll_down", "pair_bf16", "decode", "shift_only"})
 
 
 def w4a8_moe(
@@ -971,6 +973,9 @@ def w4a8_moe(
     config split_k (gate-up, per-group loop; default 1): K in that many shares, each its own program, their
     fp32 partial sums added in a fixed order by `_glu_finish_kernel` (deterministic): more programs when few
     experts are active (one token: 6 experts x 16 column tiles = 96 programs for the whole GPU).
+    config shift_only (default off; with the shift path in both launches): the shift loop alone, no per-group
+    fallback compiled beside it (sm_80 census, 64x128 tile, 4 warps: the loop's spills go); a tile with an unshiftable
+    column then gives NaN (the loop's range check), so it is for layers whose maps are all shiftable.
     With the shift maps and config shift (`default_config` sets it for prefill only), tiles whose columns are all
     shiftable accumulate in int32
     (`_shift_loop`); without them, or for a launch whose activation group is not a multiple of 64 (the
@@ -1041,6 +1046,10 @@ def w4a8_moe(
         w2_eref = w2_eref.view(torch.uint8).contiguous()
     if shift_up and w13_eref.shape != (e, two_i) or shift_down and w2_eref.shape != (e, h):
         raise ValueError("w13_eref / w2_eref must be shift_refs of w13_scale / w2_scale: [E, 2I], [E, H]")
+    shift_only = bool(cfg.get("shift_only", False))  # the shift loop alone (no per-group fallback compiled)
+    if shift_only and not (shift_up and shift_down):
+        raise ValueError(f"shift_only needs the shift path in both launches (gate-up: {shift_up}, down: {shift_down}): "
+                         "shift on, the shift maps given, split_k 1, and block_n and the input group multiples of 64")
     decode_asm = cfg.get("decode", "asm" if x.is_cuda and not _INTERPRETED else "alu") == "asm"
     fused_io = cfg.get("fused_io", False)  # one-launch quantize and combine (default_config: decode sizes)
     xq, xs = (quantize_rows_int8_fused if fused_io else quantize_rows_int8)(x, input_group)
@@ -1067,7 +1076,7 @@ def w4a8_moe(
             w13_eref.stride(0) if shift_up else 0,
             GATED=True, MUL_WEIGHT=False, A_GROUP=input_group, BLOCK_M=block_m, BLOCK_N=block_n,
             SPAN=span_up, DECODE_ASM=decode_asm, SHIFT=shift_up, SPLIT_K=split_k, PAIR_BLOCKS=pair_blocks,
-            UNROLL=unroll, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            UNROLL=unroll, SHIFT_ONLY=shift_only, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if split_k > 1 and pairs:
         _glu_finish_kernel[(triton.cdiv(pairs, 16), groups)](
@@ -1093,7 +1102,7 @@ def w4a8_moe(
             w2_eref.stride(0) if shift_down else 0,
             GATED=False, MUL_WEIGHT=True, A_GROUP=block_n, BLOCK_M=block_m, BLOCK_N=block_n2,
             SPAN=span_down, DECODE_ASM=decode_asm, SHIFT=shift_down, PAIR_BLOCKS=pair_blocks,
-            UNROLL=unroll_down, num_warps=cfg["num_warps"],
+            UNROLL=unroll_down, SHIFT_ONLY=shift_only, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )
     if fused_io and (out is None or out.is_contiguous()):
