@@ -138,17 +138,17 @@ def _sparse_attn_kernel(
     l = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, D), tl.float32)
     n_swa = tl.minimum(tl.load(swa_lens_ptr + t), swa_width)
-    if JOINT and HAS_EXTRA:
+    if HAS_EXTRA:
         n_ext = tl.minimum(tl.load(ext_lens_ptr + t), ext_width)
+    if JOINT and HAS_EXTRA:
         m, l, acc = _stream_joint(q, m, l, acc, swa_ptr, swa_ids_ptr + t * stride_swa_ids, n_swa, ext_ptr,
                                   ext_ids_ptr + t * stride_ext_ids, n_ext, split, scale, SPLITS, D, BLOCK_N, DOT_F32)
     else:
         m, l, acc = _stream_list(q, m, l, acc, swa_ptr, swa_ids_ptr + t * stride_swa_ids, n_swa, split, scale,
                                  SPLITS, D, BLOCK_N, DOT_F32)
-    if HAS_EXTRA and not JOINT:
-        n_ext = tl.minimum(tl.load(ext_lens_ptr + t), ext_width)
-        m, l, acc = _stream_list(q, m, l, acc, ext_ptr, ext_ids_ptr + t * stride_ext_ids, n_ext, split, scale,
-                                 SPLITS, D, BLOCK_N, DOT_F32)
+        if HAS_EXTRA:
+            m, l, acc = _stream_list(q, m, l, acc, ext_ptr, ext_ids_ptr + t * stride_ext_ids, n_ext, split, scale,
+                                     SPLITS, D, BLOCK_N, DOT_F32)
 
     if SPLITS == 1:
         if HAS_SINK:
