@@ -195,7 +195,8 @@ def main(argv=None) -> int:
                 nbytes = b * (WINDOW + extra_n) * D * 2
                 floor = empty_us / 1e6 + nbytes / (copy_gbps * 1e9)
                 row = {"layer": layer, "context": ctx, "batch": b, "keys_per_query": WINDOW + extra_n,
-                       "splits": splits, "joint": plan["joint"], "combine": plan["combine"], "us": sec * 1e6, "gbps": nbytes / sec / 1e9, "floor_us": floor * 1e6}
+                       "splits": splits, "joint": plan["joint"], "combine": plan["combine"], "us": sec * 1e6,
+                       "gbps": nbytes / sec / 1e9, "floor_us": floor * 1e6}
                 record["decode"].append(row)
                 nat = ""
                 if native is not None and extra_n:  # (FlashMLA's call here passes an extra cache: C4 / C128 only)

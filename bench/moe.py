@@ -122,14 +122,14 @@ VARIANTS = {
                                         "shift": False},
     "shift off, tile 16x32, warps 4": {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "shift": False},
 }
-# The prefill sweep (--only prefill-): session 21's H200 run had W4A8 at Marlin's time from 2048 tokens on (1.04 / 1.00 /
-# 0.99 at 2048 / 8192 / 16384), i.e. 16-21 % of the mma.sync INT8 peak, while an H200's mma.sync INT8 runs at 2.26x
-# its BF16 (bench/mma_peak.py) and Marlin reached 39-48 % of that BF16 rate. The sm_80 SASS census (bench/sass_census.py) of the
-# >4096-pair tile (64x128, 4 warps, shift) counts 9.3 instructions per IMMA, within an SM80 or H200 scheduler's
-# issue budget, but 45 spilled words; with 8 warps 10.8 and no spill (more warps to hide latency with, each holding
-# half the accumulators). The rest of the [pairs, H] traffic: pair_bf16 (half the bytes of the largest buffer) and
-# fused_io (one-launch quantizer and combine; 763 -> 698 us at 512 tokens, session 21). Each entry names its shift
-# setting and tiles; the down tile is block_n2 wide with the gate-up's block_m and warps.
+# The prefill sweep (--only prefill-): session 21's H200 run had W4A8 at Marlin's time from 2048 tokens on (1.04 /
+# 1.00 / 0.99 at 2048 / 8192 / 16384), i.e. 16-21 % of the mma.sync INT8 peak, while an H200's mma.sync INT8 runs at
+# 2.26x its BF16 (bench/mma_peak.py) and Marlin reached 39-48 % of that BF16 rate. The sm_80 SASS census
+# (bench/sass_census.py) of the >4096-pair tile (64x128, 4 warps, shift) counts 9.3 instructions per IMMA, within an
+# SM80 or H200 scheduler's issue budget, but 45 spilled words; with 8 warps 10.8 and no spill (more warps to hide
+# latency with, each holding half the accumulators). The rest of the [pairs, H] traffic: pair_bf16 (half the bytes of
+# the largest buffer) and fused_io (one-launch quantizer and combine; 763 -> 698 us at 512 tokens, session 21). Each
+# entry names its shift setting and tiles; the down tile is block_n2 wide with the gate-up's block_m and warps.
 PREFILL_TILE = {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": True}
 VARIANTS.update({f"prefill-{name}": dict(PREFILL_TILE, **cfg) for name, cfg in {
     "64x128, warps 4, fused io": {"fused_io": True},
@@ -384,10 +384,12 @@ def main(argv=None) -> int:
                 turn[0] += 1
             return r
 
-        def run_int8(config=None, maps=None, r=None):
+        def run_int8(config=None, r=None):
+            """The W4A8 call with config: default_config's, or a VARIANTS entry (its `_eref0`: all-zero shift maps)."""
+            cfg = dict(config or {})
+            maps = no_shift if cfg.pop("_eref0", False) else erefs
             tw, ids, _ = route(r)
-            return w4a8_moe(x, *ours, tw, ids, swiglu_limit=10.0, routed_scaling_factor=1.0, config=config,
-                            **(erefs if maps is None else maps))
+            return w4a8_moe(x, *ours, tw, ids, swiglu_limit=10.0, routed_scaling_factor=1.0, config=cfg, **maps)
 
         def run_marlin(r=None):
             if fused_marlin_moe is None:
@@ -398,10 +400,8 @@ def main(argv=None) -> int:
                                     workspace=workspace, num_bits=4, clamp_limit=10.0)
 
         if args.once:
-            cfg = None if args.once == "default" else dict(VARIANTS[args.once])
-            maps = no_shift if cfg is not None and cfg.pop("_eref0", False) else None
             for _ in range(2):
-                run_int8(cfg, maps)
+                run_int8(None if args.once == "default" else VARIANTS[args.once])
             torch.cuda.synchronize()
             print(f"moe bench --once: two calls of {args.once!r} at {m} tokens")
             return 0
@@ -443,17 +443,15 @@ def main(argv=None) -> int:
             if k in row:
                 print("  ", k, row[k])
         if "read_floor_us" in row:
-            print(f"        read floor: {row['read_floor_us']:.1f} us (two launches reading only the pairs' expert codes, "
-                  f"gate-up then down, {READ_CHUNK // 1024} KiB a program)")
+            print(f"        read floor: {row['read_floor_us']:.1f} us (two launches reading only the pairs' expert "
+                  f"codes, gate-up then down, {READ_CHUNK // 1024} KiB a program)")
         if args.variants:
             row["variants"] = {}
             for name, cfg in VARIANTS.items():
                 if not any(o in name for o in args.only.split("|")):
                     continue
-                cfg = dict(cfg)
-                maps = no_shift if cfg.pop("_eref0", False) else None
                 try:
-                    row["variants"][name] = timed(lambda: run_int8(cfg, maps)) * 1e6
+                    row["variants"][name] = timed(lambda: run_int8(cfg)) * 1e6
                 except Exception as err:
                     row["variants"][name] = f"{type(err).__name__}: {err}"[:200]
             print("        variants (us):", "  ".join(
@@ -464,7 +462,7 @@ def main(argv=None) -> int:
             runs = [("int8", run_int8), ("marlin", run_marlin)]
             for name, cfg in VARIANTS.items() if args.variants and args.profile_only else ():
                 if any(o in name for o in args.profile_only.split("|")) and not cfg.get("_eref0"):
-                    runs.append((name, lambda cfg=cfg: run_int8(dict(cfg))))
+                    runs.append((name, lambda cfg=cfg: run_int8(cfg)))
             for backend, fn in runs:
                 try:
                     prof = row["profile"][backend] = kernel_profile(fn)
