@@ -147,6 +147,22 @@ VARIANTS.update({f"prefill-{name}": dict(PREFILL_TILE, **cfg) for name, cfg in {
     # bench's maps are all shiftable; a real checkpoint's fraction is printed at start-up)
     "64x128, warps 4, shift only": {"shift_only": True},
     "64x128, warps 8, shift only": {"num_warps": 8, "shift_only": True},
+    # config expand: every expert decoded once per call into an INT8 workspace (expand_mb at a time), then plain INT8
+    # grouped GEMMs whose loop only loads and multiplies (the 4-bit tile decodes each weight tile once per M tile:
+    # ~6 times per expert at 16K tokens); the decode's ~2.4 GB of traffic (TP4, 4-bit in, INT8 out) against that
+    "expand 64x128, k 128, warps 4": {"expand": True},
+    "expand 64x128, k 128, warps 4, stages 4": {"expand": True, "num_stages": 4},
+    "expand 64x128, k 64, warps 4, stages 4": {"expand": True, "block_k": 64, "num_stages": 4},
+    "expand 128x128, k 128, warps 8": {"expand": True, "block_m": 128, "num_warps": 8},
+    "expand 128x128, k 64, warps 8, stages 4": {"expand": True, "block_m": 128, "block_k": 64, "num_warps": 8,
+                                                "num_stages": 4},
+    "expand 64x128, k 128, warps 4, all experts": {"expand": True, "expand_mb": 4096},
+    "expand 64x128, k 128, warps 4, fused io, pair bf16": {"expand": True, "fused_io": True, "pair_bf16": True},
+    "expand 64x128, k 64, warps 4, stages 4, fused io, pair bf16": {"expand": True, "block_k": 64, "num_stages": 4,
+                                                                    "fused_io": True, "pair_bf16": True},
+    "expand 64x128, k 128, warps 4, fused io": {"expand": True, "fused_io": True},
+    "expand 64x128, k 128, warps 4, pair bf16": {"expand": True, "pair_bf16": True},
+    "64x128, warps 4, shift only, fused io, pair bf16": {"shift_only": True, "fused_io": True, "pair_bf16": True},
 }.items()})
 # The decode sweep (--only decode-): which tile, warp count and pipeline depth reach HBM bandwidth at 1-64 tokens
 # on this GPU (session 7's decode tile moved 35-45 % of the copy peak on the H200, Marlin 70-78 %); each entry is
@@ -364,6 +380,12 @@ def main(argv=None) -> int:
     print(f"moe bench on {record['gpu']}: {e} experts, hidden {H}, intermediate {inter} per rank, top-{TOP_K}")
     print(f"moe bench on {record['gpu']}: peaks INT8 {pk['int8_tops']:.0f} TOP/s, BF16 {pk['bf16_tflops']:.0f} "
           f"TFLOP/s, copy {pk['copy_gbps']:.0f} GB/s, empty kernel {pk['empty_kernel_us']:.1f} us")
+    # On SM90 Triton lowers the 64-row tiles' tl.dot to wgmma unless DISABLE_MMA_V3=1 (then mma.sync, the only MMA an
+    # A800 has; session 22); Marlin issues mma.sync either way. The peaks above are cuBLAS's (wgmma on SM90):
+    # bench/mma_peak.py measures mma.sync's.
+    record["triton_mma"] = "mma.sync only (DISABLE_MMA_V3=1)" if os.environ.get("DISABLE_MMA_V3") == "1" else (
+        "wgmma allowed" if torch.cuda.get_device_capability(0)[0] >= 9 else "mma.sync")
+    print(f"moe bench on {record['gpu']}: Triton MMA {record['triton_mma']}")
     print(f"{'tokens':>6s} {'experts':>7s} {'int8 us':>9s} {'marlin us':>9s} {'int8/marlin':>11s}  "
           f"{'GB/s int8 (%pk)':>16s} {'GB/s marlin (%pk)':>17s} {'floor us':>8s}  {'TOP/s int8 (%int8pk)':>20s} "
           f"{'TFLOP/s marlin (%bf16pk)':>24s} {'rel diff':>8s}")
@@ -389,7 +411,8 @@ def main(argv=None) -> int:
             cfg = dict(config or {})
             maps = no_shift if cfg.pop("_eref0", False) else erefs
             tw, ids, _ = route(r)
-            return w4a8_moe(x, *ours, tw, ids, swiglu_limit=10.0, routed_scaling_factor=1.0, config=cfg, **maps)
+            return w4a8_moe(x, *ours, tw, ids, swiglu_limit=10.0, routed_scaling_factor=1.0, config=cfg,
+                            expand_ok=maps is erefs and min(shiftable) == 1.0, **maps)  # (as dsv4_sm80/moe.py decides)
 
         def run_marlin(r=None):
             if fused_marlin_moe is None:
@@ -446,16 +469,21 @@ def main(argv=None) -> int:
             print(f"        read floor: {row['read_floor_us']:.1f} us (two launches reading only the pairs' expert "
                   f"codes, gate-up then down, {READ_CHUNK // 1024} KiB a program)")
         if args.variants:
-            row["variants"] = {}
+            row["variants"], row["variant_rel"] = {}, {}
+            base = run_int8(r=routes[0]).float() if "int8_s" in row else None
             for name, cfg in VARIANTS.items():
                 if not any(o in name for o in args.only.split("|")):
                     continue
                 try:
                     row["variants"][name] = timed(lambda: run_int8(cfg)) * 1e6
+                    if base is not None:  # the same routing as the default's: a variant that computes another MoE shows
+                        got = run_int8(cfg, r=routes[0]).float()
+                        row["variant_rel"][name] = float((got - base).norm() / base.norm())
                 except Exception as err:
                     row["variants"][name] = f"{type(err).__name__}: {err}"[:200]
-            print("        variants (us):", "  ".join(
-                f"{n} {v:.1f}" if isinstance(v, float) else f"{n} ERR" for n, v in row["variants"].items()))
+            print("        variants (us; relative difference to the default's output):", "  ".join(
+                f"{n} {v:.1f} ({row['variant_rel'].get(n, float('nan')):.1e})" if isinstance(v, float) else f"{n} ERR"
+                for n, v in row["variants"].items()))
         if args.profile:
             # eager calls (timed() replays a CUDA graph): the sum is device time only, launch gaps excluded
             row["profile"] = {}

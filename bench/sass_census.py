@@ -54,6 +54,50 @@ def sass(consts: dict, num_warps: int, num_stages: int = 3, gated: bool = True) 
     return disassemble(c.asm["cubin"])
 
 
+W8_SIG = {  # the expanded path's GEMM (config expand): INT8 weights from the workspace, no decode in the K loop
+    "a_ptr": "*i8", "a_scale_ptr": "*fp32", "w8_ptr": "*i8", "ok_ptr": "*u8", "c_ptr": "*i8", "c_scale_ptr": "*fp32",
+    "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "topk_w_ptr": "*fp32", "N": "i32",
+    "K": "i32", "num_pairs": "i32", "a_row_div": "i32", "a_scale_groups": "i32", "limit": "fp32", "expert_lo": "i32",
+    "expert_hi": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_oke": "i32",
+    "stride_cm": "i32", "c_scale_groups": "i32"}
+
+
+def sass_expanded(consts: dict, num_warps: int, num_stages: int = 3, gated: bool = True) -> str:
+    """`_w8_moe_kernel` for sm_80 with the same divisibility hints (pointers, N, K, strides)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dsv4_sm80.kernels import w4a8_moe as k
+
+    params = list(inspect.signature(k._w8_moe_kernel.fn).parameters)
+    sig = {p: W8_SIG.get(p, "constexpr") for p in params}
+    sig["c_ptr"] = "*i8" if gated else "*fp32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+             if sig[p].startswith("*") or p in ("N", "K") or p.startswith("stride_")}
+    c = triton.compile(ASTSource(fn=k._w8_moe_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 80, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    return disassemble(c.asm["cubin"])
+
+
+def census_expanded():
+    """The expanded path's K loops (bench/moe.py prefill-expand: 64x128, K steps 128 and 64, 4 warps; 128x128, 8)."""
+    rows = []
+    for tile, (bm, bk, warps) in {"expand 64x128 k128/4w": (64, 128, 4), "expand 64x128 k64/4w": (64, 64, 4),
+                                  "expand 128x128 k128/8w": (128, 128, 8)}.items():
+        for gated in (True, False):
+            consts = {"GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": 0 if gated else 128, "BLOCK_M": bm,
+                      "BLOCK_N": 128, "BLOCK_K": bk if gated else 128}
+            r = loops(sass_expanded(consts, warps, gated=gated))
+            for i, cnt in enumerate(r["loops"]):
+                n, imma = sum(cnt.values()), cnt["IMMA"]
+                rows.append({"tile": tile, "kernel": "gate-up" if gated else "down", "shift": True,
+                             "a_group": consts["A_GROUP"], "loop": i, "instrs": n, "imma": imma,
+                             "per_imma": round(n / imma, 1), "I2F": cnt["I2F"], "PRMT": cnt["PRMT"],
+                             "LDL_loop": cnt["LDL"], "LDL": r["LDL"], "STL": r["STL"]})
+    return rows
+
+
 def disassemble(cubin: bytes) -> str:
     """A compiled kernel's SASS, through the nvdisasm Triton bundles (no GPU needed)."""
     import triton
@@ -123,7 +167,7 @@ def census(shift_modes=(0, 1)):
 
 
 if __name__ == "__main__":
-    rows = census()
+    rows = census() + census_expanded()
     print(f"{'tile':20s} {'kernel':8s} {'shift':5s} {'loop':4s} {'instrs':>6s} {'IMMA':>4s} {'/IMMA':>6s} "
           f"{'I2F':>4s} {'PRMT':>4s} {'LDL/loop':>8s} {'LDL':>4s} {'STL':>4s}")
     for r in rows:

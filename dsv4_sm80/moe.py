@@ -104,6 +104,8 @@ def _method_class():
             # the shift maps (1 byte per output row per expert): which columns accumulate in int32
             layer._dsv4_w13_eref = w4a8_moe.shift_refs(layer.w13_weight_scale_inv.data)
             layer._dsv4_w2_eref = w4a8_moe.shift_refs(layer.w2_weight_scale_inv.data)
+            # every column of both maps shiftable: large prefill batches may run the expanded path (default_config)
+            layer._dsv4_expand_ok = bool((layer._dsv4_w13_eref > 0).all()) and bool((layer._dsv4_w2_eref > 0).all())
             layer._dsv4_mxfp4_backend = "mxfp4_int8"
             _moe_stats["seconds"] += time.perf_counter() - t0
 
@@ -124,6 +126,7 @@ def _method_class():
                 swiglu_limit=float(cfg.swiglu_limit or 0.0),
                 routed_scaling_factor=float(cfg.routed_scaling_factor or 1.0),
                 w13_eref=getattr(layer, "_dsv4_w13_eref", None), w2_eref=getattr(layer, "_dsv4_w2_eref", None),
+                expand_ok=getattr(layer, "_dsv4_expand_ok", False),
             )
             if self.hidden_pad:
                 out = out[:, : x.shape[1] - self.hidden_pad]

@@ -218,13 +218,17 @@ def test_split_k_equals_the_unsplit_kernel_and_is_deterministic(k):
 
 
 def test_default_configs_are_valid(k):
-    for pairs in (1, 24, 25, 64, 384, 385, 3072, 3073, 4096, 4097, 100000):
-        cfg = k.default_config(pairs)
-        assert cfg["block_n"] % 32 == 0 and 512 % cfg["block_n"] == 0 and 4096 % cfg["block_n2"] == 0, cfg
-        # decode sizes (session 11) and prefill to 512 tokens at top-6 (session 21) take the one-launch quantizer and
-        # combine, and the 16-row tile
-        assert cfg.get("fused_io", False) == (pairs <= 3072), (pairs, cfg)
-        assert (cfg["block_m"] == 16) == (pairs <= 3072), (pairs, cfg)
+    for pairs in (1, 24, 25, 64, 384, 385, 3072, 3073, 4608, 4609, 49152, 49153, 100000):
+        for expand_ok in (False, True):
+            cfg = k.default_config(pairs, 512, expand_ok)
+            assert cfg["block_n"] % 32 == 0 and 512 % cfg["block_n"] == 0 and 4096 % cfg["block_n2"] == 0, cfg
+            # every size takes the one-launch quantizer and combine (decode: session 11; prefill: session 22); the
+            # 16-row tile to 768 tokens at top-6 (session 22), per-pair BF16 outputs above 512 tokens, the expanded
+            # path above 8192 tokens where the caller says every column is shiftable
+            assert cfg["fused_io"], (pairs, cfg)
+            assert (cfg["block_m"] == 16) == (pairs <= 4608), (pairs, cfg)
+            assert cfg.get("pair_bf16", False) == (pairs > 3072), (pairs, cfg)
+            assert cfg.get("expand", False) == (expand_ok and pairs > 49152), (pairs, cfg)
 
 
 def test_error_against_exact_is_bounded(k):
@@ -388,7 +392,37 @@ for name, c_ptr, consts, warps in (("gate_up-split4", "*fp32", {"GATED": True, "
                          target=GPUTarget("cuda", 80, 32), options={"num_warps": warps, "num_stages": 3}).asm["ptx"]
     gemv[name] = {"sm80": ".target sm_80" in ptx, "dp4a": "dp4a.s32.s32" in ptx, "prmt": "0xF4F8FAFC" in ptx,
                   "fp8": "e4m3" in ptx or "e5m2" in ptx}
-print(json.dumps({"gemm": out, "io": io, "gemv": gemv}))
+expanded = {}  # config expand: the decode into the INT8 workspace (PRMT shift decoder) and the plain INT8 GEMMs
+esig = {"b_ptr": "*u8", "bs_ptr": "*u8", "eref_ptr": "*u8", "w8_ptr": "*i8", "ok_ptr": "*u8", "K": "i32",
+        "expert_lo": "i32", "stride_be": "i32", "stride_bn": "i32", "stride_bse": "i32", "stride_bsn": "i32",
+        "stride_ere": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_oke": "i32", "BLOCK_N": "constexpr",
+        "DECODE_ASM": "constexpr"}
+ptx = triton.compile(ASTSource(fn=k._expand_kernel, signature=esig, constexprs={"BLOCK_N": 32, "DECODE_ASM": True}),
+                     target=GPUTarget("cuda", 80, 32), options={"num_warps": 2}).asm["ptx"]
+expanded["expand"] = {"sm80": ".target sm_80" in ptx, "prmt_shift": "0x7F7F7F7F" in ptx, "fp8": "e4m3" in ptx}
+wsig = {"a_ptr": "*i8", "a_scale_ptr": "*fp32", "w8_ptr": "*i8", "ok_ptr": "*u8", "c_ptr": "*i8",
+        "c_scale_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
+        "topk_w_ptr": "*fp32", "N": "i32", "K": "i32", "num_pairs": "i32", "a_row_div": "i32",
+        "a_scale_groups": "i32", "limit": "fp32", "expert_lo": "i32", "expert_hi": "i32", "stride_am": "i32",
+        "stride_we": "i32", "stride_wn": "i32", "stride_oke": "i32", "stride_cm": "i32", "c_scale_groups": "i32",
+        "GATED": "constexpr", "MUL_WEIGHT": "constexpr", "A_GROUP": "constexpr", "BLOCK_M": "constexpr",
+        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+for name, c_ptr, consts, warps in (("gate_up-64x128x128", "*i8", {"GATED": True, "MUL_WEIGHT": False, "A_GROUP": 0,
+                                                                   "BLOCK_M": 64, "BLOCK_K": 128}, 4),
+                                   ("down-128x128x128", "*fp32", {"GATED": False, "MUL_WEIGHT": True, "A_GROUP": 128,
+                                                                  "BLOCK_M": 128, "BLOCK_K": 128}, 8)):
+    # the divisibility the real JIT derives (pointers, N, K, strides multiples of 16): what vectorized, pipelined
+    # operand loads need
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(wsig)
+             if wsig[p].startswith("*") or p in ("N", "K") or p.startswith("stride_")}
+    c = triton.compile(ASTSource(fn=k._w8_moe_kernel, signature=dict(wsig, c_ptr=c_ptr),
+                                 constexprs=dict(consts, BLOCK_N=128), attrs=attrs), target=GPUTarget("cuda", 80, 32),
+                       options={"num_warps": warps, "num_stages": 3})
+    ptx = c.asm["ptx"]
+    expanded[name] = {"sm80": ".target sm_80" in ptx, "fp8": "e4m3" in ptx or "e5m2" in ptx,
+                      "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
+                      "cp_async": "cp.async" in ptx}
+print(json.dumps({"gemm": out, "io": io, "gemv": gemv, "expanded": expanded}))
 """
 
 
@@ -417,6 +451,10 @@ def test_compiles_for_sm80_with_int8_mma():
                                      "down")}, res["gemv"]
     assert res["io"]["_sum_pairs_kernel"]["sm80"] and not res["io"]["_sum_pairs_kernel"]["fp8"], res["io"]
     assert res["io"]["_glu_finish_kernel"]["sm80"] and not res["io"]["_glu_finish_kernel"]["fp8"], res["io"]
+    # the expanded path: the shift decoder into the workspace; GEMMs on INT8 MMA fed by asynchronous copies (pipelined)
+    assert res["expanded"] == {"expand": {"sm80": True, "prmt_shift": True, "fp8": False},
+                               **{n: {"sm80": True, "fp8": False, "int8_mma": True, "cp_async": True}
+                                  for n in ("gate_up-64x128x128", "down-128x128x128")}}, res["expanded"]
 
 
 E2M1X2 = [0, 1, 2, 3, 4, 6, 8, 12]
@@ -624,6 +662,46 @@ def test_shift_only_is_the_shift_loop_and_an_unshiftable_column_is_loud(k):
             run_shift(k, x, w13, s13, w2, s2, tw, ids, config=bad)
 
 
+EXPAND = dict(PREFILL, block_n=64, split_k=1, shift=True)  # block_n: the down launch's K step, a multiple of 64
+
+
+@pytest.mark.parametrize("extra,t,top_k,input_group", [({}, 9, 3, 0), ({"expand_mb": 0}, 5, 2, 0),
+                                                        ({"block_k": 64, "num_warps": 2}, 4, 2, 0), ({}, 4, 2, 64)])
+def test_expanded_weights_equal_the_shift_loop_bit_for_bit(k, extra, t, top_k, input_group):
+    """config expand (codes decoded once per call into an INT8 workspace, then plain INT8 GEMMs) computes the shift
+    path's int32 sums and fp32 steps: with every column shiftable, the shift loop's result (shift_only) bit for bit,
+    whether the workspace holds every expert or one at a time (expand_mb 0), whatever its K step."""
+    x, w13, s13, w2, s2, tw, ids = shift_case(2, 0, t=t, top_k=top_k, seed=80 + t)
+    kw = dict(routed_scaling_factor=1.5, input_group=input_group)
+    want = run_shift(k, x, w13, s13, w2, s2, tw, ids, config=dict(EXPAND, shift_only=True), **kw)
+    got = run_shift(k, x, w13, s13, w2, s2, tw, ids, config=dict(EXPAND, expand=True, **extra), **kw)
+    assert torch.isfinite(want).all() and torch.equal(got, want)
+    emulated = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=64, input_group=input_group)
+    assert rel(got, emulated.float()) < 1e-2
+
+
+def test_expanded_weights_refuse_loudly(k):
+    """An unshiftable column (the map's 0) or a map of other scales gives NaN through the expanded GEMMs, never a
+    number; configurations the expanded path cannot run are refused by name."""
+    x, w13, s13, w2, s2, tw, ids = shift_case(3, 7, t=5, top_k=2, seed=90)  # every 7th column unshiftable
+    e13, e2 = k.shift_refs(s13), k.shift_refs(s2)
+    cfg = dict(EXPAND, expand=True)
+    got = run_shift(k, x, w13, s13, w2, s2, tw, ids, config=cfg)
+    assert bool(torch.isnan(got).any())
+    xa, w13a, s13a, w2a, s2a, twa, idsa = shift_case(2, 0, t=3, top_k=2, seed=91)
+    e13a, e2a = k.shift_refs(s13a), k.shift_refs(s2a)
+    for wrong in ((e13a + 1, e2a), (e13a, e2a + 1)):
+        got = run_shift(k, xa, w13a, s13a, w2a, s2a, twa, idsa, erefs=wrong, config=cfg)
+        assert bool(torch.isnan(got).all()), got
+    for bad, why in ((dict(cfg, block_n=32), "block_n a multiple of 64"), (dict(cfg, split_k=2), "split_k 1"),
+                     (dict(cfg, block_k=96), "block_k / input_group a multiple of 64"),
+                     (dict(cfg, pair_blocks=True), "pair_blocks off")):
+        with pytest.raises(ValueError, match=why):
+            run_shift(k, xa, w13a, s13a, w2a, s2a, twa, idsa, config=bad)
+    with pytest.raises(ValueError, match="both shift maps given"):
+        run_kernel(k, xa, w13a, s13a, w2a, s2a, twa, idsa, config=cfg)
+
+
 @pytest.mark.parametrize("cfg", [DECODE64, PREFILL])
 def test_shift_path_is_taken_and_a_wrong_map_is_loud(k, cfg):
     """With every column shiftable, a map off by one binade (shifts -1..2) must give NaN, not a number:
@@ -673,58 +751,6 @@ def test_shift_loop_has_no_per_group_conversion_in_sm80_sass():
     assert per_group["IMMA"] > 0 and per_group["I2F"] == 4 * per_group["IMMA"], res
     shift_loops = [c for c in res["shift"] if c["I2F"] == 0 and c["IMMA"] > 0]
     assert shift_loops, res  # the kernel holds both loops; one of them has no conversion at all
-
-
-def test_every_bench_variant_computes_the_moe(k):
-    """bench/moe.py --variants times alternatives any of which may become a default (session 11's fused io did):
-    each one, on a case its tiles divide, against the INT8 emulation reference written from the math (its
-    intermediate group is the variant's block_n), with the shift maps given as the layer gives them."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_moe", os.path.join(os.path.dirname(__file__), "..",
-                                                                            "bench", "moe.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    # 256 wide (a 256-wide down tile and up to 4 K shares of 64 divide it; a variant with more shares, 8, runs on
-    # a 512-wide case), intermediate 128 (a 128-wide gate-up tile divides it), spreads of 2 binades per row (every
-    # column shiftable: the shift path runs where a variant asks)
-    cases, want = {}, {}
-
-    def at(h, inter):
-        if (h, inter) not in cases:
-            x, w13, s13, w2, s2, tw, ids = case(t=3, h=h, inter=inter, e=3, top_k=2, seed=53, exp_lo=121, exp_hi=124)
-            a, b = k.repack_mxfp4_for_w4a8(dev(w13.clone())), k.repack_mxfp4_for_w4a8(dev(w2.clone()))
-            maps = {"w13_eref": k.shift_refs(dev(s13)), "w2_eref": k.shift_refs(dev(s2))}
-            cases[h, inter] = ((x, w13, s13, w2, s2, tw, ids), (a, b), maps,
-                               {n: torch.zeros_like(m) for n, m in maps.items()})
-        return cases[h, inter]
-
-    # In Triton's interpreter num_warps and num_stages are not part of the program (each program runs once, in
-    # numpy) and the decode is the ALU one unless a config asks otherwise: variants that differ only there run
-    # the identical interpreted computation, so each such class runs once here. Compiled (a GPU), every variant
-    # is its own kernel and all of them run.
-    ran = set()
-    for name, cfg in bench.VARIANTS.items():
-        cfg = dict(cfg)
-        eref0 = cfg.pop("_eref0", False)
-        if k._INTERPRETED:
-            same = {n: v for n, v in dict(k.default_config(3 * 2), **cfg).items() if n not in ("num_warps", "num_stages")}
-            same.setdefault("decode", "alu")
-            key = (eref0, tuple(sorted(same.items())))
-            if key in ran:
-                continue
-            ran.add(key)
-        h = max(256, 64 * cfg.get("split_k", 1))  # a whole 64-deep step per K share
-        group = dict(k.default_config(3 * 2), **cfg)["block_n"]
-        inter = max(128, group)  # (a 256-wide gate-up tile: intermediate 256)
-        (x, w13, s13, w2, s2, tw, ids), (a, b), maps, zero = at(h, inter)
-        if (h, inter, group) not in want:
-            want[h, inter, group] = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5,
-                                                          group=group).float()
-        out = k.w4a8_moe(*dev(x, a, s13, b, s2, tw, ids), routed_scaling_factor=1.5, config=cfg,
-                         out=dev(torch.empty(x.shape, dtype=torch.float32)), **(zero if eref0 else maps)).cpu()
-        err = (out - want[h, inter, group]).norm(dim=-1) / want[h, inter, group].norm(dim=-1).clamp_min(1e-30)
-        assert float(err.max()) < 1e-2, (name, h, inter, err.tolist())
 
 
 @pytest.mark.parametrize("cfg", [DECODE, PREFILL, dict(PREFILL, fused_io=False), dict(DECODE, fused_io=True),

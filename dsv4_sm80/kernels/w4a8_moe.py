@@ -25,7 +25,7 @@ The math (reference: `w4a8_moe_ref.py`):
 - The codes are widened to INT8 four per 32-bit register by inline PTX (`_DECODE_ASM`: per 32-bit word =
   8 codes, three PRMTs and one LOP3 per four codes, 11 instructions); Triton's CPU interpreter cannot run
   inline PTX, so there (and with config decode="alu") the same mapping is computed elementwise.
-- Shift path (config shift; `default_config` turns it on for prefill, > 4096 pairs, and off at decode,
+- Shift path (config shift; `default_config` turns it on for prefill, > 4608 pairs, and off at decode,
   where session 7's H200 bench measured it slower; given the shift maps `w13_eref` / `w2_eref` from `shift_refs`,
   computed once at load: 1 byte per expert and output row, ~0.003 bits/weight): UE8M0 scales are powers of
   two, so for a column whose group exponents span at most 3 binades (and none is 0) the decoder emits
@@ -36,6 +36,11 @@ The math (reference: `w4a8_moe_ref.py`):
   conversion rounds like one fp32 accumulation once |sum| > 2^24). Each program checks its tile's columns
   (gate and up rows) once and runs either the shift loop or the exact per-group loop, so non-shiftable
   experts stay exact; a map that does not belong to the scales (a shift outside 0..3) gives NaN.
+- Expanded path (config expand; `default_config` above 8192 tokens when the caller says every column of both maps
+  is shiftable, `expand_ok`): `_expand_kernel` writes the shift decoder's integers of a share of the experts
+  (`expand_mb`, 512 MiB) row-major into a transient INT8 workspace once per call, and `_w8_moe_kernel` runs the
+  shift loop's int32 sums on them as a plain INT8 grouped GEMM (pipelined operand loads, no decode in the K loop):
+  bit-equal to the shift loop; an unshiftable column or a map not of these scales gives NaN.
 - Sorting the (token, expert) pairs by expert uses SGLang's own `moe_align_block_size` kernel on a GPU
   (`align_by_expert` is the same contract in torch, for the CPU).
 - Gate-up computes the gate (rows [0, I)) and up (rows [I, 2I)) tiles of the same columns together, applies
@@ -634,6 +639,17 @@ def _w4a8_moe_kernel(
                                   offs_n, n_ok, N, 0, K, stride_bn, stride_bsn,
                                   GATED, A_GROUP, BLOCK_M, BLOCK_N, SPAN, DECODE_ASM, UNROLL)
 
+    _moe_epilogue(acc, acc_up, ids, row_ok, a_rows, offs_n, n_ok, pid_n, a_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr,
+                  N, num_pairs, limit, stride_cm, c_scale_groups, GATED, MUL_WEIGHT, A_GROUP, SHIFT, SPLIT_K)
+
+
+@triton.jit
+def _moe_epilogue(acc, acc_up, ids, row_ok, a_rows, offs_n, n_ok, pid_n, a_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr,
+                  N, num_pairs, limit, stride_cm, c_scale_groups, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                  A_GROUP: tl.constexpr, SHIFT: tl.constexpr, SPLIT_K: tl.constexpr):
+    """An MMA tile's (gate, up) or down sums [BLOCK_M, BLOCK_N] of twice the E2M1 values to its outputs: the per-row
+    activation scale (A_GROUP 0), the halving, then split-K partials, or the clamped SiLU-GLU and the intermediate's
+    INT8 quantization per BLOCK_N columns (gate-up), or the top-k weight and the pair rows (down)."""
     if not A_GROUP:  # one activation scale per row
         sa = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
         acc = acc * sa[:, None]
@@ -655,6 +671,126 @@ def _w4a8_moe_kernel(
             acc = acc * w[:, None]
         tl.store(c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
+
+
+# The expanded prefill path (config expand): at large prefill batches every expert's codes are decoded once per call
+# into INT8 (shifted: q * 2^(e - e_ref), the shift path's integers) in a transient workspace, and the GEMMs then run
+# as plain INT8 grouped GEMMs: the K loop only loads and multiplies (tl.dot on INT8 operands, pipelined), where the
+# 4-bit kernel decodes every weight tile again for each M tile of its expert (about 6 times per expert at 16K tokens
+# and top-6 over 256 experts). The codes stay 4-bit resident; the workspace holds `expand_mb` of experts at a time.
+
+
+@triton.jit
+def _expand_word_alu(w, m0, m1):
+    """One repacked word (8 codes: nibbles 0-3 of the chunk's first scale group, 4-7 of its second) -> two int32
+    words of four INT8 each: twice the E2M1 values times m0 (first group) and m1 (second), elementwise (the
+    interpreter's form of `_DECODE_SHIFT_ASM`)."""
+    lo = tl.zeros(w.shape, dtype=tl.int32)
+    hi = tl.zeros(w.shape, dtype=tl.int32)
+    for i in tl.static_range(4):
+        lo = lo | (((_e2m1x2((w >> (4 * i)) & 0xF) * m0) & 0xFF) << (8 * i))
+        hi = hi | (((_e2m1x2((w >> (16 + 4 * i)) & 0xF) * m1) & 0xFF) << (8 * i))
+    return lo, hi
+
+
+@triton.jit
+def _expand_kernel(b_ptr, bs_ptr, eref_ptr, w8_ptr, ok_ptr, K, expert_lo, stride_be, stride_bn, stride_bse,
+                   stride_bsn, stride_ere, stride_we, stride_wn, stride_oke,
+                   BLOCK_N: tl.constexpr, DECODE_ASM: tl.constexpr):
+    """Program (expert e_lo + program_id(1), BLOCK_N columns): every K chunk of those columns' codes times 2^(e - e_ref)
+    as INT8, written row-major [N, K] into the workspace (w8 [experts, N, K] as int32 words), and ok [experts, N]:
+    the column's e_ref where every shift is in 0..3, else 0 (an unshiftable column, or a map not of these scales: the
+    GEMM then gives NaN for it, never a number)."""
+    e_loc = tl.program_id(1)
+    expert = (expert_lo + e_loc).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_q = tl.arange(0, 8)
+    er = tl.load(eref_ptr + expert * stride_ere + offs_n).to(tl.int32) & 0xFF
+    bad = tl.where(er == 0, 1, 0)
+    src = (b_ptr + expert * stride_be + _col_base(offs_n, stride_bn)).to(tl.pointer_type(tl.int32))
+    s_ptrs = bs_ptr + expert * stride_bse + offs_n * stride_bsn
+    dst = (w8_ptr + e_loc.to(tl.int64) * stride_we).to(tl.pointer_type(tl.int32)) \
+        + (offs_n.to(tl.int64) * (stride_wn // 4))[None, :] + offs_q[:, None]
+    for k0 in range(0, K, 64):
+        words = tl.load(src[None, :] + k0 * 4 + offs_q[:, None])  # [8 words, BLOCK_N] of this K chunk
+        e0, e1 = _scale_bytes(s_ptrs + k0 // 32, offs_n >= 0)
+        d0 = e0 - er
+        d1 = e1 - er
+        bad = bad | ((d0 | d1) & ~3)
+        m0 = 1 << (d0 & 3)
+        m1 = 1 << (d1 & 3)
+        if DECODE_ASM:
+            mul = tl.broadcast_to((m0 | (m1 << 4))[None, :], words.shape)
+            lo, hi = tl.inline_asm_elementwise(_DECODE_SHIFT_ASM_C, "=r,=r,r,r", [words, mul],
+                                               dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        else:
+            lo, hi = _expand_word_alu(words, m0[None, :], m1[None, :])
+        tl.store(dst + k0 // 4, lo)  # k0 + 4q .. +3
+        tl.store(dst + k0 // 4 + 8, hi)  # k0 + 32 + 4q .. +3
+    tl.store(ok_ptr + e_loc.to(tl.int64) * stride_oke + offs_n, tl.where(bad == 0, er, 0).to(tl.uint8))
+
+
+@triton.jit
+def _w8_moe_kernel(
+    a_ptr, a_scale_ptr, w8_ptr, ok_ptr, c_ptr, c_scale_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+    topk_w_ptr, N, K, num_pairs, a_row_div, a_scale_groups, limit, expert_lo, expert_hi,
+    stride_am, stride_we, stride_wn, stride_oke, stride_cm, c_scale_groups,
+    GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """`_w4a8_moe_kernel`'s shift path on expanded weights (`_expand_kernel`: w8 [experts expert_lo.., N (x2 gated),
+    K] INT8, ok the columns' e_ref or 0): the same int32 sums (gate-up over the whole K; down per activation group,
+    BLOCK_K = A_GROUP) and the same fp32 steps after them, so the same outputs bit for bit; blocks of experts outside
+    [expert_lo, expert_hi) return at once (the workspace holds one share of the experts per launch)."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if (expert < expert_lo) | (expert >= expert_hi):
+        return
+    ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = ids < num_pairs
+    a_rows = tl.where(row_ok, ids // a_row_div, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    e_loc = expert - expert_lo
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = w8_ptr + e_loc * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    up = N * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if A_GROUP == 0:  # one activation scale per row: the whole K in int32
+        iacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        iacc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0)
+            iacc = tl.dot(a, tl.load(b_ptrs + k0, mask=n_ok[None, :], other=0), iacc, out_dtype=tl.int32)
+            if GATED:
+                iacc_up = tl.dot(a, tl.load(b_ptrs + up + k0, mask=n_ok[None, :], other=0), iacc_up,
+                                 out_dtype=tl.int32)
+        acc = iacc.to(tl.float32)
+        acc_up = iacc_up.to(tl.float32)
+    else:  # one int32 sum per activation group (BLOCK_K = A_GROUP), converted and scaled as the shift loop does
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0)
+            sa = tl.load(a_scale_ptr + a_rows * a_scale_groups + k0 // A_GROUP, mask=row_ok, other=0.0)
+            d = tl.dot(a, tl.load(b_ptrs + k0, mask=n_ok[None, :], other=0), out_dtype=tl.int32)
+            acc += d.to(tl.float32) * sa[:, None]
+            if GATED:
+                d = tl.dot(a, tl.load(b_ptrs + up + k0, mask=n_ok[None, :], other=0), out_dtype=tl.int32)
+                acc_up += d.to(tl.float32) * sa[:, None]
+    ok_base = ok_ptr + e_loc * stride_oke
+    er = tl.load(ok_base + offs_n, mask=n_ok, other=1).to(tl.int32) & 0xFF
+    acc = tl.where(er[None, :] == 0, float("nan"), acc * _e8m0(er)[None, :])
+    if GATED:
+        er_up = tl.load(ok_base + N + offs_n, mask=n_ok, other=1).to(tl.int32) & 0xFF
+        acc_up = tl.where(er_up[None, :] == 0, float("nan"), acc_up * _e8m0(er_up)[None, :])
+    _moe_epilogue(acc, acc_up, ids, row_ok, a_rows, offs_n, n_ok, pid_n, a_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr,
+                  N, num_pairs, limit, stride_cm, c_scale_groups, GATED, MUL_WEIGHT, A_GROUP, True, 1)
 
 
 _DP4A_ASM_C = tl.constexpr("dp4a.s32.s32 $0, $1, $2, $3;")  # four INT8 products summed into int32 (sm_61+)
@@ -895,18 +1031,18 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return align_by_expert(topk_ids, num_experts, block_m)
 
 
-def default_config(pairs: int, inter: int = 512) -> dict:
+def default_config(pairs: int, inter: int = 512, expand_ok: bool = False) -> dict:
     """Tile sizes and the shift path by the number of (token, expert) pairs, from the H200 benches of sessions
     7 and 8 (docs/moe.md; to be re-tuned on an A800). block_n is also the intermediate's INT8 group (a multiple
     of 32). Decode (up to 64 tokens at top-6): the 16x32 tile, per-group scaling (the shift path was 1.4x
     slower there: 84 vs 60 us at one token); from 5 tokens on, 2 warps, a 128-wide down tile and 4 stages
     (session 8's decode sweep: 199 / 353 us at 16 / 64 tokens against 219 / 419 with 4 warps and the 64-wide
     down tile; at one token 4 warps stay faster, 55 against 61 us; between 1 and 16 tokens the switch point
-    is not measured); up to 4096 pairs: 32x128 per group; beyond: 64x128 with 4 warps and the shift path
-    (1.7x faster than per-group in that tile, 3x faster than session 4's 64x64 tile). Decode also takes
+    is not measured); (until session 22) up to 4096 pairs 32x128 per group, beyond 64x128 with 4 warps and the
+    shift path (1.7x faster than per-group in that tile, 3x faster than session 4's 64x64 tile). Decode also takes
     fused_io (one launch for the activation quantizer, one for the top-k combine, instead of ~15 small torch
     kernels): session 11's H200 sweep, CUDA-graph replays, 52 -> 32 us at 1 token, 98 -> 66 at 4, 188 -> 143 at
-    16, 345 -> 303 at 64; prefill keeps the torch quantizer until its variant is timed. Up to 4 tokens also
+    16, 345 -> 303 at 64 (prefill since session 22, below). Up to 4 tokens also
     pair_blocks (no alignment launches) and split_k 4 (gate-up K in 4 shares): session 15's sweep at TP4 shapes,
     33.5 -> 21.4 us at 1 token, 69.0 -> 60.1 at 4 (w4a8_moe lowers split_k where the hidden size needs it).
     From 2 to 32 tokens gemv (the pair's row on CUDA cores, split_k 8): session 19's H200 sweep at TP4 shapes,
@@ -923,24 +1059,39 @@ def default_config(pairs: int, inter: int = 512) -> dict:
     session 21's H200 sweep at 512 tokens (TP4 shapes, CUDA-graph replays, one process) had it at 553 us against
     763 for the 32x128 tile it replaced (698 with fused io added; Marlin 497 in that session's other run); the
     block_m-16 tile spreads the ~12 rows an expert gets at 512 tokens over no padding rows. Between 65 and 511
-    tokens neither tile is timed (both ends favour this one); from 513 tokens the 32x128 tile stays until timed."""
+    tokens neither tile is timed (both ends favour this one).
+    Session 22's H200 runs with mma.sync only (DISABLE_MMA_V3=1: the instruction an A800 has; Triton otherwise takes
+    wgmma on an H200 for the 64-row tiles), SGLang's alignment, Marlin in the same runs (docs/moe.md): 513-768 tokens
+    the same tile with pair_bf16 (the per-pair outputs in BF16, as Marlin keeps them): 498 / 640 us at 600 / 768
+    tokens against Marlin's 561 / 633, where the 64x128 tile took 735 / 740. From 769 tokens the 64x128 tile with the
+    shift path, fused io and pair_bf16: 751 / 1,521 / 2,620 / 4,847 us at 1,024 / 4,096 / 8,192 / 16,384 tokens
+    against the 32x128 / 64x128 tiles without them, 893 / 2,063 / - / 6,870 (Marlin 687 / 2,091 / 3,687 / 6,958; the
+    16x32 tile 777 at 1,024): at prefill sizes the torch quantizer and the fp32 [pairs, H] buffer's top-k sum cost
+    ~2 ms of 6.9 at 16K tokens. Above 8192 tokens (49,152 pairs) and
+    expand_ok (the caller's word that every column of both shift maps is shiftable; `dsv4_sm80/moe.py` reads it from
+    the maps at load), config expand (the experts decoded once per call into an INT8 workspace, then plain INT8
+    GEMMs): 4,110 us at 16K tokens (0.59x Marlin's time), but 1,933 at 4,096 against 1,521 (the decode of every
+    expert, ~1.2 ms, is a fixed cost; the two lines cross near 8,900 tokens by those two points; 8,192 untimed)."""
     if pairs <= 6:  # one token: 4 warps per 16x32 tile, one pair per block, gate-up K in 4 shares
         return {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3, "shift": False,
                 "fused_io": True, "pair_blocks": True, "split_k": 4}
     if pairs <= (192 if inter <= 512 else 96):  # 2-32 tokens (2-16 for a wider intermediate): gemv, K in 8 shares
         return {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": False,
                 "fused_io": True, "pair_blocks": True, "gemv": True, "split_k": 8, "gemv_prefetch": 1}
-    if pairs <= 3072:  # decode and short prefill (to 512 tokens): few rows per expert, parallelism from N
+    if pairs <= 4608:  # decode and short prefill (to 768 tokens): few rows per expert, parallelism from N
         return {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 2, "num_stages": 4, "shift": False,
-                "fused_io": True}
-    if pairs <= 4096:
-        return {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": False}
-    return {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": True}
+                "fused_io": True, "pair_bf16": pairs > 3072}
+    prefill = {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": True,
+               "fused_io": True, "pair_bf16": True}
+    if pairs > 49152 and expand_ok:  # above 8192 tokens, every column of the layer shiftable: the expanded path
+        return dict(prefill, expand=True)
+    return prefill
 
 
 CONFIG_KEYS = frozenset({  # every option `w4a8_moe` reads from its config (`default_config` sets a subset)
     "block_m", "block_n", "block_n2", "num_warps", "num_stages", "shift", "fused_io", "pair_blocks", "split_k", "gemv",
-    "gemv_n", "gemv_prefetch", "merge", "unroll", "unroll_down", "pair_bf16", "decode", "shift_only"})
+    "gemv_n", "gemv_prefetch", "merge", "unroll", "unroll_down", "pair_bf16", "decode", "shift_only", "expand",
+    "block_k", "expand_mb"})
 
 
 def w4a8_moe(
@@ -948,6 +1099,7 @@ def w4a8_moe(
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, swiglu_limit: float = 10.0,
     routed_scaling_factor: float = 1.0, input_group: int = 0, config: dict | None = None,
     out: torch.Tensor | None = None, w13_eref: torch.Tensor | None = None, w2_eref: torch.Tensor | None = None,
+    expand_ok: bool = False,
 ) -> torch.Tensor:
     """The routed-expert output for x [T, H] (bf16): sum_k w_k * down_e(act(gate_up_e(x))) * scaling.
 
@@ -988,7 +1140,7 @@ def w4a8_moe(
     unknown = set(asked) - CONFIG_KEYS
     if unknown:  # a misspelt or retired option would otherwise time or test the default instead, silently
         raise ValueError(f"w4a8_moe config: unknown option(s) {sorted(unknown)}; known: {sorted(CONFIG_KEYS)}")
-    cfg = dict(default_config(t * top_k, inter), **asked)
+    cfg = dict(default_config(t * top_k, inter, expand_ok and w13_eref is not None and w2_eref is not None), **asked)
     block_m, block_n, block_n2 = cfg["block_m"], cfg["block_n"], cfg["block_n2"]
     if h % CHUNK or inter % CHUNK or inter % block_n or block_n % GROUP:
         raise ValueError(f"hidden {h} and intermediate {inter} must be multiples of {CHUNK}, intermediate "
@@ -1000,6 +1152,8 @@ def w4a8_moe(
     pairs = t * top_k
     dev = x.device
     pair_blocks = bool(cfg.get("pair_blocks", False))  # one pair per M block, no alignment (tiny batches)
+    if asked.get("expand") and "pair_blocks" not in asked:
+        pair_blocks = False  # default_config's choice yields to the expanded path asked for (aligned blocks only)
     if pair_blocks:
         block_expert = topk_ids.reshape(-1).contiguous()
         sorted_ids = num_padded = block_expert  # not read in this mode
@@ -1011,7 +1165,7 @@ def w4a8_moe(
     span_up = _span(h, input_group, merge)
     span_down = _span(inter, block_n, merge)
     gemv = bool(cfg.get("gemv", False))  # pair blocks on CUDA cores (DP4A), not the 16-row MMA tile
-    if "gemv" not in asked and (merge or asked.get("shift") or asked.get("pair_blocks") is False
+    if "gemv" not in asked and (merge or asked.get("shift") or asked.get("pair_blocks") is False or asked.get("expand")
                                 or max(int(asked.get(n, 1)) for n in ("unroll", "unroll_down")) > 1):
         gemv = False  # default_config's choice yields to an MMA-loop option asked for
     gemv_prefetch = int(cfg.get("gemv_prefetch", 0))  # gemv's loads issued this many K steps ahead
@@ -1024,7 +1178,7 @@ def w4a8_moe(
     shift = cfg.get("shift", True) and not gemv  # (gemv has no shift path)
     split_k = int(cfg.get("split_k", 1))  # gate-up K shares: more programs when few experts are active
     if "split_k" not in asked:  # default_config's choice yields: to merge or the shift path asked for, and
-        if asked.get("merge") or asked.get("shift"):  # to a hidden size it does not divide
+        if asked.get("merge") or asked.get("shift") or asked.get("expand"):  # to a hidden size it does not divide
             split_k = 1
         while split_k > 1 and h % (split_k * CHUNK):
             split_k //= 2
@@ -1050,6 +1204,23 @@ def w4a8_moe(
     if shift_only and not (shift_up and shift_down):
         raise ValueError(f"shift_only needs the shift path in both launches (gate-up: {shift_up}, down: {shift_down}): "
                          "shift on, the shift maps given, split_k 1, and block_n and the input group multiples of 64")
+    expand = bool(cfg.get("expand", False))  # experts decoded once per call into an INT8 workspace, plain INT8 GEMMs
+    block_k = int(input_group or cfg.get("block_k", 128))  # the expanded gate-up's K step (its activation group)
+    if expand:
+        why = [msg for bad, msg in (
+            (gemv or pair_blocks, "gemv and pair_blocks off (aligned M blocks)"),
+            (split_k != 1 or merge, "split_k 1 and merge off"),
+            (w13_eref is None or w2_eref is None, "both shift maps given (w13_eref, w2_eref)"),
+            (block_n % CHUNK or block_n > 256, f"block_n a multiple of {CHUNK} up to 256 (the down launch's K step)"),
+            (block_k % CHUNK or block_k > 256 or h % block_k, f"block_k / input_group a multiple of {CHUNK} up to 256 "
+                                                              f"that divides hidden {h}"),
+            (max(h, inter) * 127 * 96 >= 2**31, "int32 sums that cannot overflow (K < 176k)")) if bad]
+        if why:
+            raise ValueError(f"w4a8_moe config expand needs {'; '.join(why)} (config {cfg})")
+        w13_eref = w13_eref.view(torch.uint8).contiguous()
+        w2_eref = w2_eref.view(torch.uint8).contiguous()
+        if w13_eref.shape != (e, two_i) or w2_eref.shape != (e, h):
+            raise ValueError("w13_eref / w2_eref must be shift_refs of w13_scale / w2_scale: [E, 2I], [E, H]")
     decode_asm = cfg.get("decode", "asm" if x.is_cuda and not _INTERPRETED else "alu") == "asm"
     fused_io = cfg.get("fused_io", False)  # one-launch quantize and combine (default_config: decode sizes)
     xq, xs = (quantize_rows_int8_fused if fused_io else quantize_rows_int8)(x, input_group)
@@ -1060,6 +1231,39 @@ def w4a8_moe(
     w2b, w2s = w2.view(torch.uint8), w2_scale.view(torch.uint8)
     blocks = pairs if pair_blocks else block_expert.numel()
     part = torch.empty((split_k, pairs, 2, inter), dtype=torch.float32, device=dev) if split_k > 1 else hq
+    # config pair_bf16: each (token, expert) output stored as BF16 before the top-k sum (fp32 accumulation), as
+    # SGLang's Marlin MoE keeps its intermediate cache: half the bytes of the largest buffer in prefill
+    # ([pairs, H]: 1.6 GB fp32 at 16K tokens, written once and read once), one BF16 rounding per pair
+    y = torch.empty((pairs, h), dtype=torch.bfloat16 if cfg.get("pair_bf16", False) else torch.float32, device=dev)
+    tw = topk_weights.reshape(-1).to(torch.float32)
+    if expand and blocks:  # the experts' codes expanded share by share into an INT8 workspace, then INT8 GEMMs
+        share = max(1, min(e, int(cfg.get("expand_mb", 512)) * 2**20 // (two_i * h)))
+        ws = torch.empty((share * two_i * h,), dtype=torch.int8, device=dev)
+        ok = torch.empty((share * max(two_i, h),), dtype=torch.uint8, device=dev)
+        for gated, wb, wsc, er, n, kk in ((True, w13b, w13s, w13_eref, two_i, h), (False, w2b, w2s, w2_eref, h, inter)):
+            w8 = ws[:share * n * kk].view(share, n, kk)
+            okm = ok[:share * n].view(share, n)
+            for e0 in range(0, e, share):
+                n_e = min(share, e - e0)
+                _expand_kernel[(n // TILE_COLS, n_e)](
+                    wb, wsc, er, w8, okm, kk, e0, wb.stride(0), wb.stride(1), wsc.stride(0), wsc.stride(1),
+                    er.stride(0), w8.stride(0), w8.stride(1), okm.stride(0), BLOCK_N=TILE_COLS, DECODE_ASM=decode_asm,
+                    num_warps=2)
+                if gated:
+                    _w8_moe_kernel[(blocks * triton.cdiv(inter, block_n),)](
+                        xq, xs, w8, okm, hq, hs, sorted_ids, block_expert, num_padded, topk_weights, inter, h, pairs,
+                        top_k, xs.shape[1], float(swiglu_limit), e0, e0 + n_e, xq.stride(0), w8.stride(0),
+                        w8.stride(1), okm.stride(0), hq.stride(0), groups, GATED=True, MUL_WEIGHT=False,
+                        A_GROUP=input_group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                else:
+                    _w8_moe_kernel[(blocks * triton.cdiv(h, block_n2),)](
+                        hq, hs, w8, okm, y, y, sorted_ids, block_expert, num_padded, tw, h, inter, pairs, 1, groups,
+                        0.0, e0, e0 + n_e, hq.stride(0), w8.stride(0), w8.stride(1), okm.stride(0), y.stride(0), 0,
+                        GATED=False, MUL_WEIGHT=True, A_GROUP=block_n, BLOCK_M=block_m, BLOCK_N=block_n2,
+                        BLOCK_K=block_n, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        del ws, ok
+        blocks = 0  # (the launches below are the 4-bit kernels'; done)
     if blocks and gemv:  # one column per thread: warps = tile / 32 (split-K partials free the tile from the group)
         gn = int(cfg.get("gemv_n", 128)) if split_k > 1 else block_n
         _w4a8_gemv_kernel[(pairs * triton.cdiv(inter, gn), split_k)](
@@ -1082,11 +1286,6 @@ def w4a8_moe(
         _glu_finish_kernel[(triton.cdiv(pairs, 16), groups)](
             part, hq, hs, pairs, inter, groups, float(swiglu_limit), SPLIT_K=split_k, BLOCK_R=16, BLOCK_N=block_n,
             num_warps=4)
-    # config pair_bf16: each (token, expert) output stored as BF16 before the top-k sum (fp32 accumulation), as
-    # SGLang's Marlin MoE keeps its intermediate cache: half the bytes of the largest buffer in prefill
-    # ([pairs, H]: 1.6 GB fp32 at 16K tokens, written once and read once), one BF16 rounding per pair
-    y = torch.empty((pairs, h), dtype=torch.bfloat16 if cfg.get("pair_bf16", False) else torch.float32, device=dev)
-    tw = topk_weights.reshape(-1).to(torch.float32)
     if blocks and gemv:
         _w4a8_gemv_kernel[(pairs * triton.cdiv(h, block_n2),)](
             hq, hs, w2b, w2s, y, y, block_expert, tw, h, inter, pairs, 1, groups, 0.0, hq.stride(0), w2b.stride(0),

@@ -11,7 +11,8 @@
 #   tests/gpu/steps.sh moe-bench   bench/moe.py
 #   tests/gpu/steps.sh moe-sweep   bench/moe.py at decode sizes (MOE_TOKENS, 1,4,16,64): the decode tile sweep
 #                                  (MOE_ONLY picks variants, decode-) and a per-kernel profile
-#   tests/gpu/steps.sh moe-prefill bench/moe.py's prefill sweep (prefill- variants, MOE_TOKENS 512-16384) with Marlin beside it
+#   tests/gpu/steps.sh moe-prefill bench/moe.py's prefill sweep (MOE_ONLY variants, prefill-; MOE_TOKENS 512-16384) with Marlin
+#                                  beside it (mma.sync only unless MMA=v3, as moe-bench)
 #   tests/gpu/steps.sh moe-ncu     Nsight Compute of the W4A8 launches at NCU_TOKENS (8192) for NCU_VARIANTS (default and
 #                                  the 8-warp prefill tile): occupancy, issue slots, warp stalls, DRAM (no SGLang needed)
 #   tests/gpu/steps.sh moe-wide    the same at TP1 full width (intermediate 2048: e2e-bench's experts)
@@ -130,6 +131,10 @@ need() {  # wait (up to 20 min) for a file another GPU lane writes, e.g. the flo
   while [ ! -f "$1" ] && [ $t -lt 1200 ]; do sleep 10; t=$((t + 10)); done
   [ -f "$1" ] || echo "=== need: $1 never appeared"
 }
+# the W4A8 benches (moe-bench, moe-prefill): Triton's MMA. On an H200 Triton lowers the 64-row tiles to wgmma, which an
+# A800 lacks; by default they run with DISABLE_MMA_V3=1 (mma.sync only, the A800's instruction; its own Triton cache,
+# the flag changes the code). MMA=v3: Triton's own choice.
+if [ "${MMA:-v2}" = v2 ]; then MMA_ENV="env DISABLE_MMA_V3=1 TRITON_CACHE_DIR=$HOME/.triton/cache-mma-v2"; else MMA_ENV=; fi
 run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
@@ -563,7 +568,8 @@ case ${1:?step} in
   moe-bench)
     # every size, with the launches fused and the per-pair outputs in BF16 beside the default (session 11: fused io
     # is the decode default now; prefill decides with these rows)
-    run moe-bench timeout 540 python bench/moe.py --variants --only "'fused io|pair bf16'" --out "$OUT/moe.json" ;;
+    # (MMA=v3 lets Triton take wgmma on an H200; by default mma.sync only, an A800's instruction: session 22)
+    run moe-bench $MMA_ENV timeout 540 python bench/moe.py --variants --only "'fused io|pair bf16'" --out "$OUT/moe.json" ;;
   moe-wide)
     # the experts of bench/e2e.py's full-width checkpoint on one GPU (intermediate 2048, TP1): the decode tiles and
     # each kernel's time against Marlin at the batch where e2e-bench's decode fell behind (16 tokens, session 12)
@@ -577,8 +583,8 @@ case ${1:?step} in
   moe-prefill)
     # the prefill sweep (session 21: W4A8 at Marlin's time from 2048 tokens): bench/moe.py's prefill- variants at
     # MOE_TOKENS (512,2048,8192,16384), Marlin beside the default where SGLang is importable, kernels profiled
-    run moe-prefill timeout 540 python bench/moe.py --tokens ${MOE_TOKENS:-512,2048,8192,16384} --variants \
-      --only "'prefill-'" --profile --out "$OUT/moe-prefill.json" ;;
+    run moe-prefill $MMA_ENV timeout 540 python bench/moe.py --tokens ${MOE_TOKENS:-512,2048,8192,16384} --variants \
+      --only "'${MOE_ONLY:-prefill-}'" --profile --out "$OUT/moe-prefill.json" ;;
   moe-ncu)
     # Nsight Compute of the W4A8 launches (the second of two eager calls: gate-up and down) per variant at
     # NCU_TOKENS (8192): occupancy, issue slots, warp stalls, DRAM; NCU_VARIANTS '|'-separated (default and the
