@@ -74,6 +74,32 @@ def read_floor_us(torch, w13, w2, routes) -> float:
     return timed(run) * 1e6
 
 
+def expand_us(torch, ours, erefs) -> dict:
+    """The expanded path's fixed cost (config expand): `_expand_kernel` over every expert of gate-up and of down into
+    one workspace each (as default_config's expand with a workspace of all experts), in a CUDA graph: microseconds
+    and GB/s (codes + scale bytes read, INT8 written) against the copy peak. Session 22: the two-point fit put the
+    decode at ~1.2 ms a call at TP4 shapes."""
+    from dsv4_sm80.kernels.w4a8_moe import TILE_COLS, _expand_kernel
+
+    w13, s13, w2, s2 = ours
+    jobs = []
+    for wb, wsc, er in ((w13, s13, erefs["w13_eref"]), (w2, s2, erefs["w2_eref"])):
+        e, n, half_k = wb.shape
+        w8 = torch.empty((e, n, 2 * half_k), dtype=torch.int8, device=wb.device)
+        ok = torch.empty((e, n), dtype=torch.uint8, device=wb.device)
+        jobs.append((wb.view(torch.uint8), wsc.view(torch.uint8), er.view(torch.uint8), w8, ok))
+
+    def run():
+        for wb, wsc, er, w8, ok in jobs:
+            _expand_kernel[(w8.shape[1] // TILE_COLS, w8.shape[0])](
+                wb, wsc, er, w8, ok, w8.shape[2], 0, wb.stride(0), wb.stride(1), wsc.stride(0), wsc.stride(1),
+                er.stride(0), w8.stride(0), w8.stride(1), ok.stride(0), BLOCK_N=TILE_COLS, DECODE_ASM=True, num_warps=2)
+
+    sec = timed(run, 3)
+    nbytes = sum(j[0].numel() + j[1].numel() + j[3].numel() + j[4].numel() for j in jobs)
+    return {"us": sec * 1e6, "bytes": nbytes, "gbps": nbytes / sec / 1e9}
+
+
 ROUTINGS = 20  # distinct routings per size, cycled call by call (common.timed captures 20 calls per replay)
 DECODE = (1, 2, 4, 8, 16, 32, 64)
 PREFILL = (512, 2048, 8192, 16384)
@@ -386,6 +412,10 @@ def main(argv=None) -> int:
     record["triton_mma"] = "mma.sync only (DISABLE_MMA_V3=1)" if os.environ.get("DISABLE_MMA_V3") == "1" else (
         "wgmma allowed" if torch.cuda.get_device_capability(0)[0] >= 9 else "mma.sync")
     print(f"moe bench on {record['gpu']}: Triton MMA {record['triton_mma']}")
+    if not args.once and min(shiftable) == 1.0 and max(int(x) for x in args.tokens.split(",")) > 8192:
+        record["expand"] = xp = expand_us(torch, ours, erefs)  # what the expanded path pays per call before its GEMMs
+        print(f"moe bench: every expert expanded to INT8 (config expand's decode, gate-up and down): {xp['us']:.1f} us, "
+              f"{xp['gbps']:.0f} GB/s ({100 * xp['gbps'] / pk['copy_gbps']:.0f} % of copy)")
     print(f"{'tokens':>6s} {'experts':>7s} {'int8 us':>9s} {'marlin us':>9s} {'int8/marlin':>11s}  "
           f"{'GB/s int8 (%pk)':>16s} {'GB/s marlin (%pk)':>17s} {'floor us':>8s}  {'TOP/s int8 (%int8pk)':>20s} "
           f"{'TFLOP/s marlin (%bf16pk)':>24s} {'rel diff':>8s}")

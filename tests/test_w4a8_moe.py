@@ -680,6 +680,28 @@ def test_expanded_weights_equal_the_shift_loop_bit_for_bit(k, extra, t, top_k, i
     assert rel(got, emulated.float()) < 1e-2
 
 
+def test_expand_kernel_writes_each_weight_as_its_shifted_integer(k):
+    """`_expand_kernel` against the plain-PyTorch dequantization (w4a8_moe_ref.dequant_mxfp4): every workspace byte
+    is the weight times 2 / 2^(e_ref - 127) (the shift path's integer), row-major [N, K], for an expert share that
+    starts past expert 0; the ok map is e_ref where the column is shiftable and 0 where it is not."""
+    _, w13, s13, _, _, _, _ = shift_case(3, 7, t=1, top_k=1, seed=92)  # every 7th column unshiftable
+    e, n, half_k = w13.shape
+    er = k.shift_refs(s13)
+    packed = k.repack_mxfp4_for_w4a8(dev(w13.clone())).view(torch.uint8)
+    w8 = dev(torch.full((e - 2, n, 2 * half_k), 77, dtype=torch.int8))
+    ok = dev(torch.full((e - 2, n), 255, dtype=torch.uint8))
+    sb, erd = dev(s13), dev(er)
+    k._expand_kernel[(n // k.TILE_COLS, e - 2)](
+        packed, sb, erd, w8, ok, 2 * half_k, 2, packed.stride(0), packed.stride(1), sb.stride(0), sb.stride(1),
+        erd.stride(0), w8.stride(0), w8.stride(1), ok.stride(0), BLOCK_N=k.TILE_COLS,
+        DECODE_ASM=bool(w8.is_cuda and not k._INTERPRETED), num_warps=2)
+    w8, ok = w8.cpu(), ok.cpu()
+    assert torch.equal(ok, er[2:]) and bool((er == 0).any())
+    want = ref.dequant_mxfp4(w13, s13).double()[2:] * 2 / torch.exp2(er[2:].double() - 127)[..., None]
+    good = er[2:] > 0
+    assert torch.equal(w8.double()[good], want[good])
+
+
 def test_expanded_weights_refuse_loudly(k):
     """An unshiftable column (the map's 0) or a map of other scales gives NaN through the expanded GEMMs, never a
     number; configurations the expanded path cannot run are refused by name."""
