@@ -18,7 +18,9 @@ Bytes per weight after loading, by mode:
   MXFP4 experts       0.5 + 1/32 (4-bit codes + E8M0 per 32; both MoE backends keep them 4-bit)
   everything else     as stored (`tid2eid` as int32)
 Not counted: activations, NCCL buffers, the CUDA graphs' private pool, allocator slack: those are the
-reserves of `plan` (defaults from the design notes' measured steady state, reference 04 §3.3).
+reserves of `plan` (defaults from the design notes' measured steady state, reference 04 §3.3). The W4A8 MoE's
+expanded path (prefill forwards above 8192 tokens, i.e. `--chunked-prefill-size` raised above SGLang's 8192 for
+80 GB cards) adds a 512 MiB transient workspace to a MoE call's activations.
 """
 
 from __future__ import annotations
