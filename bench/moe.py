@@ -167,6 +167,9 @@ VARIANTS.update({f"prefill-{name}": dict(PREFILL_TILE, **cfg) for name, cfg in {
     "64x256, warps 8": {"block_n": 256, "num_warps": 8},  # (block_n 256: the intermediate's INT8 group is 256)
     "32x128, warps 4": {"block_m": 32},
     "32x128, warps 8": {"block_m": 32, "num_warps": 8},
+    # 769-1500 tokens (session 22: Marlin 1.01-1.09x ahead there; 16-24 rows an expert): shorter tiles with the shift path
+    "32x64, warps 4": {"block_m": 32, "block_n": 64},
+    "16x128, warps 4": {"block_m": 16},
     "128x32, warps 2": {"block_m": 128, "block_n": 32, "block_n2": 64, "num_warps": 2},  # one warp's tile 64 rows tall
     "64x32, warps 1": {"block_m": 64, "block_n": 32, "block_n2": 64, "num_warps": 1},
     # the shift loop alone (no per-group fallback compiled beside it): the census's 4-warp in-loop spills, 8 -> 0 (the
