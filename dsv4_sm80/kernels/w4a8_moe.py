@@ -1128,6 +1128,10 @@ def w4a8_moe(
     config shift_only (default off; with the shift path in both launches): the shift loop alone, no per-group
     fallback compiled beside it (sm_80 census, 64x128 tile, 4 warps: the loop's spills go); a tile with an unshiftable
     column then gives NaN (the loop's range check), so it is for layers whose maps are all shiftable.
+    config expand (default_config: above 8192 tokens with expand_ok, the caller's word that every column of both shift
+    maps is shiftable): the experts' codes decoded once per call into a transient INT8 workspace, expand_mb (default
+    512) MiB of experts at a time, then plain INT8 grouped GEMMs with K steps of block_k (gate-up, default 128; the
+    input group when there is one) and block_n (down); bit-equal to the shift loop, NaN where a column is not shiftable.
     With the shift maps and config shift (`default_config` sets it for prefill only), tiles whose columns are all
     shiftable accumulate in int32
     (`_shift_loop`); without them, or for a launch whose activation group is not a multiple of 64 (the
