@@ -79,7 +79,7 @@ def expand_us(torch, ours, erefs) -> dict:
     one workspace each (as default_config's expand with a workspace of all experts), in a CUDA graph: microseconds
     and GB/s (codes + scale bytes read, INT8 written) against the copy peak. Session 22: the two-point fit put the
     decode at ~1.2 ms a call at TP4 shapes."""
-    from dsv4_sm80.kernels.w4a8_moe import TILE_COLS, _expand_kernel
+    from dsv4_sm80.kernels.w4a8_moe import expand_experts
 
     w13, s13, w2, s2 = ours
     jobs = []
@@ -91,9 +91,7 @@ def expand_us(torch, ours, erefs) -> dict:
 
     def run():
         for wb, wsc, er, w8, ok in jobs:
-            _expand_kernel[(w8.shape[1] // TILE_COLS, w8.shape[0])](
-                wb, wsc, er, w8, ok, w8.shape[2], 0, wb.stride(0), wb.stride(1), wsc.stride(0), wsc.stride(1),
-                er.stride(0), w8.stride(0), w8.stride(1), ok.stride(0), BLOCK_N=TILE_COLS, DECODE_ASM=True, num_warps=2)
+            expand_experts(wb, wsc, er, w8, ok, 0, w8.shape[0], True)
 
     sec = timed(run, 3)
     nbytes = sum(j[0].numel() + j[1].numel() + j[3].numel() + j[4].numel() for j in jobs)

@@ -681,7 +681,8 @@ def test_expanded_weights_equal_the_shift_loop_bit_for_bit(k, extra, t, top_k, i
 
 
 def test_expand_kernel_writes_each_weight_as_its_shifted_integer(k):
-    """`_expand_kernel` against the plain-PyTorch dequantization (w4a8_moe_ref.dequant_mxfp4): every workspace byte
+    """`_expand_kernel` (through `expand_experts`, the launch w4a8_moe and the bench use) against the plain-PyTorch
+    dequantization (w4a8_moe_ref.dequant_mxfp4): every workspace byte
     is the weight times 2 / 2^(e_ref - 127) (the shift path's integer), row-major [N, K], for an expert share that
     starts past expert 0; the ok map is e_ref where the column is shiftable and 0 where it is not."""
     _, w13, s13, _, _, _, _ = shift_case(3, 7, t=1, top_k=1, seed=92)  # every 7th column unshiftable
@@ -691,10 +692,7 @@ def test_expand_kernel_writes_each_weight_as_its_shifted_integer(k):
     w8 = dev(torch.full((e - 2, n, 2 * half_k), 77, dtype=torch.int8))
     ok = dev(torch.full((e - 2, n), 255, dtype=torch.uint8))
     sb, erd = dev(s13), dev(er)
-    k._expand_kernel[(n // k.TILE_COLS, e - 2)](
-        packed, sb, erd, w8, ok, 2 * half_k, 2, packed.stride(0), packed.stride(1), sb.stride(0), sb.stride(1),
-        erd.stride(0), w8.stride(0), w8.stride(1), ok.stride(0), BLOCK_N=k.TILE_COLS,
-        DECODE_ASM=bool(w8.is_cuda and not k._INTERPRETED), num_warps=2)
+    k.expand_experts(packed, sb, erd, w8, ok, 2, e - 2, bool(w8.is_cuda and not k._INTERPRETED))
     w8, ok = w8.cpu(), ok.cpu()
     assert torch.equal(ok, er[2:]) and bool((er == 0).any())
     want = ref.dequant_mxfp4(w13, s13).double()[2:] * 2 / torch.exp2(er[2:].double() - 127)[..., None]

@@ -730,6 +730,14 @@ def _expand_kernel(b_ptr, bs_ptr, eref_ptr, w8_ptr, ok_ptr, K, expert_lo, stride
     tl.store(ok_ptr + e_loc.to(tl.int64) * stride_oke + offs_n, tl.where(bad == 0, er, 0).to(tl.uint8))
 
 
+def expand_experts(w, scale, eref, w8, ok, e0: int, n_e: int, decode_asm: bool) -> None:
+    """`_expand_kernel` for experts e0 .. e0 + n_e - 1 of one weight (uint8 views of the kernel layout's bytes [E, N,
+    K/2], its E8M0 scale bytes [E, N, K/32] and shift map [E, N]) into w8 [>= n_e, N, K] int8 and ok [>= n_e, N]."""
+    _expand_kernel[(w8.shape[1] // TILE_COLS, n_e)](
+        w, scale, eref, w8, ok, w8.shape[2], e0, w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
+        eref.stride(0), w8.stride(0), w8.stride(1), ok.stride(0), BLOCK_N=TILE_COLS, DECODE_ASM=decode_asm, num_warps=2)
+
+
 @triton.jit
 def _w8_moe_kernel(
     a_ptr, a_scale_ptr, w8_ptr, ok_ptr, c_ptr, c_scale_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
@@ -1198,17 +1206,19 @@ def w4a8_moe(
     shift_up = (split_k == 1 and shift and w13_eref is not None and input_group % CHUNK == 0
                 and h * 127 * 96 < 2**31)
     shift_down = shift and w2_eref is not None and block_n % CHUNK == 0 and inter * 127 * 96 < 2**31
-    if shift_up:
+    expand = bool(cfg.get("expand", False))  # experts decoded once per call into an INT8 workspace, plain INT8 GEMMs
+    map_up = shift_up or expand and w13_eref is not None  # launches that read a shift map (expand: checked below)
+    map_down = shift_down or expand and w2_eref is not None
+    if map_up:
         w13_eref = w13_eref.view(torch.uint8).contiguous()
-    if shift_down:
+    if map_down:
         w2_eref = w2_eref.view(torch.uint8).contiguous()
-    if shift_up and w13_eref.shape != (e, two_i) or shift_down and w2_eref.shape != (e, h):
+    if map_up and w13_eref.shape != (e, two_i) or map_down and w2_eref.shape != (e, h):
         raise ValueError("w13_eref / w2_eref must be shift_refs of w13_scale / w2_scale: [E, 2I], [E, H]")
     shift_only = bool(cfg.get("shift_only", False))  # the shift loop alone (no per-group fallback compiled)
     if shift_only and not (shift_up and shift_down):
         raise ValueError(f"shift_only needs the shift path in both launches (gate-up: {shift_up}, down: {shift_down}): "
                          "shift on, the shift maps given, split_k 1, and block_n and the input group multiples of 64")
-    expand = bool(cfg.get("expand", False))  # experts decoded once per call into an INT8 workspace, plain INT8 GEMMs
     block_k = int(input_group or cfg.get("block_k", 128))  # the expanded gate-up's K step (its activation group)
     if expand:
         why = [msg for bad, msg in (
@@ -1221,10 +1231,6 @@ def w4a8_moe(
             (max(h, inter) * 127 * 96 >= 2**31, "int32 sums that cannot overflow (K < 176k)")) if bad]
         if why:
             raise ValueError(f"w4a8_moe config expand needs {'; '.join(why)} (config {cfg})")
-        w13_eref = w13_eref.view(torch.uint8).contiguous()
-        w2_eref = w2_eref.view(torch.uint8).contiguous()
-        if w13_eref.shape != (e, two_i) or w2_eref.shape != (e, h):
-            raise ValueError("w13_eref / w2_eref must be shift_refs of w13_scale / w2_scale: [E, 2I], [E, H]")
     decode_asm = cfg.get("decode", "asm" if x.is_cuda and not _INTERPRETED else "alu") == "asm"
     fused_io = cfg.get("fused_io", False)  # one-launch quantize and combine (default_config: decode sizes)
     xq, xs = (quantize_rows_int8_fused if fused_io else quantize_rows_int8)(x, input_group)
@@ -1249,10 +1255,7 @@ def w4a8_moe(
             okm = ok[:share * n].view(share, n)
             for e0 in range(0, e, share):
                 n_e = min(share, e - e0)
-                _expand_kernel[(n // TILE_COLS, n_e)](
-                    wb, wsc, er, w8, okm, kk, e0, wb.stride(0), wb.stride(1), wsc.stride(0), wsc.stride(1),
-                    er.stride(0), w8.stride(0), w8.stride(1), okm.stride(0), BLOCK_N=TILE_COLS, DECODE_ASM=decode_asm,
-                    num_warps=2)
+                expand_experts(wb, wsc, er, w8, okm, e0, n_e, decode_asm)
                 if gated:
                     _w8_moe_kernel[(blocks * triton.cdiv(inter, block_n),)](
                         xq, xs, w8, okm, hq, hs, sorted_ids, block_expert, num_padded, topk_weights, inter, h, pairs,
