@@ -168,6 +168,15 @@ VARIANTS.update({f"prefill-{name}": dict(PREFILL_TILE, **cfg) for name, cfg in {
     # 769-1500 tokens (session 22: Marlin 1.01-1.09x ahead there; 16-24 rows an expert): shorter tiles with the shift path
     "32x64, warps 4": {"block_m": 32, "block_n": 64},
     "16x128, warps 4": {"block_m": 16},
+    # ... and with the default's fused io and BF16 pair outputs (the glue is ~1/6 of the time at 1024 tokens: the
+    # 64x128 tile 893 -> 751 us with them, session 22), so that the tile alone is what differs from the default
+    "32x128, warps 4, fused io, pair bf16": {"block_m": 32, "fused_io": True, "pair_bf16": True},
+    "32x64, warps 4, fused io, pair bf16": {"block_m": 32, "block_n": 64, "fused_io": True, "pair_bf16": True},
+    "16x128, warps 4, fused io, pair bf16": {"block_m": 16, "fused_io": True, "pair_bf16": True},
+    "32x128, warps 4, shift only, fused io, pair bf16": {"block_m": 32, "shift_only": True, "fused_io": True,
+                                                         "pair_bf16": True},
+    "32x64, warps 2, stages 4, fused io, pair bf16": {"block_m": 32, "block_n": 64, "num_warps": 2, "num_stages": 4,
+                                                      "fused_io": True, "pair_bf16": True},
     "128x32, warps 2": {"block_m": 128, "block_n": 32, "block_n2": 64, "num_warps": 2},  # one warp's tile 64 rows tall
     "64x32, warps 1": {"block_m": 64, "block_n": 32, "block_n2": 64, "num_warps": 1},
     # the shift loop alone (no per-group fallback compiled beside it): the census's 4-warp in-loop spills, 8 -> 0 (the

@@ -218,15 +218,16 @@ def test_split_k_equals_the_unsplit_kernel_and_is_deterministic(k):
 
 
 def test_default_configs_are_valid(k):
-    for pairs in (1, 24, 25, 64, 384, 385, 3072, 3073, 4608, 4609, 49152, 49153, 100000):
+    for pairs in (1, 24, 25, 64, 384, 385, 3072, 3073, 4096, 4097, 7680, 7681, 49152, 49153, 100000):
         for expand_ok in (False, True):
             cfg = k.default_config(pairs, 512, expand_ok)
             assert cfg["block_n"] % 32 == 0 and 512 % cfg["block_n"] == 0 and 4096 % cfg["block_n2"] == 0, cfg
             # every size takes the one-launch quantizer and combine (decode: session 11; prefill: session 22); the
-            # 16-row tile to 768 tokens at top-6 (session 22), per-pair BF16 outputs above 512 tokens, the expanded
-            # path above 8192 tokens where the caller says every column is shiftable
+            # 16-row tile to 682 tokens at top-6 (session 22, 23), the 32-row tile to 1280 (session 23), per-pair
+            # BF16 outputs above 512 tokens, the expanded path above 8192 tokens where the caller says every column is
+            # shiftable
             assert cfg["fused_io"], (pairs, cfg)
-            assert (cfg["block_m"] == 16) == (pairs <= 4608), (pairs, cfg)
+            assert cfg["block_m"] == (16 if pairs <= 4096 else 32 if pairs <= 7680 else 64), (pairs, cfg)
             assert cfg.get("pair_bf16", False) == (pairs > 3072), (pairs, cfg)
             assert cfg.get("expand", False) == (expand_ok and pairs > 49152), (pairs, cfg)
 

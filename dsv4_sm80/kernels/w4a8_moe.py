@@ -25,7 +25,7 @@ The math (reference: `w4a8_moe_ref.py`):
 - The codes are widened to INT8 four per 32-bit register by inline PTX (`_DECODE_ASM`: per 32-bit word =
   8 codes, three PRMTs and one LOP3 per four codes, 11 instructions); Triton's CPU interpreter cannot run
   inline PTX, so there (and with config decode="alu") the same mapping is computed elementwise.
-- Shift path (config shift; `default_config` turns it on for prefill, > 4608 pairs, and off at decode,
+- Shift path (config shift; `default_config` turns it on for prefill, > 4096 pairs, and off at decode,
   where session 7's H200 bench measured it slower; given the shift maps `w13_eref` / `w2_eref` from `shift_refs`,
   computed once at load: 1 byte per expert and output row, ~0.003 bits/weight): UE8M0 scales are powers of
   two, so for a column whose group exponents span at most 3 binades (and none is 0) the decoder emits
@@ -1071,7 +1071,8 @@ def default_config(pairs: int, inter: int = 512, expand_ok: bool = False) -> dic
     Session 22's H200 runs with mma.sync only (DISABLE_MMA_V3=1: the instruction an A800 has; Triton otherwise takes
     wgmma on an H200 for the 64-row tiles), SGLang's alignment, Marlin in the same runs (docs/moe.md): 513-768 tokens
     the same tile with pair_bf16 (the per-pair outputs in BF16, as Marlin keeps them): 498 / 640 us at 600 / 768
-    tokens against Marlin's 561 / 633, where the 64x128 tile took 735 / 740. From 769 tokens the 64x128 tile with the
+    tokens against Marlin's 561 / 633, where the 64x128 tile took 735 / 740 (session 23: to 682 tokens, below). From
+    769 tokens (session 23: from 1,281) the 64x128 tile with the
     shift path, fused io and pair_bf16: 751 / 1,521 / 2,620 / 4,847 us at 1,024 / 4,096 / 8,192 / 16,384 tokens
     against the 32x128 / 64x128 tiles without them, 893 / 2,063 / - / 6,870 (Marlin 687 / 2,091 / 3,687 / 6,958; the
     16x32 tile 777 at 1,024): at prefill sizes the torch quantizer and the fp32 [pairs, H] buffer's top-k sum cost
@@ -1079,16 +1080,25 @@ def default_config(pairs: int, inter: int = 512, expand_ok: bool = False) -> dic
     expand_ok (the caller's word that every column of both shift maps is shiftable; `dsv4_sm80/moe.py` reads it from
     the maps at load), config expand (the experts decoded once per call into an INT8 workspace, then plain INT8
     GEMMs): 4,110 us at 16K tokens (0.59x Marlin's time), but 1,933 at 4,096 against 1,521 (the decode of every
-    expert, ~1.2 ms, is a fixed cost; the two lines cross near 8,900 tokens by those two points; 8,192 untimed)."""
+    expert, ~1.2 ms, is a fixed cost; the two lines cross near 8,900 tokens by those two points; 8,192 untimed).
+    Session 23's H200 runs (mma.sync only, Marlin in the same process): from 683 to 1,280 tokens a 32x64 tile with
+    2 warps, 4 stages, the shift path, fused io and pair_bf16 (~16-30 rows an expert: one 32-row tile, twice the
+    programs along N of the 128-wide tile): 552 / 556 / 604 / 637 / 729 us at 768 / 896 / 1,024 / 1,152 / 1,280
+    tokens against the 64x128 tile's 643 (16x32) / 742 / 749 / 751 / 755 and Marlin's 641 / 656 / 688 / 751 / 824;
+    at 640 tokens the 16x32 tile stays (529 against 546), at 1,536 the 64x128 (770 against 928). As defaults: 0.86 /
+    0.87 / 0.88 / 0.90 / 0.89x Marlin's time at 640 / 768 / 1,024 / 1,280 / 1,536 tokens."""
     if pairs <= 6:  # one token: 4 warps per 16x32 tile, one pair per block, gate-up K in 4 shares
         return {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3, "shift": False,
                 "fused_io": True, "pair_blocks": True, "split_k": 4}
     if pairs <= (192 if inter <= 512 else 96):  # 2-32 tokens (2-16 for a wider intermediate): gemv, K in 8 shares
         return {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": False,
                 "fused_io": True, "pair_blocks": True, "gemv": True, "split_k": 8, "gemv_prefetch": 1}
-    if pairs <= 4608:  # decode and short prefill (to 768 tokens): few rows per expert, parallelism from N
+    if pairs <= 4096:  # decode and short prefill (to 682 tokens): few rows per expert, parallelism from N
         return {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 2, "num_stages": 4, "shift": False,
                 "fused_io": True, "pair_bf16": pairs > 3072}
+    if pairs <= 7680:  # 683-1280 tokens (~16-30 rows an expert): 32 rows, 64 wide, 2 warps, 4 stages (session 23)
+        return {"block_m": 32, "block_n": 64, "block_n2": 128, "num_warps": 2, "num_stages": 4, "shift": True,
+                "fused_io": True, "pair_bf16": True}
     prefill = {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": True,
                "fused_io": True, "pair_bf16": True}
     if pairs > 49152 and expand_ok:  # above 8192 tokens, every column of the layer shiftable: the expanded path

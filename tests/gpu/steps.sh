@@ -12,7 +12,8 @@
 #   tests/gpu/steps.sh moe-sweep   bench/moe.py at decode sizes (MOE_TOKENS, 1,4,16,64): the decode tile sweep
 #                                  (MOE_ONLY picks variants, decode-) and a per-kernel profile
 #   tests/gpu/steps.sh moe-prefill bench/moe.py's prefill sweep (MOE_ONLY variants, prefill-; MOE_TOKENS 512-16384) with Marlin
-#                                  beside it (mma.sync only unless MMA=v3, as moe-bench)
+#                                  beside it (mma.sync only unless MMA=v3, as moe-bench; MOE_T s, 540: a cold
+#                                  machine compiles SGLang's JIT Marlin MoE for ~5 minutes first)
 #   tests/gpu/steps.sh moe-ncu     Nsight Compute of the W4A8 launches at NCU_TOKENS (8192) for NCU_VARIANTS (default and
 #                                  the 8-warp prefill tile): occupancy, issue slots, warp stalls, DRAM (no SGLang needed)
 #   tests/gpu/steps.sh moe-wide    the same at TP1 full width (intermediate 2048: e2e-bench's experts)
@@ -583,7 +584,7 @@ case ${1:?step} in
   moe-prefill)
     # the prefill sweep (session 21: W4A8 at Marlin's time from 2048 tokens): bench/moe.py's prefill- variants at
     # MOE_TOKENS (512,2048,8192,16384), Marlin beside the default where SGLang is importable, kernels profiled
-    run moe-prefill $MMA_ENV timeout 540 python bench/moe.py --tokens ${MOE_TOKENS:-512,2048,8192,16384} --variants \
+    run moe-prefill $MMA_ENV timeout ${MOE_T:-540} python bench/moe.py --tokens ${MOE_TOKENS:-512,2048,8192,16384} --variants \
       --only "'${MOE_ONLY:-prefill-}'" --profile --out "$OUT/moe-prefill.json" ;;
   moe-ncu)
     # Nsight Compute of the W4A8 launches (the second of two eager calls: gate-up and down) per variant at
