@@ -204,8 +204,9 @@ def test_split_k_equals_the_unsplit_kernel_and_is_deterministic(k):
     order (and the rare INT8 re-quantization flip that order can cause, as in the emulation test), bit-equal
     from run to run (the shares are added in a fixed order, no atomics); a share count that does not divide
     K into 64-wide steps, or with span merging, is refused."""
-    # 512 wide: two 64-wide K steps per share; 20 pairs: two row blocks of the finishing kernel, the second part-masked
-    x, w13, s13, w2, s2, tw, ids = case(t=5, top_k=4, h=512, e=4, seed=41)
+    # 512 wide: two 64-wide K steps per share; 20 pairs: two row blocks of the finishing kernel, the second part-masked;
+    # intermediate 64 (two 32-wide gate-up tiles: the interpreter's time is per program)
+    x, w13, s13, w2, s2, tw, ids = case(t=5, top_k=4, h=512, inter=64, e=4, seed=41)
     one = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=1)).float().cpu()
     four = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=4)).float().cpu()
     again = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=4)).float().cpu()
@@ -627,7 +628,7 @@ DECODE64 = dict(DECODE, block_n=64)  # the down kernel's activation group a mult
 
 
 @pytest.mark.parametrize("spread,bad_every", [(3, 0), (4, 3), (3, 7)])  # all, none, some columns shiftable
-@pytest.mark.parametrize("cfg,t,top_k,input_group", [(DECODE, 4, 3, 0), (DECODE64, 2, 2, 0), (PREFILL, 19, 6, 0),
+@pytest.mark.parametrize("cfg,t,top_k,input_group", [(DECODE, 4, 3, 0), (DECODE64, 2, 2, 0), (PREFILL, 11, 6, 0),
                                                       (PREFILL, 6, 2, 64)])
 def test_shift_path_equals_int8_emulation(k, spread, bad_every, cfg, t, top_k, input_group):
     """The shift path (int32 accumulation over K, one conversion per activation-scale change) against the
@@ -877,10 +878,13 @@ def test_gemv_equals_the_pair_block_mma_bit_for_bit(k):
     (split 1), per-token and per-32 input scales, a 64-wide gate-up tile, BF16 pair outputs, hidden 192 (three K
     steps); held to the INT8 emulation reference written from the math; its loads prefetched 1 or 2 K steps ahead
     (gemv_prefetch, past the end of K too) bit-equal to the plain loop; refused without pair blocks."""
-    for t, h, extra in ((1, 256, {"split_k": 4}), (3, 192, {"split_k": 1}), (2, 256, {"split_k": 2, "block_n": 64}),
-                        (4, 256, {"split_k": 1, "pair_bf16": True, "block_n2": 128})):
+    # (each input-scale form on two of the four cases: per-token with split-K 4 and with BF16 pair outputs, per-32 with
+    # split 1 and 2; the interpreter takes ~10 s per kernel run here)
+    for t, h, extra, groups in ((1, 256, {"split_k": 4}, (0,)), (3, 192, {"split_k": 1}, (32,)),
+                                (2, 256, {"split_k": 2, "block_n": 64}, (32,)),
+                                (4, 256, {"split_k": 1, "pair_bf16": True, "block_n2": 128}, (0,))):
         x, w13, s13, w2, s2, tw, ids = case(t=t, top_k=3, h=h, inter=128, seed=80 + t)
-        for group in (0, 32):
+        for group in groups:
             cfg = dict(DECODE, pair_blocks=True, fused_io=True, **extra)
             mma = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=group, config=cfg)
             gemv = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=group,
