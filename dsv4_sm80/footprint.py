@@ -20,7 +20,8 @@ Bytes per weight after loading, by mode:
 Not counted: activations, NCCL buffers, the CUDA graphs' private pool, allocator slack: those are the
 reserves of `plan` (defaults from the design notes' measured steady state, reference 04 §3.3). The W4A8 MoE's
 expanded path (prefill forwards above 8192 tokens, i.e. `--chunked-prefill-size` raised above SGLang's 8192 for
-80 GB cards) adds a 512 MiB transient workspace to a MoE call's activations.
+80 GB cards) adds a transient workspace of up to 512 MiB to a MoE call's activations; the start-up line names it
+and whether the server's chunked prefill size lets a forward reach it.
 """
 
 from __future__ import annotations
@@ -259,11 +260,32 @@ def startup_line(runner) -> str:
     parts = [f"weights {m['weights'] / GIB:.2f} GiB" + (f" (+ vision {_size(m['vision'])})" if m["vision"] else ""),
              f"KV pool {kv / GIB:.2f} GiB ({getattr(runner, 'max_total_num_tokens', 0):,} tokens)",
              f"CUDA graphs {graphs:.2f} GiB"]
+    ws = expand_workspace(runner)
+    if ws:
+        parts.append(ws)
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         parts.append(f"free {free / GIB:.2f} of {total / GIB:.2f} GiB")
     rank = getattr(getattr(runner, "ps", None), "tp_rank", getattr(runner, "tp_rank", 0))
     return f"[rank {rank}] dsv4-sm80 footprint ({role}): " + ", ".join(parts)
+
+
+def expand_workspace(runner) -> str:
+    """The W4A8 MoE's expanded-path workspace (`mxfp4_int8`, layers whose every column is shiftable): a transient of
+    a MoE call, not a resident, allocated only by forwards above 8192 tokens, which SGLang's chunked prefill size
+    bounds; "" when no layer can take that path."""
+    layer = next((m for m in runner.model.modules() if getattr(m, "_dsv4_expand_ok", False)), None)
+    if layer is None:
+        return ""
+    from dsv4_sm80.kernels.w4a8_moe import EXPAND_TOKENS, expand_share
+
+    e, two_i, half_h = layer.w13_weight.shape  # repacked codes: two per byte along the hidden size
+    _, nbytes = expand_share(e, two_i, 2 * half_h)
+    chunk = int(getattr(getattr(runner, "server_args", None), "chunked_prefill_size", 0) or 0)
+    reach = ("not reached: chunked prefill " + f"{chunk:,}" if 0 < chunk <= EXPAND_TOKENS
+             else f"reached by prefill forwards above {EXPAND_TOKENS:,} tokens"
+             + (f" (chunked prefill {chunk:,})" if chunk > 0 else " (chunked prefill off)"))
+    return f"MoE expand workspace {_size(nbytes)} transient, {reach}"
 
 
 def log_startup(result, runner, *args, **kwargs):

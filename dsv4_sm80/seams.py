@@ -492,7 +492,8 @@ SEAMS: tuple[Seam, ...] = (
         replacement="dsv4_sm80.footprint:log_startup",
         reason=(
             "One line per GPU and model once everything is allocated: weights (vision apart), the KV pool, "
-            "the CUDA graphs' memory and the free headroom, to compare with docs/footprint.md."
+            "the CUDA graphs' memory, the W4A8 MoE's expand workspace (a transient) and the free headroom, to "
+            "compare with docs/footprint.md."
         ),
         upstream="srt/model_executor/model_runner.py:838",
     ),

@@ -118,3 +118,32 @@ def test_startup_report_counts_weights_pool_and_graphs(capsys):
     assert "(4,096 tokens), CUDA graphs 1.25 GiB" in line  # SGLang's figure is in 2^30 bytes
     fp.log_startup(None, types.SimpleNamespace())  # nothing to report: a message, not an exception
     assert "dsv4-sm80 footprint: not available (AttributeError" in capsys.readouterr().err
+
+
+def test_startup_report_names_the_moe_expand_workspace():
+    """The W4A8 expanded path's workspace (a transient of prefill forwards above 8192 tokens) in the start-up line:
+    its size at TP4 shapes from the layer's own repacked weight (256 experts, gate-up [1024, 4096]: 128 experts a
+    share of 512 MiB, plus 4 KiB of row map each), and whether the server's chunked prefill size lets a forward reach
+    it; absent where no layer can take that path."""
+    import types
+
+    import torch
+
+    from dsv4_sm80.kernels.w4a8_moe import expand_share
+
+    assert expand_share(256, 1024, 4096) == (128, 128 * 1024 * 4096 + 128 * 4096)
+    assert expand_share(2, 1024, 4096) == (2, 2 * 1024 * 4096 + 2 * 4096)  # fewer experts than a share
+    model = torch.nn.Module()
+    model.experts = torch.nn.Module()
+    model.experts.w13_weight = torch.nn.Parameter(torch.empty((256, 1024, 2048), dtype=torch.uint8, device="meta"),
+                                                  requires_grad=False)
+
+    def runner(chunk):
+        return types.SimpleNamespace(model=model, server_args=types.SimpleNamespace(chunked_prefill_size=chunk))
+
+    assert fp.expand_workspace(runner(16384)) == ""  # no layer marked: nothing to name
+    model.experts._dsv4_expand_ok = True
+    assert fp.expand_workspace(runner(8192)) == "MoE expand workspace 0.50 GiB transient, not reached: chunked prefill 8,192"
+    assert fp.expand_workspace(runner(16384)) == ("MoE expand workspace 0.50 GiB transient, reached by prefill forwards "
+                                                  "above 8,192 tokens (chunked prefill 16,384)")
+    assert fp.expand_workspace(runner(-1)).endswith("above 8,192 tokens (chunked prefill off)")

@@ -730,6 +730,17 @@ def _expand_kernel(b_ptr, bs_ptr, eref_ptr, w8_ptr, ok_ptr, K, expert_lo, stride
     tl.store(ok_ptr + e_loc.to(tl.int64) * stride_oke + offs_n, tl.where(bad == 0, er, 0).to(tl.uint8))
 
 
+EXPAND_TOKENS = 8192  # default_config's expanded path: above this many tokens a forward at top-6 (49,152 pairs)
+
+
+def expand_share(e: int, two_i: int, h: int, expand_mb: int = 512) -> tuple[int, int]:
+    """The expanded path's workspace: (experts per share, bytes) for `e` experts of gate-up [two_i, h] (the larger
+    of the two weights; down [h, two_i / 2] reuses it): the INT8 weights of one share plus its per-row map. A
+    transient of the MoE call (torch's caching allocator), allocated only when the expanded path runs."""
+    share = max(1, min(e, int(expand_mb) * 2**20 // (two_i * h)))
+    return share, share * two_i * h + share * max(two_i, h)
+
+
 def expand_experts(w, scale, eref, w8, ok, e0: int, n_e: int, decode_asm: bool) -> None:
     """`_expand_kernel` for experts e0 .. e0 + n_e - 1 of one weight (uint8 views of the kernel layout's bytes [E, N,
     K/2], its E8M0 scale bytes [E, N, K/32] and shift map [E, N]) into w8 [>= n_e, N, K] int8 and ok [>= n_e, N]."""
@@ -1101,7 +1112,7 @@ def default_config(pairs: int, inter: int = 512, expand_ok: bool = False) -> dic
                 "fused_io": True, "pair_bf16": True}
     prefill = {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": True,
                "fused_io": True, "pair_bf16": True}
-    if pairs > 49152 and expand_ok:  # above 8192 tokens, every column of the layer shiftable: the expanded path
+    if pairs > 6 * EXPAND_TOKENS and expand_ok:  # above 8192 tokens, every column of the layer shiftable: expanded
         return dict(prefill, expand=True)
     return prefill
 
@@ -1257,7 +1268,7 @@ def w4a8_moe(
     y = torch.empty((pairs, h), dtype=torch.bfloat16 if cfg.get("pair_bf16", False) else torch.float32, device=dev)
     tw = topk_weights.reshape(-1).to(torch.float32)
     if expand and blocks:  # the experts' codes expanded share by share into an INT8 workspace, then INT8 GEMMs
-        share = max(1, min(e, int(cfg.get("expand_mb", 512)) * 2**20 // (two_i * h)))
+        share, _ = expand_share(e, two_i, h, cfg.get("expand_mb", 512))
         ws = torch.empty((share * two_i * h,), dtype=torch.int8, device=dev)
         ok = torch.empty((share * max(two_i, h),), dtype=torch.uint8, device=dev)
         for gated, wb, wsc, er, n, kk in ((True, w13b, w13s, w13_eref, two_i, h), (False, w2b, w2s, w2_eref, h, inter)):
