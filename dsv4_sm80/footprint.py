@@ -280,12 +280,14 @@ def expand_workspace(runner) -> str:
     from dsv4_sm80.kernels.w4a8_moe import EXPAND_TOKENS, expand_share
 
     e, two_i, half_h = layer.w13_weight.shape  # repacked codes: two per byte along the hidden size
-    _, nbytes = expand_share(e, two_i, 2 * half_h)
+    _, ws_bytes, ok_bytes = expand_share(e, two_i, 2 * half_h)
     chunk = int(getattr(getattr(runner, "server_args", None), "chunked_prefill_size", 0) or 0)
-    reach = ("not reached: chunked prefill " + f"{chunk:,}" if 0 < chunk <= EXPAND_TOKENS
-             else f"reached by prefill forwards above {EXPAND_TOKENS:,} tokens"
-             + (f" (chunked prefill {chunk:,})" if chunk > 0 else " (chunked prefill off)"))
-    return f"MoE expand workspace {_size(nbytes)} transient, {reach}"
+    if 0 < chunk <= EXPAND_TOKENS:
+        reach = f"not reached: chunked prefill {chunk:,}"
+    else:
+        chunking = f"chunked prefill {chunk:,}" if chunk > 0 else "chunked prefill off"
+        reach = f"reached by prefill forwards above {EXPAND_TOKENS:,} tokens ({chunking})"
+    return f"MoE expand workspace {_size(ws_bytes + ok_bytes)} transient, {reach}"
 
 
 def log_startup(result, runner, *args, **kwargs):

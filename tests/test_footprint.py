@@ -131,8 +131,8 @@ def test_startup_report_names_the_moe_expand_workspace():
 
     from dsv4_sm80.kernels.w4a8_moe import expand_share
 
-    assert expand_share(256, 1024, 4096) == (128, 128 * 1024 * 4096 + 128 * 4096)
-    assert expand_share(2, 1024, 4096) == (2, 2 * 1024 * 4096 + 2 * 4096)  # fewer experts than a share
+    assert expand_share(256, 1024, 4096) == (128, 128 * 1024 * 4096, 128 * 4096)
+    assert expand_share(2, 1024, 4096) == (2, 2 * 1024 * 4096, 2 * 4096)  # fewer experts than a share
     model = torch.nn.Module()
     model.experts = torch.nn.Module()
     model.experts.w13_weight = torch.nn.Parameter(torch.empty((256, 1024, 2048), dtype=torch.uint8, device="meta"),

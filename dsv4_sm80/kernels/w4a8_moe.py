@@ -733,12 +733,12 @@ def _expand_kernel(b_ptr, bs_ptr, eref_ptr, w8_ptr, ok_ptr, K, expert_lo, stride
 EXPAND_TOKENS = 8192  # default_config's expanded path: above this many tokens a forward at top-6 (49,152 pairs)
 
 
-def expand_share(e: int, two_i: int, h: int, expand_mb: int = 512) -> tuple[int, int]:
-    """The expanded path's workspace: (experts per share, bytes) for `e` experts of gate-up [two_i, h] (the larger
-    of the two weights; down [h, two_i / 2] reuses it): the INT8 weights of one share plus its per-row map. A
+def expand_share(e: int, two_i: int, h: int, expand_mb: int = 512) -> tuple[int, int, int]:
+    """The expanded path's workspace for `e` experts of gate-up [two_i, h] (the larger of the two weights; down
+    [h, two_i / 2] reuses it): (experts per share, bytes of the share's INT8 weights, bytes of its per-row map). A
     transient of the MoE call (torch's caching allocator), allocated only when the expanded path runs."""
     share = max(1, min(e, int(expand_mb) * 2**20 // (two_i * h)))
-    return share, share * two_i * h + share * max(two_i, h)
+    return share, share * two_i * h, share * max(two_i, h)
 
 
 def expand_experts(w, scale, eref, w8, ok, e0: int, n_e: int, decode_asm: bool) -> None:
@@ -1268,9 +1268,9 @@ def w4a8_moe(
     y = torch.empty((pairs, h), dtype=torch.bfloat16 if cfg.get("pair_bf16", False) else torch.float32, device=dev)
     tw = topk_weights.reshape(-1).to(torch.float32)
     if expand and blocks:  # the experts' codes expanded share by share into an INT8 workspace, then INT8 GEMMs
-        share, _ = expand_share(e, two_i, h, cfg.get("expand_mb", 512))
-        ws = torch.empty((share * two_i * h,), dtype=torch.int8, device=dev)
-        ok = torch.empty((share * max(two_i, h),), dtype=torch.uint8, device=dev)
+        share, ws_bytes, ok_bytes = expand_share(e, two_i, h, cfg.get("expand_mb", 512))
+        ws = torch.empty((ws_bytes,), dtype=torch.int8, device=dev)
+        ok = torch.empty((ok_bytes,), dtype=torch.uint8, device=dev)
         for gated, wb, wsc, er, n, kk in ((True, w13b, w13s, w13_eref, two_i, h), (False, w2b, w2s, w2_eref, h, inter)):
             w8 = ws[:share * n * kk].view(share, n, kk)
             okm = ok[:share * n].view(share, n)
