@@ -228,8 +228,10 @@ case ${1:?step} in
     # every JIT cache under a fresh HOME (tvm-ffi, DeepGEMM, FlashInfer, Triton, TileLang resolve from it); the
     # watchdog at SGLang's default: a first forward compiling past it kills the engine (session 11, native)
     rm -rf /tmp/coldhome && mkdir -p /tmp/coldhome
-    run cold env HOME=/tmp/coldhome $LAB timeout 900 python tests/gpu/engine_bed.py --out "$OUT/cold.json" \
-      --lengths 20,300 --watchdog-timeout 300 ;;
+    run cold env HOME=/tmp/coldhome $LAB timeout ${COLD_T:-900} python tests/gpu/engine_bed.py --out "$OUT/cold.json" \
+      --lengths 20,300 --watchdog-timeout 300
+    # what it compiled, merged into this HOME's caches (nothing there overwritten): later steps start warm
+    for d in .triton .cache .tilelang; do [ -d /tmp/coldhome/$d ] && cp -an /tmp/coldhome/$d ~/ ; done ;;
   e2e-floors)
     run floor-alone env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 300 python tests/gpu/engine_bed.py \
       --out "$OUT/native-alone.json" --teacher-from "$ORACLE" --teacher-mode alone
