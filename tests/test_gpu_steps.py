@@ -208,3 +208,16 @@ def test_e2e_replay_runs_marlin_experts_with_every_rounding_replayed_against_the
     assert os.path.basename(bed[bed.index("--out") + 1]) == "engine-e2e-replay.json" and "--teacher-from" in bed
     (cmp,) = [a for a in calls if a[0] == "tests/gpu/compare.py"]
     assert [os.path.basename(x) for x in cmp[2:]] == ["engine-e2e-replay.json", "--floor", "native-alone.json"]
+
+
+def test_seed_builds_the_committed_seed_when_there_is_one(tmp_path):
+    seed = tmp_path / "seed.json.xz"
+    calls, stdout = run_step(tmp_path, "seed", env={"JIT_SEED": str(seed)})
+    assert calls == [] and f"no {seed}" in stdout, stdout
+    seed.write_text("")
+    (tmp_path / "again").mkdir()
+    calls, _ = run_step(tmp_path / "again", "seed", env={"JIT_SEED": str(seed)})
+    (argv,) = calls
+    assert argv[:2] == ["tests/gpu/jit_seed.py", "build"] and argv[argv.index("--seed") + 1] == str(seed)
+    flags = {a for a in argv if a.startswith("--")}
+    assert flags <= options_of("tests/gpu/jit_seed.py"), flags

@@ -99,6 +99,8 @@
 #                                  (THEN="tp4 ...": steps after every group, one at a time, all GPUs visible)
 #   tests/gpu/steps.sh wait [S]    up to S s (500) for bg, then summaries and /tmp/res as $OUT/res-HHMMSS.tgz
 #                                  (JSON over 1 MB left out; the JIT tarball once bg is done, or now with JIT_NOW=1)
+#   tests/gpu/steps.sh seed        SGLang's JIT modules of $JIT_SEED built in parallel (bg runs it first; wait packs
+#                                  the host's modules into $OUT/jit-seed.json.xz: commit it as $JIT_SEED)
 #   tests/gpu/steps.sh kernels     the kernel tests, compiled on this GPU against their CPU references
 #                                  (needs pytest: carry .dev/pyt, made by `pip install --target .dev/pyt pytest`)
 # Results go to $OUT (default ./out). The native oracle is .dev/oracle/native.json (tests/gpu/engine_bed.py).
@@ -108,6 +110,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} SGLANG_JIT_DEEPGEMM_PRECOMPILE=0
 LAB="ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0"
 ORACLE=${ORACLE:-.dev/oracle/native.json}
+JIT_SEED=${JIT_SEED:-$PWD/tests/gpu/jit-seed/tvm-ffi.json.xz}  # SGLang JIT module sources (tests/gpu/jit_seed.py)
 WIDE=${WIDE:-/tmp/dsv4-wide}  # the full-width checkpoint (step wide); $WIDE.ok once it is complete
 rc=0
 pins() {  # NAME=VALUE of every SGLang option the SM80 bootstrap pins at import to another value than SGLang's
@@ -140,7 +143,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
   ( eval "$@" ) >"$OUT/$name.log" 2>&1 || { echo "=== $name: exit $?"; rc=1; }
-  grep -E "^(  A/B|mma.sync|latency floor|fault_kill|hygiene|mhc_check|mhc bench|soak|vision_check|http_check|jit_sm80|dense_check|moe_check|moe bench|layer_trace|attention_kit|attention bench|prefill|native|c4 |c128|indexer bench|q  |compress|logits|engine_bed|e2e |kernels per|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|us of kernels per decode step|Error|passed|failed|watchdog timeout" \
+  grep -E "^(  A/B|mma.sync|latency floor|fault_kill|hygiene|mhc_check|mhc bench|soak|vision_check|http_check|jit_sm80|jit_seed|dense_check|moe_check|moe bench|layer_trace|attention_kit|attention bench|prefill|native|c4 |c128|indexer bench|q  |compress|logits|engine_bed|e2e |kernels per|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|us of kernels per decode step|Error|passed|failed|watchdog timeout" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
 }
 vs_floors() {  # RECORD LOG: compare.py, RECORD against the oracle beside each e2e-floors floor this $OUT holds (native
@@ -487,26 +490,35 @@ case ${1:?step} in
     if [ -f /tmp/jitstage/jit.tar.xz ] && [ ! -f ~/.dsv4-jit-restored ]; then
       tar -C ~ -xJf /tmp/jitstage/jit.tar.xz && touch ~/.dsv4-jit-restored && echo "bg: JIT caches restored from /tmp/jitstage"
     fi
-    # THEN="s1 s2": steps run after every group, one at a time, with all GPUs visible (e.g. tp4)
-    setsid nohup bash -c 'cd /tmp/w && export OUT=/tmp/res NO_JIT_TAR=1; tests/gpu/steps.sh par "$@" > /tmp/res/par.out 2>&1
+    # THEN="s1 s2": steps run after every group, one at a time, with all GPUs visible (e.g. tp4); first the JIT seed
+    setsid nohup bash -c 'cd /tmp/w && export OUT=/tmp/res NO_JIT_TAR=1; tests/gpu/steps.sh seed > /tmp/res/seed.out 2>&1
+      tests/gpu/steps.sh par "$@" > /tmp/res/par.out 2>&1
       for s in ${THEN:-}; do tests/gpu/steps.sh "$s" >> /tmp/res/then.txt 2>&1 || echo "=== $s: failed" >> /tmp/res/then.txt; done
       NO_JIT_TAR= tests/gpu/steps.sh jitpack > /dev/null 2>&1; touch /tmp/res/DONE' \
       _ "$@" > /dev/null 2>&1 < /dev/null &
     echo "bg: started on $# GPU group(s)${THEN:+, then $THEN}; results in /tmp/res (steps.sh wait SECONDS brings them back)"
     exit 0 ;;
   jitpack) ;;  # only the JIT cache tarball below
+  seed)
+    # SGLang's JIT modules of the committed seed ($JIT_SEED) built on all cores before any engine starts (a cold
+    # native start builds them one at a time for 16+ minutes: session 26); `wait` packs this host's into $OUT
+    if [ -f "$JIT_SEED" ]; then run jit-seed python tests/gpu/jit_seed.py build --seed "$JIT_SEED"
+    else echo "=== seed: no $JIT_SEED (a run's \$OUT/jit-seed.json.xz, committed there, makes one)"; fi ;;
   wait)
     # up to $2 seconds (default 500) for the bg job, then its summaries and a tarball of /tmp/res into $OUT
     limit=${2:-500}; t0=$SECONDS
     while [ ! -f /tmp/res/DONE ] && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 5; done
     [ -f /tmp/res/DONE ] && echo "wait: bg job done" || echo "wait: bg job still running after ${limit} s"
-    for f in /tmp/res/par-*.txt /tmp/res/then.txt; do
+    for f in /tmp/res/seed.out /tmp/res/par-*.txt /tmp/res/then.txt; do
       [ -f "$f" ] || continue
       echo "##### $f"; grep -E "^(===|[a-z_]+: |  A/B|  OK|  FAIL|seq |prompt |confident|  +[0-9]+ +[0-9]+ \|)" "$f" | cut -c1-220 | tail -40
     done
     tar -C /tmp/res -czf "$OUT/res-$(date +%H%M%S).tgz" --exclude='jit.tar.xz*' --exclude='*.pt' \
       $(cd /tmp/res && find . -name '*.json' -size +1M -printf '--exclude=%P ') . 2>/dev/null
     [ -f /tmp/res/DONE ] && cp /tmp/res/jit.tar.xz* "$OUT/" 2>/dev/null
+    # the sources of every SGLang JIT module built on this host so far, with the committed seed's (a few KB each;
+    # finished or not: commit it as $JIT_SEED and the next fresh host builds them in parallel, step seed)
+    python tests/gpu/jit_seed.py pack --out "$OUT/jit-seed.json.xz" --merge "$JIT_SEED" | tail -1
     # JIT_NOW=1: the caches as they are now, even with bg still running (a budget that ends first loses them)
     [ -n "${JIT_NOW:-}" ] && [ ! -f /tmp/res/DONE ] && jit_tar
     # the native batch-16 record, compressed (~3 MB; as JSON it is over the 16 MiB a returned file may be): a
