@@ -134,3 +134,17 @@ def test_cli_pack_and_build(packed, tmp_path):
     assert jit_seed.main(["pack", "--cache", str(a), "--out", str(seed)]) == 0
     assert jit_seed.main(["build", "--seed", str(seed), "--cache", str(tmp_path / "c"), "-j", "2"]) == 0
     assert (tmp_path / "c" / "seedmod2__arch_test" / "seedmod2.so").is_file()
+
+
+def test_build_defaults_to_the_cache_the_seed_came_from(packed, tmp_path):
+    a, seed = packed
+    assert jit_seed.origin(seed) == a.resolve()
+    assert jit_seed.origin(jit_seed.merge(seed)) == a.resolve()
+    assert jit_seed.origin(jit_seed.merge(seed, {"format": jit_seed.FORMAT, "cache": "/elsewhere",
+                                                 "modules": {"x": {}}})) is None
+    f = tmp_path / "seed.json"
+    jit_seed.write_seed(seed, f)
+    # every module of a is built: `build` without --cache goes to a and finds them there
+    before = {p: p.stat().st_mtime_ns for p in a.glob("*/*.so")}
+    assert jit_seed.main(["build", "--seed", str(f)]) == 0
+    assert {p: p.stat().st_mtime_ns for p in a.glob("*/*.so")} == before

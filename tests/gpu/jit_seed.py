@@ -15,7 +15,11 @@ module; `build` writes them back where absent (files that exist must hold the sa
 that tvm-ffi takes around its own build (an engine starting meanwhile waits for that module instead of building
 it twice). A seed names absolute paths of the host it was packed on (include directories, nvcc, the sources
 `#include`d); a module whose paths are absent here is skipped and named. Lab tooling for the offline GPU host
-(steps.sh `bg` builds `tests/gpu/jit-seed/tvm-ffi.json.xz` when present; `wait` packs this host's into $OUT).
+(steps.sh `bg` builds `tests/gpu/jit-seed/*.json.xz` when present; `wait` packs this host's into $OUT).
+
+FlashInfer's JIT modules (its sampling kernels: `~/.cache/flashinfer/<version>/<arch>/cached_ops/<module>`) have the
+same shape (a build.ninja whose `default` is the `.so`) and pack the same way with `--cache` pointing there; FlashInfer
+locks elsewhere (its tmpdir), so build its seed before any engine starts, as steps.sh `seed` does.
 """
 
 from __future__ import annotations
@@ -105,6 +109,13 @@ def merge(*seeds: dict) -> dict:
 
 
 _CACHE_KEY = "@cache"  # in a merged seed's module: the cache directory it was packed from
+
+
+def origin(seed: dict) -> Optional[Path]:
+    """The one cache directory every module of `seed` was packed from, if they share one."""
+    found = {m.get(_CACHE_KEY) for m in seed["modules"].values()} | ({seed["cache"]} if seed.get("cache") else set())
+    found.discard(None)
+    return Path(found.pop()) if len(found) == 1 else None
 
 
 def moved(files: dict, origin: Optional[str], name: str, cache: Path) -> dict:
@@ -258,7 +269,8 @@ def main(argv=None) -> int:
     p.add_argument("--merge", type=Path, action="append", default=[], help="an earlier seed to keep beside (repeatable)")
     b = sub.add_parser("build", help="build a seed's modules missing from the cache, in parallel")
     b.add_argument("--seed", type=Path, required=True)
-    b.add_argument("--cache", type=Path, default=None)
+    b.add_argument("--cache", type=Path, default=None,
+                   help="cache to build into (default: the one the seed was packed from, when it names one)")
     b.add_argument("-j", "--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="ninja processes at once (two compile jobs each; default half the cores)")
     args = ap.parse_args(argv)
@@ -269,7 +281,8 @@ def main(argv=None) -> int:
         print(f"jit_seed: packed {len(seed['modules'])} modules from {cache} into {args.out} "
               f"({args.out.stat().st_size} bytes)")
         return 0
-    report = build(read_seed(args.seed), cache, args.jobs)
+    seed = read_seed(args.seed)
+    report = build(seed, args.cache or origin(seed) or cache, args.jobs)
     print(report.summary())
     return 1 if report.count("failed") else 0
 

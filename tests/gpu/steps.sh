@@ -111,6 +111,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} SGLANG_JIT_DEEPGEMM_PRECOMPILE=0
 LAB="ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0"
 ORACLE=${ORACLE:-.dev/oracle/native.json}
 JIT_SEED=${JIT_SEED:-$PWD/tests/gpu/jit-seed/tvm-ffi.json.xz}  # SGLang JIT module sources (tests/gpu/jit_seed.py)
+FI_SEED=${FI_SEED:-$PWD/tests/gpu/jit-seed/flashinfer.json.xz}  # FlashInfer's JIT modules, the same way
 WIDE=${WIDE:-/tmp/dsv4-wide}  # the full-width checkpoint (step wide); $WIDE.ok once it is complete
 rc=0
 pins() {  # NAME=VALUE of every SGLang option the SM80 bootstrap pins at import to another value than SGLang's
@@ -502,8 +503,10 @@ case ${1:?step} in
   seed)
     # SGLang's JIT modules of the committed seed ($JIT_SEED) built on all cores before any engine starts (a cold
     # native start builds them one at a time for 16+ minutes: session 26); `wait` packs this host's into $OUT
+    # (and FlashInfer's, $FI_SEED, each into the cache it was packed from)
     if [ -f "$JIT_SEED" ]; then run jit-seed python tests/gpu/jit_seed.py build --seed "$JIT_SEED"
-    else echo "=== seed: no $JIT_SEED (a run's \$OUT/jit-seed.json.xz, committed there, makes one)"; fi ;;
+    else echo "=== seed: no $JIT_SEED (a run's \$OUT/jit-seed.json.xz, committed there, makes one)"; fi
+    [ -f "$FI_SEED" ] && run jit-seed-flashinfer python tests/gpu/jit_seed.py build --seed "$FI_SEED" ;;
   wait)
     # up to $2 seconds (default 500) for the bg job, then its summaries and a tarball of /tmp/res into $OUT
     limit=${2:-500}; t0=$SECONDS
@@ -519,6 +522,10 @@ case ${1:?step} in
     # the sources of every SGLang JIT module built on this host so far, with the committed seed's (a few KB each;
     # finished or not: commit it as $JIT_SEED and the next fresh host builds them in parallel, step seed)
     python tests/gpu/jit_seed.py pack --out "$OUT/jit-seed.json.xz" --merge "$JIT_SEED" | tail -1
+    for fi in ~/.cache/flashinfer/*/*/cached_ops; do  # FlashInfer's (sampling), as $FI_SEED
+      [ -d "$fi" ] && python tests/gpu/jit_seed.py pack --cache "$fi" --out "$OUT/jit-seed-flashinfer.json.xz" \
+        --merge "$FI_SEED" | tail -1
+    done
     # JIT_NOW=1: the caches as they are now, even with bg still running (a budget that ends first loses them)
     [ -n "${JIT_NOW:-}" ] && [ ! -f /tmp/res/DONE ] && jit_tar
     # the native batch-16 record, compressed (~3 MB; as JSON it is over the 16 MiB a returned file may be): a
