@@ -45,8 +45,11 @@ MAX_FILE_BYTES = 1 << 20  # a generated source over 1 MiB is not one of these
 
 
 def cache_dir(environ=None) -> Path:
-    e = os.environ if environ is None else environ
-    return Path(e.get("TVM_FFI_CACHE_DIR") or "~/.cache/tvm-ffi").expanduser()
+    """tvm-ffi's cache as the gate's jit.cache check resolves it (dsv4_sm80.jitcache.cache_dirs)."""
+    from dsv4_sm80.jitcache import cache_dirs
+
+    (path,) = [p for label, p in cache_dirs(environ).items() if label.startswith("SGLang JIT")]
+    return Path(path)
 
 
 def ninja_default(text: str) -> Optional[str]:
@@ -122,13 +125,10 @@ def moved(files: dict, origin: Optional[str], name: str, cache: Path) -> dict:
     """The module's text files with its directory on the packing host (origin/name) replaced by cache/name."""
     files = {k: v for k, v in files.items() if k != _CACHE_KEY}
     new = str(cache.resolve() / name)
-    if not origin or str(Path(origin) / name) == new:
+    old = str(Path(origin) / name) if origin else new
+    if old == new:
         return files
-    old = str(Path(origin) / name)
     return {k: v.replace(old + "/", new + "/") for k, v in files.items()}
-
-
-_ABS = re.compile(r"""(?:^|[\s"'=])(-I)?(/[^\s"'$:]+)""")
 
 
 def referenced_paths(files: dict) -> list[str]:
@@ -274,15 +274,15 @@ def main(argv=None) -> int:
     b.add_argument("-j", "--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="ninja processes at once (two compile jobs each; default half the cores)")
     args = ap.parse_args(argv)
-    cache = args.cache or cache_dir()
     if args.cmd == "pack":
+        cache = args.cache or cache_dir()
         seed = merge(*[read_seed(m) for m in args.merge if m.is_file()], pack(cache))
         write_seed(seed, args.out)
         print(f"jit_seed: packed {len(seed['modules'])} modules from {cache} into {args.out} "
               f"({args.out.stat().st_size} bytes)")
         return 0
     seed = read_seed(args.seed)
-    report = build(seed, args.cache or origin(seed) or cache, args.jobs)
+    report = build(seed, args.cache or origin(seed) or cache_dir(), args.jobs)
     print(report.summary())
     return 1 if report.count("failed") else 0
 
