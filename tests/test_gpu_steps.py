@@ -221,3 +221,29 @@ def test_seed_builds_the_committed_seed_when_there_is_one(tmp_path):
     assert argv[:2] == ["tests/gpu/jit_seed.py", "build"] and argv[argv.index("--seed") + 1] == str(seed)
     flags = {a for a in argv if a.startswith("--")}
     assert flags <= options_of("tests/gpu/jit_seed.py"), flags
+
+
+def _engine_bed():
+    spec = importlib.util.spec_from_file_location("engine_bed", os.path.join(REPO, "tests/gpu/engine_bed.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_teacher_sequences_wait_for_a_record_made_beside_them(tmp_path):
+    # par with PAR_SAME_GPU: e2e's engine compiles while the oracle it teacher-forces is still being made
+    import threading
+
+    bed, path = _engine_bed(), tmp_path / "native.json"
+    threading.Timer(0.3, lambda: path.write_text(json.dumps({"teacher": [{"sequence": [5, 6]}, {"sequence": [7]}]}))).start()
+    assert bed.teacher_sequences(str(path), wait_s=30, poll_s=0.05) == [[5, 6], [7]]
+    with pytest.raises(SystemExit, match=r"teacher record .*absent.* after waiting 0 s"):
+        bed.teacher_sequences(str(tmp_path / "never.json"), wait_s=0.1, poll_s=0.05)
+
+
+def test_steps_waiting_for_a_teacher_get_the_wait_added_to_their_limit(tmp_path):
+    calls, _ = run_step(tmp_path, "e2e", env={"DSV4_BED_TEACHER_WAIT": "1500"})
+    (bed,) = [a for a in calls if a[0] == "tests/gpu/engine_bed.py"]
+    assert "--teacher-from" in bed
+    src = open(os.path.join(REPO, "tests/gpu/steps.sh")).read()
+    assert "DSV4_BED_MAX_TOKENS=${DSV4_BED_MAX_TOKENS:-131072}" in src and "timeout $((400 + TW))" in src

@@ -38,6 +38,19 @@ def prompt_ids(length: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(1000, min(vocab, 128000)) for _ in range(length)]
 
 
+def teacher_sequences(path: str, wait_s: float = 0.0, poll_s: float = 5.0) -> list[list[int]]:
+    """The teacher-forced sequences of an earlier record, waiting up to wait_s for it to appear: engines started
+    side by side on one GPU (steps.sh par with PAR_SAME_GPU) compile their JIT kernels at once while the record
+    they teacher-force (the native oracle) is still being made. Records are renamed into place whole."""
+    deadline = time.time() + wait_s
+    while not os.path.isfile(path) and time.time() < deadline:
+        time.sleep(poll_s)
+    if not os.path.isfile(path):
+        raise SystemExit(f"engine_bed: teacher record {path} absent after waiting {wait_s:.0f} s "
+                         "(its run failed or was cut: see that step's log)")
+    return [r["sequence"] for r in json.load(open(path))["teacher"]]
+
+
 def _pairs(entries):
     """SGLang logprob entries (logprob, token_id, text) -> [[token_id, logprob], ...]."""
     return [[e[1], e[0]] for e in entries if e is not None]
@@ -62,6 +75,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cuda-graph-max-bs", type=int, help="capture graphs up to this batch (fewer graphs: faster start)")
     ap.add_argument("--speculative-algorithm", help="e.g. DSPARK (draft stages bundled in the checkpoint)")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
+    ap.add_argument("--max-total-tokens", type=int, default=int(os.environ.get("DSV4_BED_MAX_TOKENS", 0)) or None,
+                    help="cap the KV pool (default $DSV4_BED_MAX_TOKENS): engines sharing one GPU each take only this")
+    ap.add_argument("--teacher-wait", type=float, default=float(os.environ.get("DSV4_BED_TEACHER_WAIT", 0)),
+                    help="seconds to wait for --teacher-from to appear (default $DSV4_BED_TEACHER_WAIT, 0): the "
+                         "engine starts and compiles meanwhile")
     ap.add_argument("--perturb", type=float, default=0.0,
                     help="lab noise floor: the embedding output moved one BF16 ulp in this share of its entries "
                          "(dsv4_sm80/lab_perturb.py; eager runs only)")
@@ -104,6 +122,8 @@ def main(argv=None) -> int:
     extra = {"speculative_algorithm": args.speculative_algorithm} if args.speculative_algorithm else {}
     if args.cuda_graph_max_bs:
         extra["cuda_graph_max_bs_decode"] = args.cuda_graph_max_bs
+    if args.max_total_tokens:
+        extra["max_total_tokens"] = args.max_total_tokens
     if args.perturb:
         if args.cuda_graph:
             raise SystemExit("engine_bed: --perturb hooks eager forwards only; drop --cuda-graph")
@@ -127,7 +147,7 @@ def main(argv=None) -> int:
         record["timings"]["first_batch_s"] = round(time.time() - t0, 1)
         alone = [engine.generate(input_ids=p, sampling_params=greedy, **lp_kw) for p in prompts]
         if args.teacher_from:
-            seqs = [r["sequence"] for r in json.load(open(args.teacher_from))["teacher"]]
+            seqs = teacher_sequences(args.teacher_from, args.teacher_wait)
         else:
             long_greedy = dict(greedy, max_new_tokens=args.teacher_new)
             cont = engine.generate(input_ids=prompts, sampling_params=long_greedy)

@@ -112,6 +112,7 @@ LAB="ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=
 ORACLE=${ORACLE:-.dev/oracle/native.json}
 JIT_SEED=${JIT_SEED:-$PWD/tests/gpu/jit-seed/tvm-ffi.json.xz}  # SGLang JIT module sources (tests/gpu/jit_seed.py)
 FI_SEED=${FI_SEED:-$PWD/tests/gpu/jit-seed/flashinfer.json.xz}  # FlashInfer's JIT modules, the same way
+TW=${DSV4_BED_TEACHER_WAIT:-0}  # engine_bed's wait for its teacher record (par with PAR_SAME_GPU): added to step limits
 WIDE=${WIDE:-/tmp/dsv4-wide}  # the full-width checkpoint (step wide); $WIDE.ok once it is complete
 rc=0
 pins() {  # NAME=VALUE of every SGLang option the SM80 bootstrap pins at import to another value than SGLang's
@@ -222,10 +223,10 @@ case ${1:?step} in
     # the native record e2e/engine/moe-engine compare against ($ORACLE), made here when this machine has none
     if [ -f "$ORACLE" ]; then echo "=== oracle: $ORACLE exists"; else
       mkdir -p "$(dirname "$ORACLE")"
-      run oracle env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 1200 python tests/gpu/engine_bed.py --out "$ORACLE"
+      run oracle env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout ${ORACLE_T:-1200} python tests/gpu/engine_bed.py --out "$ORACLE"
     fi ;;
   e2e)
-    run e2e env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LOAD_REPORT="$OUT/report-e2e.jsonl" timeout 400 \
+    run e2e env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LOAD_REPORT="$OUT/report-e2e.jsonl" timeout $((400 + TW)) \
       python tests/gpu/engine_bed.py --out "$OUT/engine-e2e.json" --teacher-from "$ORACLE"
     python tests/gpu/compare.py "$ORACLE" "$OUT/engine-e2e.json" | tee -a "$OUT/e2e.log" ;;
   cold)
@@ -237,12 +238,14 @@ case ${1:?step} in
     # what it compiled, merged into this HOME's caches (nothing there overwritten): later steps start warm
     for d in .triton .cache .tilelang; do [ -d /tmp/coldhome/$d ] && cp -an /tmp/coldhome/$d ~/ ; done ;;
   e2e-floors)
-    run floor-alone env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 300 python tests/gpu/engine_bed.py \
+    run floor-alone env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout $((300 + TW)) python tests/gpu/engine_bed.py \
       --out "$OUT/native-alone.json" --teacher-from "$ORACLE" --teacher-mode alone
     for p in ${PERTURB:-1e-4 1e-3}; do
       run "floor-perturb-$p" env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 300 python tests/gpu/engine_bed.py \
         --out "$OUT/native-perturb-$p.json" --teacher-from "$ORACLE" --perturb "$p"
     done
+    # beside e2e on one GPU (par with PAR_SAME_GPU): its record, once it is there
+    [ -n "${DSV4_BED_TEACHER_WAIT:-}" ] && [ ! -f "$OUT/engine-e2e.json" ] && need "$OUT/engine-e2e.json"
     if [ -f "$OUT/engine-e2e.json" ]; then
       : > "$OUT/e2e-floors.log"
       vs_floors "$OUT/engine-e2e.json" "$OUT/e2e-floors.log"
@@ -403,7 +406,7 @@ case ${1:?step} in
       | tee "$OUT/trace-native-sglang-linears.txt" | tail -1 ;;
   graphs)
     for g in eager graph; do
-      run "graphs-$g" env $LAB DSV4_SM80_TRIPWIRE=1 timeout 280 python tests/gpu/engine_bed.py \
+      run "graphs-$g" env $LAB DSV4_SM80_TRIPWIRE=1 timeout $((280 + TW)) python tests/gpu/engine_bed.py \
         --out "$OUT/graphs-$g.json" --teacher-from "$ORACLE" --max-new 64 $([ $g = graph ] && echo --cuda-graph)
     done
     python tests/gpu/compare.py "$OUT/graphs-eager.json" "$OUT/graphs-graph.json" | tee -a "$OUT/graphs-graph.log" ;;
@@ -473,8 +476,12 @@ case ${1:?step} in
   par)
     shift; i=0
     for group in "$@"; do
-      # PAR_SAME_GPU=1: every group on GPU 0 (a one-GPU machine: kernel tests beside an engine's cold compile)
-      ( for s in $group; do CUDA_VISIBLE_DEVICES=$([ -n "${PAR_SAME_GPU:-}" ] && echo 0 || echo $i) NO_JIT_TAR=1 OUT=$OUT "$0" "$s" || echo "=== $s: failed"; done ) \
+      # PAR_SAME_GPU=1: every group on GPU 0 (a one-GPU machine: kernel tests beside an engine's cold compile, or
+      # engines side by side: each KV pool capped, and a teacher-forcing engine starts and compiles while the
+      # record it reads is still being made, e.g. par oracle e2e graphs e2e-floors)
+      ( [ -n "${PAR_SAME_GPU:-}" ] && export DSV4_BED_MAX_TOKENS=${DSV4_BED_MAX_TOKENS:-131072} \
+          DSV4_BED_TEACHER_WAIT=${DSV4_BED_TEACHER_WAIT:-1500}
+        for s in $group; do CUDA_VISIBLE_DEVICES=$([ -n "${PAR_SAME_GPU:-}" ] && echo 0 || echo $i) NO_JIT_TAR=1 OUT=$OUT "$0" "$s" || echo "=== $s: failed"; done ) \
         >"$OUT/par-$i.txt" 2>&1 &
       i=$((i + 1))
     done
