@@ -211,16 +211,29 @@ def test_e2e_replay_runs_marlin_experts_with_every_rounding_replayed_against_the
 
 
 def test_seed_builds_the_committed_seed_when_there_is_one(tmp_path):
-    seed = tmp_path / "seed.json.xz"
-    calls, stdout = run_step(tmp_path, "seed", env={"JIT_SEED": str(seed)})
+    seed, fi = tmp_path / "seed.json.xz", tmp_path / "fi.json.xz"
+    seeds = {"JIT_SEED": str(seed), "FI_SEED": str(fi)}
+    calls, stdout = run_step(tmp_path, "seed", env=seeds)
     assert calls == [] and f"no {seed}" in stdout, stdout
     seed.write_text("")
+    fi.write_text("")
     (tmp_path / "again").mkdir()
-    calls, _ = run_step(tmp_path / "again", "seed", env={"JIT_SEED": str(seed)})
-    (argv,) = calls
-    assert argv[:2] == ["tests/gpu/jit_seed.py", "build"] and argv[argv.index("--seed") + 1] == str(seed)
-    flags = {a for a in argv if a.startswith("--")}
-    assert flags <= options_of("tests/gpu/jit_seed.py"), flags
+    calls, _ = run_step(tmp_path / "again", "seed", env=seeds)
+    assert [argv[argv.index("--seed") + 1] for argv in calls] == [str(seed), str(fi)]
+    for argv in calls:
+        assert argv[:2] == ["tests/gpu/jit_seed.py", "build"]
+        flags = {a for a in argv if a.startswith("--")}
+        assert flags <= options_of("tests/gpu/jit_seed.py"), flags
+
+
+def test_the_committed_seeds_are_this_tools(tmp_path):
+    # the defaults steps.sh builds on a fresh host: packed on the H200 host by `wait` (session 27)
+    import lzma
+
+    for name in ("tvm-ffi", "flashinfer"):
+        seed = json.loads(lzma.decompress(open(os.path.join(REPO, f"tests/gpu/jit-seed/{name}.json.xz"), "rb").read()))
+        assert seed["format"] == "dsv4-sm80 tvm-ffi jit seed 1" and seed["modules"], name
+        assert all("build.ninja" in files for files in seed["modules"].values()), name
 
 
 def _engine_bed():

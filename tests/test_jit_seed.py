@@ -148,3 +148,11 @@ def test_build_defaults_to_the_cache_the_seed_came_from(packed, tmp_path):
     before = {p: p.stat().st_mtime_ns for p in a.glob("*/*.so")}
     assert jit_seed.main(["build", "--seed", str(f)]) == 0
     assert {p: p.stat().st_mtime_ns for p in a.glob("*/*.so")} == before
+
+
+def test_pack_unfinished_keeps_a_module_still_building(packed):
+    # a run cut mid-build (session 27): its sources and build.ninja are there, its .so not yet
+    a, _ = packed
+    seed = jit_seed.pack(a, unfinished=True)
+    assert sorted(seed["modules"]) == ["cut__arch_test"] + [f"seedmod{k}__arch_test" for k in (1, 2, 3)]
+    assert set(seed["modules"]["cut__arch_test"]) == {"build.ninja"}

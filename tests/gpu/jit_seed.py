@@ -9,8 +9,8 @@ tvm-ffi cache (`$TVM_FFI_CACHE_DIR`, default `~/.cache/tvm-ffi`) holding the gen
     python tests/gpu/jit_seed.py pack  --out seed.json.xz    # after a run: every built module's sources
     python tests/gpu/jit_seed.py build --seed seed.json.xz   # on a fresh host: the missing ones, all cores
 
-`pack` keeps the text files of every directory whose `.so` exists (a build cut short is left out), a few KB per
-module; `build` writes them back where absent (files that exist must hold the same text, as tvm-ffi's own
+`pack` keeps the text files of every directory whose `.so` exists (with `--unfinished`, also those still building:
+build.ninja written, no `.so` yet), a few KB per module; `build` writes them back where absent (files that exist must hold the same text, as tvm-ffi's own
 `_maybe_write` leaves them) and runs ninja in those directories in parallel, each under the directory's `lock`
 that tvm-ffi takes around its own build (an engine starting meanwhile waits for that module instead of building
 it twice). A seed names absolute paths of the host it was packed on (include directories, nvcc, the sources
@@ -67,11 +67,14 @@ def built(directory: Path) -> bool:
     return bool(target) and (directory / target).is_file()
 
 
-def pack(cache: Path) -> dict:
-    """Every built module's text files under `cache` (name -> {file: text})."""
+def pack(cache: Path, unfinished: bool = False) -> dict:
+    """Every built module's text files under `cache` (name -> {file: text}); unfinished: also those with a
+    build.ninja and no `.so` yet, the module being built when a run is cut (tvm-ffi writes the sources first and
+    build.ninja last, then runs ninja): session 27's budget ended with one such build 2 minutes in, and a seed
+    without it leaves the next host to build it alone again. One that failed here fails in `build` too, named."""
     modules = {}
     for d in sorted(p for p in cache.iterdir() if p.is_dir()) if cache.is_dir() else []:
-        if not built(d):
+        if not (built(d) or (unfinished and (d / "build.ninja").is_file())):
             continue
         files = {}
         for name in TEXT_FILES:
@@ -267,6 +270,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True, help="seed file (.json, or .json.xz compressed)")
     p.add_argument("--cache", type=Path, default=None, help="tvm-ffi cache (default $TVM_FFI_CACHE_DIR or ~/.cache/tvm-ffi)")
     p.add_argument("--merge", type=Path, action="append", default=[], help="an earlier seed to keep beside (repeatable)")
+    p.add_argument("--unfinished", action="store_true",
+                   help="also modules still building (build.ninja written, no .so yet): a run cut mid-build")
     b = sub.add_parser("build", help="build a seed's modules missing from the cache, in parallel")
     b.add_argument("--seed", type=Path, required=True)
     b.add_argument("--cache", type=Path, default=None,
@@ -276,7 +281,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "pack":
         cache = args.cache or cache_dir()
-        seed = merge(*[read_seed(m) for m in args.merge if m.is_file()], pack(cache))
+        seed = merge(*[read_seed(m) for m in args.merge if m.is_file()], pack(cache, args.unfinished))
         write_seed(seed, args.out)
         print(f"jit_seed: packed {len(seed['modules'])} modules from {cache} into {args.out} "
               f"({args.out.stat().st_size} bytes)")

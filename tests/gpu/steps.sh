@@ -526,9 +526,9 @@ case ${1:?step} in
     tar -C /tmp/res -czf "$OUT/res-$(date +%H%M%S).tgz" --exclude='jit.tar.xz*' --exclude='*.pt' \
       $(cd /tmp/res && find . -name '*.json' -size +1M -printf '--exclude=%P ') . 2>/dev/null
     [ -f /tmp/res/DONE ] && cp /tmp/res/jit.tar.xz* "$OUT/" 2>/dev/null
-    # the sources of every SGLang JIT module built on this host so far, with the committed seed's (a few KB each;
-    # finished or not: commit it as $JIT_SEED and the next fresh host builds them in parallel, step seed)
-    python tests/gpu/jit_seed.py pack --out "$OUT/jit-seed.json.xz" --merge "$JIT_SEED" | tail -1
+    # the sources of every SGLang JIT module built or building on this host so far, with the committed seed's (a few
+    # KB each; bg finished or not: commit it as $JIT_SEED and the next fresh host builds them in parallel, step seed)
+    python tests/gpu/jit_seed.py pack --unfinished --out "$OUT/jit-seed.json.xz" --merge "$JIT_SEED" | tail -1
     for fi in ~/.cache/flashinfer/*/*/cached_ops; do  # FlashInfer's (sampling), as $FI_SEED
       [ -d "$fi" ] && python tests/gpu/jit_seed.py pack --cache "$fi" --out "$OUT/jit-seed-flashinfer.json.xz" \
         --merge "$FI_SEED" | tail -1
