@@ -31,6 +31,16 @@ def dev(*tensors):
     return out[0] if len(out) == 1 else out
 
 
+def load_script(relpath, name):
+    """A repository script that is no package module (bench/*.py, tests/gpu/*.py), imported as `name`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, relpath))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def clean_env(**overrides):
     """The test process's environment without any dsv4-sm80 / lab knobs, plus overrides."""
     env = {k: v for k, v in os.environ.items()

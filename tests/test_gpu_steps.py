@@ -3,7 +3,6 @@ scripts would get are checked here and not after minutes of device time. steps.s
 a quoted argument with a space or a `|` must survive as one argument (session 11: `--only "fused io|pair bf16"`
 would have become a shell pipe). Every `--flag` a step passes must be an option its script defines."""
 
-import importlib.util
 import json
 import os
 import re
@@ -13,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, load_script
 
 SHIM = """#!/bin/bash
 if [ "$1" = "-c" ]; then exec {real} "$@"; fi
@@ -196,9 +195,7 @@ def test_moe_ncu_profiles_the_second_call_of_each_variant(tmp_path):
     assert all({a for a in b[1:] if a.startswith("--")} <= options_of("bench/moe.py") for b in benches)
     assert all("--launch-skip 2 --launch-count 2" in line and "-k regex:_w4a8" in line
                for line in (tmp_path / "ncu.log").read_text().splitlines())
-    spec = importlib.util.spec_from_file_location("bench_moe_v", os.path.join(REPO, "bench", "moe.py"))
-    moe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(moe)
+    moe = load_script("bench/moe.py", "bench_moe_v")
     assert "prefill-64x128, warps 8" in moe.VARIANTS
 
 
@@ -226,28 +223,11 @@ def test_seed_builds_the_committed_seed_when_there_is_one(tmp_path):
         assert flags <= options_of("tests/gpu/jit_seed.py"), flags
 
 
-def test_the_committed_seeds_are_this_tools(tmp_path):
-    # the defaults steps.sh builds on a fresh host: packed on the H200 host by `wait` (session 27)
-    import lzma
-
-    for name in ("tvm-ffi", "flashinfer"):
-        seed = json.loads(lzma.decompress(open(os.path.join(REPO, f"tests/gpu/jit-seed/{name}.json.xz"), "rb").read()))
-        assert seed["format"] == "dsv4-sm80 tvm-ffi jit seed 1" and seed["modules"], name
-        assert all("build.ninja" in files for files in seed["modules"].values()), name
-
-
-def _engine_bed():
-    spec = importlib.util.spec_from_file_location("engine_bed", os.path.join(REPO, "tests/gpu/engine_bed.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_teacher_sequences_wait_for_a_record_made_beside_them(tmp_path):
     # par with PAR_SAME_GPU: e2e's engine compiles while the oracle it teacher-forces is still being made
     import threading
 
-    bed, path = _engine_bed(), tmp_path / "native.json"
+    bed, path = load_script("tests/gpu/engine_bed.py", "engine_bed"), tmp_path / "native.json"
     threading.Timer(0.3, lambda: path.write_text(json.dumps({"teacher": [{"sequence": [5, 6]}, {"sequence": [7]}]}))).start()
     assert bed.teacher_sequences(str(path), wait_s=30, poll_s=0.05) == [[5, 6], [7]]
     with pytest.raises(SystemExit, match=r"teacher record .*absent.* after waiting 0 s"):
@@ -255,8 +235,8 @@ def test_teacher_sequences_wait_for_a_record_made_beside_them(tmp_path):
 
 
 def test_steps_waiting_for_a_teacher_get_the_wait_added_to_their_limit(tmp_path):
-    calls, _ = run_step(tmp_path, "e2e", env={"DSV4_BED_TEACHER_WAIT": "1500"})
+    calls, stdout = run_step(tmp_path, "e2e", env={"DSV4_BED_TEACHER_WAIT": "1500"})
     (bed,) = [a for a in calls if a[0] == "tests/gpu/engine_bed.py"]
-    assert "--teacher-from" in bed
+    assert "--teacher-from" in bed and "timeout 1900 python tests/gpu/engine_bed.py" in stdout, stdout
     src = open(os.path.join(REPO, "tests/gpu/steps.sh")).read()
     assert "DSV4_BED_MAX_TOKENS=${DSV4_BED_MAX_TOKENS:-131072}" in src and "timeout $((400 + TW))" in src

@@ -6,6 +6,7 @@ tvm-ffi itself writes for that directory)."""
 import importlib.util
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -156,3 +157,11 @@ def test_pack_unfinished_keeps_a_module_still_building(packed):
     seed = jit_seed.pack(a, unfinished=True)
     assert sorted(seed["modules"]) == ["cut__arch_test"] + [f"seedmod{k}__arch_test" for k in (1, 2, 3)]
     assert set(seed["modules"]["cut__arch_test"]) == {"build.ninja"}
+
+
+def test_the_committed_seeds_are_this_tools():
+    # the defaults steps.sh builds on a fresh host: packed on the H200 host by `wait` (session 27)
+    for name in ("tvm-ffi", "flashinfer"):
+        seed = jit_seed.read_seed(Path(REPO, "tests", "gpu", "jit-seed", f"{name}.json.xz"))  # refuses another format
+        assert seed["modules"], name
+        assert all("build.ninja" in files for files in seed["modules"].values()), name

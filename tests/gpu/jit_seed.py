@@ -10,8 +10,8 @@ tvm-ffi cache (`$TVM_FFI_CACHE_DIR`, default `~/.cache/tvm-ffi`) holding the gen
     python tests/gpu/jit_seed.py build --seed seed.json.xz   # on a fresh host: the missing ones, all cores
 
 `pack` keeps the text files of every directory whose `.so` exists (with `--unfinished`, also those still building:
-build.ninja written, no `.so` yet), a few KB per module; `build` writes them back where absent (files that exist must hold the same text, as tvm-ffi's own
-`_maybe_write` leaves them) and runs ninja in those directories in parallel, each under the directory's `lock`
+build.ninja written, no `.so` yet), a few KB per module; `build` writes them back where absent (files that exist
+must hold the same text, as tvm-ffi's own `_maybe_write` leaves them) and runs ninja in those directories in parallel, each under the directory's `lock`
 that tvm-ffi takes around its own build (an engine starting meanwhile waits for that module instead of building
 it twice). A seed names absolute paths of the host it was packed on (include directories, nvcc, the sources
 `#include`d); a module whose paths are absent here is skipped and named. Lab tooling for the offline GPU host

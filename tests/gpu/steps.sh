@@ -245,7 +245,7 @@ case ${1:?step} in
         --out "$OUT/native-perturb-$p.json" --teacher-from "$ORACLE" --perturb "$p"
     done
     # beside e2e on one GPU (par with PAR_SAME_GPU): its record, once it is there
-    [ -n "${DSV4_BED_TEACHER_WAIT:-}" ] && [ ! -f "$OUT/engine-e2e.json" ] && need "$OUT/engine-e2e.json"
+    [ "$TW" != 0 ] && [ ! -f "$OUT/engine-e2e.json" ] && need "$OUT/engine-e2e.json"
     if [ -f "$OUT/engine-e2e.json" ]; then
       : > "$OUT/e2e-floors.log"
       vs_floors "$OUT/engine-e2e.json" "$OUT/e2e-floors.log"
