@@ -369,8 +369,12 @@ def check_jit_cache(dirs: Optional[list]) -> list[Finding]:
     if not out:
         free = min((d.free_bytes for d in dirs if d.free_bytes is not None), default=None)
         cold = [d for d in dirs if d.ours_built is False]
+        missing = [m for d in dirs for m in (d.modules_missing or [])]
         note = ("; this path's Triton kernels are not built here yet: the first requests compile them (minutes; "
                 "SGLang's --watchdog-timeout, 300 s, counts them: README, first start)") if cold else ""
+        if missing:
+            note += (f"; SGLang's JIT modules {', '.join(missing)} are not built here yet: the first forward builds "
+                     "them (minutes; under the same watchdog)")
         out.append(_ok("jit.cache", f"{len(dirs)} cache directories writable, least free {jitcache.gib(free)}{note}"))
     return out
 

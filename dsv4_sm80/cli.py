@@ -137,7 +137,8 @@ FIRST_START_WATCHDOG_S = 1800
 
 def first_start_args(rest: list, environ=None) -> tuple:
     """(rest, note): on a host whose Triton cache holds none of this path's kernels (jitcache.ours_built) or whose
-    SGLang JIT (tvm-ffi) cache is empty (a cold first start), SGLang's scheduler watchdog (300 s) would kill the
+    SGLang JIT (tvm-ffi) cache is empty or lacks a module the configured modes build at their first forward
+    (jitcache.FIRST_FORWARD_MODULES) (a cold first start), SGLang's scheduler watchdog (300 s) would kill the
     first forward while it compiles (native SGLang's cold first forward of this model: still compiling after 7.5
     minutes on an H200, session 11), so --watchdog-timeout FIRST_START_WATCHDOG_S is added for this start, with
     a note saying so. A user's own --watchdog-timeout always wins; a warm cache changes nothing."""

@@ -22,8 +22,11 @@ import errno
 import os
 import shutil
 import uuid
+import re
 from dataclasses import dataclass
 from typing import Mapping, Optional
+
+from . import env
 
 # Triton's cache class while the patch is on (set by the bootstrap unless the user chose one): its writes that
 # fail for lack of space raise JitCacheFull too (triton_cache.py; named here, where no Triton is imported)
@@ -54,6 +57,8 @@ class CacheDirFacts:
     free_bytes: Optional[int] = None
     error: Optional[str] = None
     ours_built: Optional[bool] = None  # Triton's cache only: this path's kernels compiled here before (warm)
+    # SGLang's tvm-ffi cache only: FIRST_FORWARD_MODULES the configured modes need that are not built here yet
+    modules_missing: Optional[list] = None
 
 
 def _nearest_existing(path: str) -> str:
@@ -113,6 +118,45 @@ def ours_built(triton_dir: str) -> bool:
     return False
 
 
+# SGLang JIT (tvm-ffi) modules a mode builds at its first forward, not while loading: (knob, value, module). The
+# load builds others (the repacks, the mHC prewarm), and a cold cache is caught as a whole by cold_reasons; these
+# are what a host that has served another mode before still lacks. Session 28 (H200 host, 16 cores, TP1, no CUDA
+# graphs): with SGLANG_DSV4_A100_DENSE=fp8_marlin the first forward was still building gptq_marlin 3 minutes in.
+FIRST_FORWARD_MODULES = (
+    (env.DENSE, "fp8_marlin", "gptq_marlin"),  # jit_kernel/gptq_marlin.py:19, the FP8-Marlin W8A16 GEMM
+    (env.MOE_BACKEND, "marlin", "moe_wna16_marlin"),  # jit_kernel/moe_wna16_marlin.py:19, the MXFP4 Marlin MoE
+)
+
+
+def module_built(tvm_dir: str, module: str) -> bool:
+    """Whether SGLang's tvm-ffi cache holds a built `module` for BF16 (any GPU arch): load_jit's directory
+    `sgl_kernel_jit_<module>_bf16_t_<source hash>__arch_<arch>__tvmffi_<version>` with its `.so` in it
+    (jit_kernel/utils/compile.py:164-250; what load_jit loads without building)."""
+    pat = re.compile(rf"^(sgl_kernel_jit_{re.escape(module)}_bf16_t_[0-9a-f]+)__arch_")
+    try:
+        entries = list(os.scandir(tvm_dir))
+    except OSError:
+        return False
+    for e in entries:
+        m = pat.match(e.name)
+        if m and os.path.isfile(os.path.join(e.path, m.group(1) + ".so")):
+            return True
+    return False
+
+
+def modules_missing(tvm_dir: str, environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """`module (KNOB=value)` for each FIRST_FORWARD_MODULES entry the configured modes need and the cache lacks."""
+    out = []
+    for knob, value, module in FIRST_FORWARD_MODULES:
+        try:
+            chosen = env.get(knob, environ)
+        except env.EnvError:
+            continue  # the gate's env check refuses the value itself
+        if chosen == value and not module_built(tvm_dir, module):
+            out.append(f"{module} ({knob.name}={value})")
+    return out
+
+
 def _has_entries(path: str) -> bool:
     try:
         with os.scandir(path) as it:
@@ -123,13 +167,18 @@ def _has_entries(path: str) -> bool:
 
 def cold_reasons(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     """Why a start on this host would compile for minutes before its first forward ends (empty: warm): none of
-    this path's kernels in Triton's cache, or an empty SGLang JIT (tvm-ffi) cache."""
+    this path's kernels in Triton's cache, an empty SGLang JIT (tvm-ffi) cache, or one without a module the
+    configured modes build at their first forward (FIRST_FORWARD_MODULES)."""
     out = []
     for f in facts(environ):
         if f.label.startswith("Triton") and not f.ours_built:
             out.append(f"no SM80 kernel in the Triton cache at {f.path}")
-        if f.label.startswith("SGLang JIT") and not _has_entries(f.path):
-            out.append(f"SGLang's JIT cache at {f.path} is empty")
+        if f.label.startswith("SGLang JIT"):
+            if not _has_entries(f.path):
+                out.append(f"SGLang's JIT cache at {f.path} is empty")
+            elif f.modules_missing:
+                out.append(f"SGLang's JIT cache at {f.path} lacks {', '.join(f.modules_missing)}, built at the first "
+                           "forward")
     return out
 
 
@@ -138,6 +187,8 @@ def facts(environ: Optional[Mapping[str, str]] = None) -> list[CacheDirFacts]:
     for f in out:
         if f.label.startswith("Triton"):
             f.ours_built = f.exists and ours_built(f.path)
+        if f.label.startswith("SGLang JIT"):
+            f.modules_missing = modules_missing(f.path, environ)
     return out
 
 

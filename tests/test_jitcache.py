@@ -2,7 +2,9 @@
 around SGLang 0.5.16's own load_jit (applied in a fresh interpreter, the build made to hit ENOSPC)."""
 
 import errno
+import json
 import os
+import re
 
 import pytest
 
@@ -224,3 +226,85 @@ def test_nvcc_is_found_as_sglangs_jit_finds_it(tmp_path):
     f = jitcache.nvcc_facts({"CUDA_PATH": str(tmp_path / "bad")})
     assert f.version is None and "exited 139 without a release: segmentation fault" in f.error
     assert failed(with_nvcc(f))["jit.compiler"].status == "fail"
+
+
+def _sglang_build_dir(module_fn, arch="8.0", version="0.1.11"):
+    """The directory SGLang 0.5.16's load_jit builds `module_fn`'s module into on a GPU of `arch` (its own
+    naming: the call's template args and source hash, jit_kernel/utils/compile.py:236-249), captured by calling
+    the real module function with load_jit intercepted (no nvcc, no GPU here)."""
+    import sys
+
+    import torch
+    from sglang.jit_kernel.utils import compile as jc
+
+    seen = {}
+
+    def record(*args, cuda_files=(), **kwargs):
+        files = [str((jc.KERNEL_PATH / "csrc" / f).resolve()) for f in cuda_files]
+        seen["name"] = "sgl_kernel_jit_" + "_".join(str(a) for a in args) + "_" + jc._local_jit_source_hash(files)
+
+    mod = sys.modules[module_fn.__module__]
+    original = mod.load_jit
+    mod.load_jit = record
+    try:
+        getattr(module_fn, "__wrapped__", module_fn)(torch.bfloat16)
+    finally:
+        mod.load_jit = original
+    return seen["name"], f"{seen['name']}__arch_{arch}__tvmffi_{version}"
+
+
+@pytest.mark.sglang
+def test_a_mode_whose_first_forward_builds_a_jit_module_is_a_cold_start(tmp_path):
+    """fp8_marlin dense and marlin experts call SGLang JIT modules (gptq_marlin, moe_wna16_marlin) that are built at
+    the first forward, not while loading (session 28: still building 3 minutes into it on the H200 host). A cache
+    warm from another mode lacks them: the start is cold for the watchdog (serve raises it) and doctor says so. The
+    module directories are the ones SGLang's own naming gives, the .so inside what makes them built."""
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16")
+    from sglang.jit_kernel.gptq_marlin import _jit_gptq_marlin_module
+    from sglang.jit_kernel.moe_wna16_marlin import _jit_moe_wna16_marlin_module
+
+    tvm = tmp_path / "tvm"
+    (tvm / "sgl_kernel_jit_dsv4_other").mkdir(parents=True)  # warm from the default modes
+    environ = {"TVM_FFI_CACHE_DIR": str(tvm), "TRITON_CACHE_DIR": str(tmp_path / "t")}
+    assert jitcache.modules_missing(str(tvm), environ) == []  # bf16 + mxfp4_int8 need neither
+    both = {**environ, "SGLANG_DSV4_A100_DENSE": "fp8_marlin", "SGLANG_DSV4_MXFP4_MOE_BACKEND": "marlin"}
+    assert jitcache.modules_missing(str(tvm), both) == [
+        "gptq_marlin (SGLANG_DSV4_A100_DENSE=fp8_marlin)", "moe_wna16_marlin (SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin)"]
+    reasons = [r for r in jitcache.cold_reasons(both) if "SGLang" in r]
+    assert len(reasons) == 1 and "gptq_marlin (" in reasons[0] and "first forward" in reasons[0]
+    tvm_facts = [f for f in jitcache.facts(both) if f.label.startswith("SGLang JIT")][0]
+    line = {x.check: x for x in cc.evaluate(with_jit([tvm_facts]))}["jit.cache"]
+    assert line.status == "pass" and "gptq_marlin (SGLANG_DSV4_A100_DENSE=fp8_marlin)" in line.found
+
+    name, d = _sglang_build_dir(_jit_gptq_marlin_module)
+    assert name.startswith("sgl_kernel_jit_gptq_marlin_bf16_t_")
+    (tvm / d).mkdir()
+    (tvm / d / "build.ninja").write_text("")  # a build cut half-way: sources, no .so
+    assert not jitcache.module_built(str(tvm), "gptq_marlin")
+    (tvm / d / f"{name}.so").write_bytes(b"")
+    assert jitcache.module_built(str(tvm), "gptq_marlin")
+    # the repack module, built at load, is another module and does not count as the GEMM's
+    rname = "sgl_kernel_jit_gptq_marlin_repack_0123456789abcdef"
+    (tvm / f"{rname}__arch_8.0__tvmffi_0.1.11").mkdir()
+    (tvm / f"{rname}__arch_8.0__tvmffi_0.1.11" / f"{rname}.so").write_bytes(b"")
+    assert jitcache.modules_missing(str(tvm), both) == ["moe_wna16_marlin (SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin)"]
+    name, d = _sglang_build_dir(_jit_moe_wna16_marlin_module, arch="9.0a")  # any arch counts
+    (tvm / d).mkdir()
+    (tvm / d / f"{name}.so").write_bytes(b"")
+    assert jitcache.modules_missing(str(tvm), both) == [] and jitcache.cold_reasons(both) == [
+        f"no SM80 kernel in the Triton cache at {tmp_path / 't'}"]
+
+
+def test_the_seeds_module_names_are_the_layout_module_built_reads(tmp_path):
+    """The directories tvm-ffi made on a real H200 host (the committed JIT seed, packed there: moe_wna16_marlin among
+    them), each with the .so its build.ninja names, read as built; the seed holds no gptq_marlin (no FP8-Marlin run
+    had finished when it was packed), and that one stays missing."""
+    import lzma
+
+    seed = json.loads(lzma.open(os.path.join(os.path.dirname(__file__), "gpu", "jit-seed", "tvm-ffi.json.xz")).read())
+    for name, files in seed["modules"].items():
+        (tmp_path / name).mkdir()
+        target = re.search(r"^default (\S+)", files["build.ninja"], re.M).group(1)
+        (tmp_path / name / target).write_bytes(b"")
+    assert jitcache.module_built(str(tmp_path), "moe_wna16_marlin")
+    assert not jitcache.module_built(str(tmp_path), "gptq_marlin")
