@@ -13,6 +13,8 @@
 #    Image ID and the SGLang commit;
 # 4. reads the base's Image ID again and fails if it changed during the build (the result is then not
 #    tagged), so an image never claims a base it was not built on.
+# PREBUILD_JIT=0: the image without SGLang's JIT modules prebuilt for sm_80 (docker/Dockerfile; a base without the CUDA
+# toolkit, such as the tests' stand-in, cannot build them).
 # DSV4_SM80_BUILD_HOOK: a command run between the build and that check (tests simulate a base change with it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +49,7 @@ fi
 iidfile=$(mktemp)
 trap 'rm -f "$iidfile"' EXIT
 $docker build -f docker/Dockerfile --build-arg "BASE_IMAGE=$base_id" --iidfile "$iidfile" \
+  --build-arg "PREBUILD_JIT=${PREBUILD_JIT:-1}" \
   --label "org.dsv4-sm80.version=$version" \
   --label "org.dsv4-sm80.base-image=$base" \
   --label "org.dsv4-sm80.base-image-id=$base_id" \

@@ -152,7 +152,8 @@ def first_start_args(rest: list, environ=None) -> tuple:
     return [*rest, "--watchdog-timeout", str(FIRST_START_WATCHDOG_S)], (
         f"serve: first start on this host ({'; '.join(cold)}): the first forward compiles for minutes, so "
         f"SGLang's scheduler watchdog is {FIRST_START_WATCHDOG_S} s for this start (--watchdog-timeout to choose; "
-        "keep the cache directories to start warm next time)")
+        "keep the cache directories to start warm next time; `python -m dsv4_sm80 prebuild-jit` builds SGLang's JIT "
+        "modules ahead, several at a time)")
 
 
 def serve(args, rest) -> int:
@@ -273,6 +274,14 @@ def main(argv=None) -> int:
     f.add_argument("--no-draft", action="store_true", help="without the DSPARK draft (no speculative decoding)")
     f.add_argument("--context", type=int, default=524288)
     f.add_argument("--max-running-requests", type=int, default=256)
+    j = sub.add_parser("prebuild-jit", help="build SGLang's JIT modules this path calls, for sm_80 by default, "
+                                            "several at a time, before the first start (no GPU needed)")
+    j.add_argument("--arch", default="8.0", help="target arch, SGLang's spelling: 8.0 (A800/A100), 9.0a (H200)")
+    j.add_argument("--jobs", type=int, help="builds at a time (default: the CPU count)")
+    j.add_argument("--all-modes", action="store_true",
+                   help="also the modules of the modes not chosen now (fp8_marlin dense, marlin experts)")
+    j.add_argument("--only", help="comma-separated parts of module labels")
+    j.add_argument("--out", help="a JSON record of each build, errors in full")
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "serve":
         return serve(args, rest)
@@ -280,4 +289,8 @@ def main(argv=None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "footprint":
         return footprint(args)
+    if args.cmd == "prebuild-jit":
+        from . import jit_prebuild
+
+        return jit_prebuild.run(args)
     return doctor(args) if args.cmd == "doctor" else make_tiny(args)

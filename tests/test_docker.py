@@ -86,10 +86,24 @@ def standin(docker, tmp_path_factory):
     return STANDIN
 
 
+NO_PREBUILD = dict(os.environ, PREBUILD_JIT="0")  # the stand-in has no CUDA toolkit to build SGLang's JIT modules
+
+
 @pytest.fixture(scope="module")
 def built(standin):
-    r = sh(os.path.join(REPO, "docker", "build.sh"), standin, BUILT, cwd=REPO)
+    r = sh(os.path.join(REPO, "docker", "build.sh"), standin, BUILT, cwd=REPO, env=NO_PREBUILD)
     return BUILT, r
+
+
+def test_the_jit_prebuild_fails_the_build_loudly_on_a_base_without_the_cuda_toolkit(standin):
+    """By default the Dockerfile compiles SGLang's JIT modules for sm_80 (python -m dsv4_sm80 prebuild-jit); on a
+    base without nvcc that step refuses by name and the image is not built (tests/test_jit_prebuild.py builds the
+    modules themselves, for sm_80, on a machine with the toolkit)."""
+    tag = "dsv4-sm80-test/overlay:prebuild"
+    r = sh(os.path.join(REPO, "docker", "build.sh"), standin, tag, cwd=REPO, check=False)
+    assert r.returncode != 0
+    assert "prebuild-jit: FAIL jit.compiler: no nvcc at /usr/local/cuda/bin/nvcc" in r.stderr, r.stderr[-3000:]
+    assert sh("docker", "image", "inspect", tag, check=False).returncode != 0
 
 
 def image_id(ref):
@@ -175,7 +189,7 @@ def test_image_id_assertion_trips_when_the_base_changes_during_the_build(standin
     (other / "Dockerfile").write_text(f"FROM {standin}\nRUN echo changed > /etc/dsv4-changed\n")
     hook = f"docker build -q -t {moving} {other}"  # the tag now names another image, mid-build
     r = sh(os.path.join(REPO, "docker", "build.sh"), moving, "dsv4-sm80-test/overlay:moving", cwd=REPO, check=False,
-           env=dict(os.environ, DSV4_SM80_BUILD_HOOK=hook))
+           env=dict(NO_PREBUILD, DSV4_SM80_BUILD_HOOK=hook))
     assert r.returncode == 1
     assert "FAIL base.unchanged: the base dsv4-sm80-test/sglang-standin:moving changed during the build" in r.stderr
     assert sh("docker", "image", "inspect", "dsv4-sm80-test/overlay:moving", check=False).returncode != 0

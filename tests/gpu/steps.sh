@@ -145,7 +145,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
   ( eval "$@" ) >"$OUT/$name.log" 2>&1 || { echo "=== $name: exit $?"; rc=1; }
-  grep -E "^(  A/B|mma.sync|latency floor|fault_kill|hygiene|mhc_check|mhc bench|soak|vision_check|http_check|jit_sm80|jit_seed|dense_check|moe_check|moe bench|layer_trace|attention_kit|attention bench|prefill|native|c4 |c128|indexer bench|q  |compress|logits|engine_bed|e2e |kernels per|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|us of kernels per decode step|Error|passed|failed|watchdog timeout" \
+  grep -E "^(  A/B|mma.sync|latency floor|fault_kill|hygiene|mhc_check|mhc bench|soak|vision_check|http_check|jit_sm80|prebuild-jit|jit_seed|dense_check|moe_check|moe bench|layer_trace|attention_kit|attention bench|prefill|native|c4 |c128|indexer bench|q  |compress|logits|engine_bed|e2e |kernels per|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|us of kernels per decode step|Error|passed|failed|watchdog timeout" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
 }
 vs_floors() {  # RECORD LOG: compare.py, RECORD against the oracle beside each e2e-floors floor this $OUT holds (native
