@@ -4,6 +4,7 @@ the CUDA runtime library are all it needs), and the choice of modules per mode."
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -89,8 +90,10 @@ def test_sglang_modules_build_for_sm80_on_a_machine_without_a_gpu(tmp_path):
     for d in dirs:
         so = cache / d / (d.split("__arch_")[0] + ".so")
         assert so.is_file()
+        flags = set(re.findall(r"arch=compute_\d+a?,code=sm_\d+a?", (cache / d / "build.ninja").read_text()))
+        assert flags == {"arch=compute_80,code=sm_80"}, flags  # what nvcc was asked for
         cuobjdump = shutil.which("cuobjdump") or os.path.join(home, "bin", "cuobjdump")
-        if os.path.isfile(cuobjdump):
+        if os.path.isfile(cuobjdump):  # and what the .so holds, where the toolkit has cuobjdump
             elf = subprocess.run([cuobjdump, "--list-elf", str(so)], capture_output=True, text=True).stdout
             assert "sm_80" in elf and "sm_90" not in elf, elf
     record = json.loads((tmp_path / "r.json").read_text())
