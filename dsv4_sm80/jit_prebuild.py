@@ -82,13 +82,17 @@ def select(mods: list[Module], environ: Optional[Mapping[str, str]] = None, all_
     return out
 
 
-def parse_arch(text: str) -> tuple[int, int, str]:
-    """"8.0" -> (8, 0, ""); "9.0a" -> (9, 0, "a"): SGLang's ArchInfo fields."""
+def parse_arch(text: str) -> Optional[tuple[int, int, str]]:
+    """"8.0" -> (8, 0, ""); "9.0a" -> (9, 0, "a"): SGLang's ArchInfo fields. "gpu" -> None: the visible GPU's, as
+    SGLang's own first call resolves it (no override; e.g. the lab's H200 host before its engines start)."""
     import re
 
+    if text.strip() == "gpu":
+        return None
     m = re.fullmatch(r"(\d+)\.(\d+)([a-z]?)", text.strip())
     if not m:
-        raise ValueError(f"--arch {text!r}: expected MAJOR.MINOR[suffix], e.g. 8.0 (A800/A100) or 9.0a (H100/H200)")
+        raise ValueError(f"--arch {text!r}: expected MAJOR.MINOR[suffix], e.g. 8.0 (A800/A100) or 9.0a (H100/H200), "
+                         "or gpu (the visible GPU's)")
     return int(m.group(1)), int(m.group(2)), m.group(3)
 
 
@@ -100,8 +104,9 @@ class Result:
     error: str = ""
 
 
-def _build_one(label: str, arch: tuple[int, int, str]) -> Result:
-    """In a fresh process: the arch overridden before SGLang resolves it (PDL follows it), then the module."""
+def _build_one(label: str, arch: Optional[tuple[int, int, str]]) -> Result:
+    """In a fresh process: the arch overridden before SGLang resolves it (PDL follows it), then the module; with
+    arch None SGLang resolves the visible GPU's itself."""
     import logging
     import warnings
 
@@ -112,9 +117,12 @@ def _build_one(label: str, arch: tuple[int, int, str]) -> Result:
 
     t0 = time.time()
     try:
-        with override_jit_cuda_arch(*arch):
-            mod = next(m for m in modules() if m.label == label)
+        mod = next(m for m in modules() if m.label == label)
+        if arch is None:
             mod.build()
+        else:
+            with override_jit_cuda_arch(*arch):
+                mod.build()
         return Result(label, True, round(time.time() - t0, 1))
     except Exception as e:  # the compiler's own message, kept (nvcc / ninja / the linker)
         return Result(label, False, round(time.time() - t0, 1), f"{type(e).__name__}: {e}"[-3000:])
@@ -151,7 +159,18 @@ def run(args, environ: Optional[Mapping[str, str]] = None) -> int:
         print(f"prebuild-jit: no module matches --only {args.only!r}", file=sys.stderr)
         return 2
     jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(chosen)))
-    name = f"sm_{arch[0]}{arch[1]}{arch[2]}"
+    if arch is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("prebuild-jit: --arch gpu: no CUDA GPU is visible here; give the target instead: --arch 8.0 "
+                  "(A800/A100)", file=sys.stderr)
+            return 2
+        from sglang.jit_kernel.utils.arch import get_jit_cuda_arch
+
+        name = f"sm_{get_jit_cuda_arch().target_name.replace('.', '')}"
+    else:
+        name = f"sm_{arch[0]}{arch[1]}{arch[2]}"
     print(f"prebuild-jit: {len(chosen)} SGLang JIT modules for {name} into {cache}, {jobs} at a time "
           f"(nvcc {nvcc.version} at {nvcc.path})", flush=True)
     import multiprocessing

@@ -240,3 +240,15 @@ def test_steps_waiting_for_a_teacher_get_the_wait_added_to_their_limit(tmp_path)
     assert "--teacher-from" in bed and "timeout 1900 python tests/gpu/engine_bed.py" in stdout, stdout
     src = open(os.path.join(REPO, "tests/gpu/steps.sh")).read()
     assert "DSV4_BED_MAX_TOKENS=${DSV4_BED_MAX_TOKENS:-131072}" in src and "timeout $((400 + TW))" in src
+
+
+def test_bg_prebuilds_this_paths_modules_beside_the_engines_with_flags_the_cli_has():
+    """bg starts `prebuild-jit --arch gpu --all-modes` beside the engines (the FP8-Marlin GEMM was in no seed, so an
+    fp8_marlin run compiled it inside its first forward, session 28); its flags are the CLI's own."""
+    src = open(os.path.join(REPO, "tests", "gpu", "steps.sh")).read()
+    body = src[src.index("\n  bg)"):src.index("\n  jitpack)")]
+    call = re.search(r"python -m dsv4_sm80 prebuild-jit ([^>]*)>", body.replace("\\\n", " ")).group(1)
+    flags = set(re.findall(r"--[a-z-]+", call))
+    assert {"--arch", "--all-modes"} <= flags and "--arch gpu" in call
+    assert flags <= options_of("dsv4_sm80/cli.py"), flags
+    assert body.index("steps.sh seed") < body.index("prebuild-jit") < body.index("steps.sh par")

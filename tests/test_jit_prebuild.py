@@ -42,6 +42,7 @@ def test_the_modes_choose_their_modules():
 
 def test_arch_spelling():
     assert jit_prebuild.parse_arch("8.0") == (8, 0, "") and jit_prebuild.parse_arch("9.0a") == (9, 0, "a")
+    assert jit_prebuild.parse_arch("gpu") is None  # SGLang resolves the visible GPU's itself
     with pytest.raises(ValueError, match="8.0 .A800/A100"):
         jit_prebuild.parse_arch("sm80")
 
@@ -68,6 +69,18 @@ def cuda_home():
                 os.path.join(home, "lib64", "libcudart.so*")):
             return home
     return None
+
+
+@pytest.mark.sglang
+def test_the_visible_gpus_arch_needs_a_gpu(tmp_path):
+    pytest.importorskip("sglang", reason="CI installs sglang==0.5.16")
+    home = cuda_home()
+    if home is None:
+        pytest.skip("no CUDA toolkit on this machine")
+    p = cli("--arch", "gpu", "--only", "hash_topk", CUDA_HOME=home, TVM_FFI_CACHE_DIR=str(tmp_path / "c"),
+            CUDA_VISIBLE_DEVICES="")
+    assert p.returncode == 2 and "--arch gpu: no CUDA GPU is visible here" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "c").exists() or not os.listdir(tmp_path / "c")
 
 
 @pytest.mark.sglang

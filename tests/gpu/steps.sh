@@ -499,7 +499,11 @@ case ${1:?step} in
       tar -C ~ -xJf /tmp/jitstage/jit.tar.xz && touch ~/.dsv4-jit-restored && echo "bg: JIT caches restored from /tmp/jitstage"
     fi
     # THEN="s1 s2": steps run after every group, one at a time, with all GPUs visible (e.g. tp4); first the JIT seed
+    # beside the engines: this path's SGLang JIT modules for this GPU, every mode's (the seed holds what a host built
+    # before; the FP8-Marlin GEMM was in none of them, session 28), several at a time (PREBUILD=0: not)
     setsid nohup bash -c 'cd /tmp/w && export OUT=/tmp/res NO_JIT_TAR=1; tests/gpu/steps.sh seed > /tmp/res/seed.out 2>&1
+      [ "${PREBUILD:-1}" = 1 ] && (python -m dsv4_sm80 prebuild-jit --arch gpu --all-modes --jobs 8 \
+        --out /tmp/res/prebuild.json > /tmp/res/prebuild.out 2>&1 &)
       tests/gpu/steps.sh par "$@" > /tmp/res/par.out 2>&1
       for s in ${THEN:-}; do tests/gpu/steps.sh "$s" >> /tmp/res/then.txt 2>&1 || echo "=== $s: failed" >> /tmp/res/then.txt; done
       NO_JIT_TAR= tests/gpu/steps.sh jitpack > /dev/null 2>&1; touch /tmp/res/DONE' \
@@ -519,9 +523,9 @@ case ${1:?step} in
     limit=${2:-500}; t0=$SECONDS
     while [ ! -f /tmp/res/DONE ] && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 5; done
     [ -f /tmp/res/DONE ] && echo "wait: bg job done" || echo "wait: bg job still running after ${limit} s"
-    for f in /tmp/res/seed.out /tmp/res/par-*.txt /tmp/res/then.txt; do
+    for f in /tmp/res/seed.out /tmp/res/prebuild.out /tmp/res/par-*.txt /tmp/res/then.txt; do
       [ -f "$f" ] || continue
-      echo "##### $f"; grep -E "^(===|[a-z_]+: |  A/B|  OK|  FAIL|seq |prompt |confident|  +[0-9]+ +[0-9]+ \|)" "$f" | cut -c1-220 | tail -40
+      echo "##### $f"; grep -E "^(===|[a-z_-]+: |  A/B|  OK|  FAIL|seq |prompt |confident|  +[0-9]+ +[0-9]+ \|)" "$f" | cut -c1-220 | tail -40
     done
     tar -C /tmp/res -czf "$OUT/res-$(date +%H%M%S).tgz" --exclude='jit.tar.xz*' --exclude='*.pt' \
       $(cd /tmp/res && find . -name '*.json' -size +1M -printf '--exclude=%P ') . 2>/dev/null
