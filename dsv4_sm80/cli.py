@@ -276,7 +276,8 @@ def main(argv=None) -> int:
     f.add_argument("--max-running-requests", type=int, default=256)
     j = sub.add_parser("prebuild-jit", help="build SGLang's JIT modules this path calls, for sm_80 by default, "
                                             "several at a time, before the first start (no GPU needed)")
-    j.add_argument("--arch", default="8.0", help="target arch, SGLang's spelling: 8.0 (A800/A100), 9.0a (H200); gpu: the visible GPU's")
+    j.add_argument("--arch", default="8.0",
+                   help="target arch, SGLang's spelling: 8.0 (A800/A100), 9.0a (H200); gpu: the visible GPU's")
     j.add_argument("--jobs", type=int, help="builds at a time (default: the CPU count)")
     j.add_argument("--all-modes", action="store_true",
                    help="also the modules of the modes not chosen now (fp8_marlin dense, marlin experts)")

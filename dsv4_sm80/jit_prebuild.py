@@ -9,11 +9,13 @@ start took 222 s, session 24). `python -m dsv4_sm80 prebuild-jit` builds this pa
 (the names, template arguments and source hashes SGLang's first call asks for) inside
 `jit_kernel.utils.arch.override_jit_cuda_arch`, in a fresh process, so PDL (sm_90+) is resolved for the target arch.
 
-The list is the modules a patched forward calls (tests/gpu/jit_sm80.py's list until it called this; the H200 seed of
-session 28 names each of them, with PDL on, beside native's own): the DSV4 compressors and their BF16 main store, RoPE and norms, top-k v1, the attention
-metadata, the router's gate and hash top-k, the shared expert's SiLU clamp, the decode positions' clamp, the TP4
-all-reduce, and per mode the Marlin modules (jitcache.FIRST_FORWARD_MODULES: built at the first forward, not at load).
-A module SGLang asks for with other arguments (another page size, say) is still built at its first call, as before.
+The list is the modules a patched forward calls (tests/gpu/jit_sm80.py's list until it called this, from reading the
+forward): the DSV4 compressors and their BF16 main store, RoPE and norms, top-k v1, the attention metadata, the router's
+gate and hash top-k, the shared expert's SiLU clamp, the decode positions' clamp, the TP4 all-reduce, and per mode the
+Marlin modules (jitcache.FIRST_FORWARD_MODULES: built at the first forward, not at load). Session 28's H200 seed (a host
+that ran native and patched engines, TP1) names most of them, with PDL on; not the TP4 all-reduce, moe_fused_gate or
+gptq_marlin, which no engine there called. A module SGLang asks for with other template arguments (another page size,
+say) is still built at its first call, as before.
 """
 
 from __future__ import annotations
@@ -46,12 +48,14 @@ def modules() -> list[Module]:
     f32, bf16 = torch.float32, torch.bfloat16
     fp8_dense, marlin_moe = (env.DENSE, "fp8_marlin"), (env.MOE_BACKEND, "marlin")
     return [
-        Module("compress c4 (state ring + softmax pooling)", lambda: compress._jit_compress_module(512, f32, f32, f32, 4)),
+        Module("compress c4 (state ring + softmax pooling)",
+               lambda: compress._jit_compress_module(512, f32, f32, f32, 4)),
         Module("compress c128", lambda: compress._jit_compress_module(512, f32, f32, f32, 128)),
         Module("compress c4 indexer", lambda: compress._jit_compress_module(128, f32, f32, f32, 4)),
         Module("compress plan", compress._jit_compress_plan_module),
         # the compressor's main store in its bf16_store mode, into the BF16 pools' flat slots (page 1)
-        Module("compress_norm_rope_store bf16_store", lambda: compress._jit_compress_norm_rope_module(f32, 512, 64, 1, True)),
+        Module("compress_norm_rope_store bf16_store",
+               lambda: compress._jit_compress_norm_rope_module(f32, 512, 64, 1, True)),
         Module("topk_transform_512 v1", lambda: topk._jit_topk_v1_module(512)),
         Module("fused_rope (inverse RoPE on the output)", elementwise._jit_fused_rope_module),
         Module("fused_q_norm_rope (main Q)", lambda: elementwise._jit_main_q_norm_rope_module(bf16, 512, 64)),

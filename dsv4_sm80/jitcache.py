@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import uuid
-import re
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
