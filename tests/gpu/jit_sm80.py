@@ -8,9 +8,20 @@ cache directory of its own, so these sm_80 builds are never loaded by the same m
 Each module prints OK (with seconds) or the compiler's error; nothing is run.
 """
 
+import argparse
 import sys
 
-from dsv4_sm80.cli import main
+from dsv4_sm80.cli import main as dsv4_main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="a JSON record of each build")
+    ap.add_argument("--only", help="comma-separated parts of module labels")
+    args = ap.parse_args(argv)
+    extra = [*(["--out", args.out] if args.out else []), *(["--only", args.only] if args.only else [])]
+    return dsv4_main(["prebuild-jit", "--all-modes", *extra])
+
 
 if __name__ == "__main__":
-    sys.exit(main(["prebuild-jit", "--all-modes", *sys.argv[1:]]))
+    sys.exit(main())
