@@ -146,17 +146,16 @@ def run(args, environ: Optional[Mapping[str, str]] = None) -> int:
     except ValueError as e:
         print(f"prebuild-jit: {e}", file=sys.stderr)
         return 2
+    # the gate's own checks of what the builds need: nvcc 12+, SGLang's JIT cache writable with room
+    import compat_check
+
     nvcc = jitcache.nvcc_facts(environ)
-    if nvcc.path is None or nvcc.version is None:
-        print(f"prebuild-jit: FAIL jit.compiler: {nvcc.error} (looked up via {nvcc.how}); expected nvcc "
-              f"{'.'.join(map(str, jitcache.MIN_NVCC))}+; fix: install the CUDA toolkit or set CUDA_HOME to it",
-              file=sys.stderr)
-        return 1
-    cache = jitcache.cache_dirs(environ)["SGLang JIT / tvm-ffi (TVM_FFI_CACHE_DIR)"]
-    where = jitcache.probe("tvm-ffi", cache)
-    if not where.writable:
-        print(f"prebuild-jit: FAIL jit.cache: {cache} not writable ({where.error}); fix: its permissions, or set "
-              "TVM_FFI_CACHE_DIR to a writable directory", file=sys.stderr)
+    label, cache = next((k, v) for k, v in jitcache.cache_dirs(environ).items() if k.startswith("SGLang JIT"))
+    refused = [f for f in [compat_check.check_jit_compiler(nvcc),
+                           *compat_check.check_jit_cache([jitcache.probe(label, cache)])] if f.status == "fail"]
+    for f in refused:
+        print(f"prebuild-jit: {f.line()}", file=sys.stderr)
+    if refused:
         return 1
     chosen = select(modules(), environ, args.all_modes, args.only.split(",") if args.only else None)
     if not chosen:

@@ -102,7 +102,7 @@ def test_the_jit_prebuild_fails_the_build_loudly_on_a_base_without_the_cuda_tool
     tag = "dsv4-sm80-test/overlay:prebuild"
     r = sh(os.path.join(REPO, "docker", "build.sh"), standin, tag, cwd=REPO, check=False)
     assert r.returncode != 0
-    assert "prebuild-jit: FAIL jit.compiler: no nvcc at /usr/local/cuda/bin/nvcc" in r.stderr, r.stderr[-3000:]
+    assert "prebuild-jit: FAIL jit.compiler: found no nvcc at /usr/local/cuda/bin/nvcc" in r.stderr, r.stderr[-3000:]
     assert sh("docker", "image", "inspect", tag, check=False).returncode != 0
 
 

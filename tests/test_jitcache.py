@@ -228,33 +228,35 @@ def test_nvcc_is_found_as_sglangs_jit_finds_it(tmp_path):
     assert failed(with_nvcc(f))["jit.compiler"].status == "fail"
 
 
-def _sglang_build_dir(module_fn, arch="8.0", version="0.1.11"):
-    """The directory SGLang 0.5.16's load_jit builds `module_fn`'s module into on a GPU of `arch` (its own
-    naming: the call's template args and source hash, jit_kernel/utils/compile.py:236-249), captured by calling
-    the real module function with load_jit intercepted (no nvcc, no GPU here)."""
-    import sys
+class _Captured(Exception):
+    pass
 
+
+def _sglang_build_dir(module_fn, arch=(8, 0, "")):
+    """The module name and build directory SGLang 0.5.16's own load_jit gives `module_fn`'s module on a GPU of `arch`,
+    captured where load_jit hands them to tvm-ffi's compiler (intercepted there: no nvcc, no GPU here)."""
     import torch
-    from sglang.jit_kernel.utils import compile as jc
+    import tvm_ffi.cpp
+    from sglang.jit_kernel.utils.arch import override_jit_cuda_arch
 
     seen = {}
 
-    def record(*args, cuda_files=(), **kwargs):
-        files = [str((jc.KERNEL_PATH / "csrc" / f).resolve()) for f in cuda_files]
-        seen["name"] = "sgl_kernel_jit_" + "_".join(str(a) for a in args) + "_" + jc._local_jit_source_hash(files)
+    def record(name, *args, build_directory=None, **kwargs):
+        seen.update(name=name, directory=build_directory)
+        raise _Captured
 
-    mod = sys.modules[module_fn.__module__]
-    original = mod.load_jit
-    mod.load_jit = record
+    originals = tvm_ffi.cpp.load_inline, tvm_ffi.cpp.load
+    tvm_ffi.cpp.load_inline = tvm_ffi.cpp.load = record
     try:
-        getattr(module_fn, "__wrapped__", module_fn)(torch.bfloat16)
+        with override_jit_cuda_arch(*arch), pytest.raises(_Captured):
+            getattr(module_fn, "__wrapped__", module_fn)(torch.bfloat16)
     finally:
-        mod.load_jit = original
-    return seen["name"], f"{seen['name']}__arch_{arch}__tvmffi_{version}"
+        tvm_ffi.cpp.load_inline, tvm_ffi.cpp.load = originals
+    return seen["name"], os.path.basename(seen["directory"])
 
 
 @pytest.mark.sglang
-def test_a_mode_whose_first_forward_builds_a_jit_module_is_a_cold_start(tmp_path):
+def test_a_mode_whose_first_forward_builds_a_jit_module_is_a_cold_start(tmp_path, monkeypatch):
     """fp8_marlin dense and marlin experts call SGLang JIT modules (gptq_marlin, moe_wna16_marlin) that are built at
     the first forward, not while loading (session 28: still building 3 minutes into it on the H200 host). A cache
     warm from another mode lacks them: the start is cold for the watchdog (serve raises it) and doctor says so. The
@@ -265,6 +267,7 @@ def test_a_mode_whose_first_forward_builds_a_jit_module_is_a_cold_start(tmp_path
 
     tvm = tmp_path / "tvm"
     (tvm / "sgl_kernel_jit_dsv4_other").mkdir(parents=True)  # warm from the default modes
+    monkeypatch.setenv("TVM_FFI_CACHE_DIR", str(tmp_path / "sglang-sees"))  # no prebuilt module for load_jit to load
     environ = {"TVM_FFI_CACHE_DIR": str(tvm), "TRITON_CACHE_DIR": str(tmp_path / "t")}
     assert jitcache.modules_missing(str(tvm), environ) == []  # bf16 + mxfp4_int8 need neither
     both = {**environ, "SGLANG_DSV4_A100_DENSE": "fp8_marlin", "SGLANG_DSV4_MXFP4_MOE_BACKEND": "marlin"}
@@ -277,7 +280,7 @@ def test_a_mode_whose_first_forward_builds_a_jit_module_is_a_cold_start(tmp_path
     assert line.status == "pass" and "gptq_marlin (SGLANG_DSV4_A100_DENSE=fp8_marlin)" in line.found
 
     name, d = _sglang_build_dir(_jit_gptq_marlin_module)
-    assert name.startswith("sgl_kernel_jit_gptq_marlin_bf16_t_")
+    assert name.startswith("sgl_kernel_jit_gptq_marlin_bf16_t_") and d.startswith(f"{name}__arch_8.0__tvmffi_"), d
     (tvm / d).mkdir()
     (tvm / d / "build.ninja").write_text("")  # a build cut half-way: sources, no .so
     assert not jitcache.module_built(str(tvm), "gptq_marlin")
@@ -288,7 +291,7 @@ def test_a_mode_whose_first_forward_builds_a_jit_module_is_a_cold_start(tmp_path
     (tvm / f"{rname}__arch_8.0__tvmffi_0.1.11").mkdir()
     (tvm / f"{rname}__arch_8.0__tvmffi_0.1.11" / f"{rname}.so").write_bytes(b"")
     assert jitcache.modules_missing(str(tvm), both) == ["moe_wna16_marlin (SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin)"]
-    name, d = _sglang_build_dir(_jit_moe_wna16_marlin_module, arch="9.0a")  # any arch counts
+    name, d = _sglang_build_dir(_jit_moe_wna16_marlin_module, arch=(9, 0, "a"))  # any arch counts
     (tvm / d).mkdir()
     (tvm / d / f"{name}.so").write_bytes(b"")
     assert jitcache.modules_missing(str(tvm), both) == [] and jitcache.cold_reasons(both) == [
