@@ -62,6 +62,11 @@ def test_no_compiler_is_refused_before_anything_is_built(tmp_path):
     assert p.returncode == 2 and "expected MAJOR.MINOR" in p.stderr
 
 
+def loud_skip(msg):
+    print("\n" + "!" * 100 + "\nSKIPPED: " + msg + "\n" + "!" * 100, file=sys.stderr)
+    pytest.skip(msg)
+
+
 def cuda_home():
     """A CUDA toolkit with nvcc and the runtime library the modules link against (this machine's: CUDA 13.0)."""
     for home in [os.environ.get("CUDA_HOME", ""), *sorted(glob.glob("/usr/local/cuda*"), reverse=True)]:
@@ -76,7 +81,7 @@ def test_the_visible_gpus_arch_needs_a_gpu(tmp_path):
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16")
     home = cuda_home()
     if home is None:
-        pytest.skip("no CUDA toolkit on this machine")
+        loud_skip("no CUDA toolkit (nvcc + libcudart) on this machine: --arch gpu's refusal is NOT tested")
     p = cli("--arch", "gpu", "--only", "hash_topk", CUDA_HOME=home, TVM_FFI_CACHE_DIR=str(tmp_path / "c"),
             CUDA_VISIBLE_DEVICES="")
     assert p.returncode == 2 and "--arch gpu: no CUDA GPU is visible here" in p.stderr, p.stderr[-2000:]
@@ -91,7 +96,7 @@ def test_sglang_modules_build_for_sm80_on_a_machine_without_a_gpu(tmp_path):
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16")
     home = cuda_home()
     if home is None:
-        pytest.skip("no CUDA toolkit (nvcc + libcudart) on this machine: the sm_80 build is NOT tested")
+        loud_skip("no CUDA toolkit (nvcc + libcudart) on this machine: the sm_80 build is NOT tested")
     cache = tmp_path / "tvm"
     p = cli("--only", "hash_topk,clamp_position", "--jobs", "2", "--out", str(tmp_path / "r.json"),
             CUDA_HOME=home, TVM_FFI_CACHE_DIR=str(cache))
