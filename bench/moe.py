@@ -332,6 +332,19 @@ VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
 for _cfg in VARIANTS.values():  # the MMA kernel unless a variant names gemv (default_config's choice at 2-32 tokens),
     _cfg.setdefault("gemv", False)  # and gemv's plain loop unless it names a prefetch depth (default_config's is 1)
     _cfg.setdefault("gemv_prefetch", 0)
+# session 29: config wide, the one-token path without split-K or a top-k launch: a gate-up program holds its pair's
+# whole K for wide_n columns (every load issued at once, the K sum across the program's threads, the GLU in its
+# epilogue), a down program all of a token's pairs for wide_n2 output columns (their sum and the routed scaling applied
+# there); the intermediate's INT8 group is wide_n. Sizes: gate-up wide_n x wide_warps, down wide_n2 x wide_warps2
+# (sizes whose codes fit the registers). First H200 run (three launches with the quantizer's): 17.4 us at one token
+# for 16 x 8 warps / 16 x 8 warps, against the MMA default's 24.3-24.9
+VARIANTS.update({f"wide {a}x{aw}w, down {b}x{bw}w{', quant in' if q else ''}": {
+    "wide": True, "wide_n": a, "wide_warps": aw, "wide_n2": b, "wide_warps2": bw, "wide_quant": q}
+    for a, aw, b, bw, q in ((16, 8, 16, 8, False), (16, 8, 16, 16, False), (16, 16, 16, 8, False),
+                            (32, 16, 16, 8, False), (32, 32, 16, 16, False), (16, 8, 16, 8, True),
+                            (16, 16, 16, 8, True), (32, 16, 16, 8, True), (32, 32, 16, 8, True))})
+
+
 def mxfp4_like_scales(torch, e, n, k, gen):
     """E8M0 bytes [e, n, k/32] as MXFP4 quantization of Gaussian rows gives them: each group's exponent is
     floor(log2(amax of its 32 values)) (minus a constant), so a row's groups share its scale and differ by

@@ -50,14 +50,16 @@ def test_every_bench_variant_computes_the_moe(k):
             # unrolled: bit-equal to the plain forms by test_expanded_weights_equal_the_shift_loop_bit_for_bit,
             # test_gemv_equals_the_pair_block_mma_bit_for_bit, test_unrolled_k_steps_equal_the_plain_loop_bit_for_bit)
             same = {n: v for n, v in dict(k.default_config(2 * 2), **cfg).items()
-                    if n not in ("num_warps", "num_stages", "expand_mb", "block_k", "gemv_prefetch", "unroll")}
+                    if n not in ("num_warps", "num_stages", "expand_mb", "block_k", "gemv_prefetch", "unroll",
+                                 "wide_warps", "wide_warps2")}
             same.setdefault("decode", "alu")
             key = (eref0, tuple(sorted(same.items())))
             if key in ran:
                 continue
             ran.add(key)
         h = max(256, 64 * cfg.get("split_k", 1))  # a whole 64-deep step per K share
-        group = dict(k.default_config(2 * 2), **cfg)["block_n"]
+        full = dict(k.default_config(2 * 2), **cfg)
+        group = full["wide_n"] if full.get("wide") else full["block_n"]  # (wide: its own intermediate group)
         inter = max(128, group)  # (a 256-wide gate-up tile: intermediate 256)
         (x, w13, s13, w2, s2, tw, ids), (a, b), maps, zero = at(h, inter)
         if (h, inter, group) not in want:

@@ -1,6 +1,7 @@
 """The W4A8 MoE kernels (dsv4_sm80/kernels/w4a8_moe.py) in the Triton interpreter at tiny sizes,
 against plain-PyTorch references written from the math (dsv4_sm80/kernels/w4a8_moe_ref.py)."""
 
+import json
 import os
 
 import pytest
@@ -926,3 +927,159 @@ def test_gemv_equals_the_pair_block_mma_bit_for_bit(k):
         run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, gemv=True, pair_blocks=False))
     with pytest.raises(ValueError, match="gemv"):
         run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, gemv=True, pair_blocks=True, unroll=2))
+
+
+WIDE = {"wide": True, "wide_n": 16, "wide_n2": 16, "wide_warps": 8, "wide_warps2": 8}
+
+
+def test_wide_equals_int8_emulation(k):
+    """config wide (the one-token path: a gate-up program holds a pair's whole K for wide_n columns, a down program
+    all of a token's pairs for wide_n2 output columns): held to the INT8 emulation reference written from the math,
+    the intermediate rounded per wide_n columns; per-token and per-group input scales (32, 64); a hidden size whose
+    K/64 chunks are not a power of two (192: the padded, masked chunk); 16- and 32-wide tiles; more than one token."""
+    for t, h, inter, top_k, group, extra in ((1, 256, 128, 3, 0, {}), (1, 192, 128, 2, 32, {"wide_n2": 32}),
+                                             (3, 256, 64, 3, 64, {"wide_n": 32}), (2, 128, 128, 4, 0,
+                                                                                   {"wide_n": 32, "wide_n2": 64})):
+        x, w13, s13, w2, s2, tw, ids = case(t=t, top_k=top_k, h=h, inter=inter, seed=120 + t + h)
+        cfg = dict(WIDE, **extra)
+        got = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=group,
+                         config=cfg).float()
+        want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["wide_n"],
+                                     input_group=group).float()
+        per_token = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
+        assert float(per_token.max()) < 1e-2 and int((per_token > 1e-5).sum()) <= max(1, t // 4), \
+            (t, h, group, extra, per_token.tolist())
+        # the default path at the same rounding points (block_n = wide_n's group where it can be) agrees to fp32
+        # rounding of the group sums (an INT8 rounding of the intermediate may flip: ~1e-3 on a token)
+        if cfg["wide_n"] % 32 == 0:
+            other = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=group,
+                               config=dict(DECODE, block_n=cfg["wide_n"], pair_blocks=True, fused_io=True))
+            assert float(((got - other.float()).norm(dim=-1) / other.float().norm(dim=-1)).max()) < 1e-2
+
+
+def test_wide_quant_is_the_quantizer_launch_inside_the_gate_up(k):
+    """wide_quant: each gate-up program rounds its token's row to INT8 itself, with the quantizer launch's operations:
+    bit-equal to the quantizer launch, padded K included; refused with a per-group input scale."""
+    for t, h in ((1, 256), (2, 192)):
+        x, w13, s13, w2, s2, tw, ids = case(t=t, top_k=3, h=h, inter=64, seed=160 + t)
+        on = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(WIDE, wide_quant=True))
+        off = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=WIDE)
+        assert torch.equal(on, off), (t, h)
+    with pytest.raises(ValueError, match="wide_quant"):
+        run_kernel(k, x, w13, s13, w2, s2, tw, ids, input_group=32, config=dict(WIDE, wide_quant=True))
+
+
+def test_one_token_defaults_to_wide_and_yields_to_other_kernels_options(k):
+    """default_config at one token (up to 6 pairs): the wide path with the input's rounding inside the gate-up launch,
+    32-column gate-up programs (the intermediate group 32 of every other decode config) and 16-column down programs
+    (session 29's H200 bench). The default's output is that config's; a per-group input scale takes the quantizer
+    launch instead (no refusal); an MMA tile or loop option asked for runs that kernel (bit-equal to asking wide off)."""
+    cfg = k.default_config(6)
+    assert {n: cfg[n] for n in ("wide", "wide_n", "wide_warps", "wide_n2", "wide_warps2", "wide_quant")} == {
+        "wide": True, "wide_n": 32, "wide_warps": 16, "wide_n2": 16, "wide_warps2": 8, "wide_quant": True}
+    assert not k.default_config(7).get("wide", False)
+    x, w13, s13, w2, s2, tw, ids = case(t=1, top_k=3, h=256, inter=64, seed=170)
+    wide = {n: v for n, v in cfg.items() if n in k.WIDE_OWN}
+    default = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5)
+    assert torch.equal(default, run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=wide))
+    grouped = run_kernel(k, x, w13, s13, w2, s2, tw, ids, input_group=64)
+    assert torch.equal(grouped, run_kernel(k, x, w13, s13, w2, s2, tw, ids, input_group=64,
+                                           config=dict(wide, wide_quant=False)))
+    mma = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=DECODE)
+    assert torch.equal(mma, run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, wide=False)))
+
+
+def test_wide_routed_scaling_once_and_a_missing_expert_adds_nothing(k):
+    """The routed scaling multiplies the sum once; a pair of expert -1 (no expert) contributes nothing: the output
+    equals the reference with that pair's router weight 0."""
+    x, w13, s13, w2, s2, tw, ids = case(t=2, top_k=3, h=128, inter=64, seed=140)
+    one = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.0, config=WIDE).float()
+    two = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=2.0, config=WIDE).float()
+    assert torch.allclose(two, 2 * one, rtol=1e-6, atol=0)
+    ids_gap, tw_gap = ids.clone(), tw.clone()
+    ids_gap[1, 2] = -1
+    tw_gap[1, 2] = 0.0
+    got = run_kernel(k, x, w13, s13, w2, s2, tw, ids_gap, config=WIDE).float()
+    ids_ref = ids_gap.clamp_min(0)
+    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw_gap, ids_ref, group=16).float()
+    assert rel(got, want) < 1e-2, rel(got, want)
+
+
+def test_wide_refuses_what_it_cannot_do(k):
+    """Widths that do not tile the layer, and another kernel's options asked for beside wide, are refused loudly;
+    left to a default, wide yields to another kernel's option asked for."""
+    x, w13, s13, w2, s2, tw, ids = case(t=1, top_k=2, h=128, inter=64, seed=150)
+    for bad, match in (({"wide_n": 48}, "wide_n=48"), ({"wide_n2": 256}, "wide_n2=256"),
+                       ({"split_k": 2}, "split_k"), ({"gemv": True}, "gemv")):
+        with pytest.raises(ValueError, match=match):
+            run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(WIDE, **bad))
+
+
+WIDE_COMPILE = r"""
+import json, os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dsv4_sm80.kernels import w4a8_moe as k
+common = {"b_ptr": "*u8", "bs_ptr": "*u8", "expert_ptr": "*i32", "N": "i32", "stride_be": "i32", "stride_bse": "i32",
+          "stride_bsn": "i32", "K": "constexpr", "C": "constexpr", "A_GROUP": "constexpr", "BLOCK_N": "constexpr",
+          "DECODE_ASM": "constexpr"}
+up = dict(common, a_ptr="*i8", a_scale_ptr="*fp32", q_ptr="*i8", q_scale_ptr="*fp32", a_row_div="i32",
+          a_scale_groups="i32", limit="fp32", stride_am="i32", stride_qm="i32", q_groups="i32", QUANT="constexpr",
+          xq_ptr="*i8")
+up_bf16 = dict(up, a_ptr="*bf16")
+down = dict(common, h_ptr="*i8", h_scale_ptr="*fp32", out_ptr="*bf16", topk_w_ptr="*fp32", h_groups="i32",
+            scale="fp32", stride_hm="i32", stride_om="i32", TOP_K="constexpr", TOP_K_P="constexpr")
+# the divisibility the real JIT derives at TP4 shapes (pointers, and the integer arguments that are multiples of 16)
+attrs = lambda sig: {(i,): [["tt.divisibility", 16]] for i, p in enumerate(sig)
+                     if sig[p].startswith("*") or p.startswith("stride_") or p == "N"}
+out = {}
+for name, fn, sig, consts, warps in WIDE_BUILDS:
+    fn = getattr(k, fn)
+    sig = {n: sig[n] for n in fn.arg_names}  # in the kernel's argument order
+    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs(sig)),
+                       target=GPUTarget("cuda", 80, 32), options={"num_warps": warps})
+    ptx = c.asm["ptx"]
+    r = {"sm80": ".target sm_80" in ptx, "dp4a": "dp4a.s32.s32" in ptx, "prmt": "0xF4F8FAFC" in ptx,
+         "fp8": "e4m3" in ptx or "e5m2" in ptx, "v4_loads": len(re.findall(r"ld[.]global(?:[.]\w+)*[.]v4[.]b32", ptx))}
+    # registers and local-memory stack per thread, as ptxas built them (Triton's own cuobjdump)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if os.path.exists(cuobjdump):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(c.asm["cubin"]); f.flush()
+            use = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+).*?STACK:(\d+)", use)
+        r["regs"], r["stack"] = (int(m.group(1)), int(m.group(2))) if m else (None, None)
+    out[name] = r
+print(json.dumps(out))
+"""
+WIDE_BUILDS = [  # TP4 per-rank shapes (hidden 4096, intermediate 512)
+    ("gate_up-16x8w", "_wide_gate_up_kernel", "up",
+     {"K": 4096, "C": 64, "A_GROUP": 0, "BLOCK_N": 16, "DECODE_ASM": True}, 8),
+    ("gate_up-32x16w", "_wide_gate_up_kernel", "up",
+     {"K": 4096, "C": 64, "A_GROUP": 0, "BLOCK_N": 32, "DECODE_ASM": True}, 16),
+    ("gate_up-16x8w-quant", "_wide_gate_up_kernel", "up_bf16",
+     {"K": 4096, "C": 64, "A_GROUP": 0, "BLOCK_N": 16, "DECODE_ASM": True, "QUANT": True}, 8),
+    ("down-16x8w", "_wide_down_kernel", "down",
+     {"K": 512, "C": 8, "A_GROUP": 16, "BLOCK_N": 16, "DECODE_ASM": True, "TOP_K": 6, "TOP_K_P": 8}, 8),
+    ("down-32x8w-group32", "_wide_down_kernel", "down",
+     {"K": 512, "C": 8, "A_GROUP": 32, "BLOCK_N": 32, "DECODE_ASM": True, "TOP_K": 6, "TOP_K_P": 8}, 8),
+]
+
+
+def test_wide_kernels_compile_for_sm80():
+    """The wide kernels at TP4 per-rank shapes, compiled for sm_80 without a GPU: DP4A and the PRMT decoder, 16-byte
+    code loads, no FP8, and no local-memory stack (ptxas spilled nothing; read with the cuobjdump Triton ships)."""
+    from conftest import last_json, run_python
+
+    builds = [(n, fn, f"__{s}__", c, w) for n, fn, s, c, w in WIDE_BUILDS]
+    code = WIDE_COMPILE.replace("WIDE_BUILDS", repr(builds))
+    for sig in ("up_bf16", "up", "down"):
+        code = code.replace(f"'__{sig}__'", sig)
+    res = last_json(run_python(code, TRITON_INTERPRET="0"))
+    for name, r in res.items():
+        assert {n: r[n] for n in ("sm80", "dp4a", "prmt", "fp8")} == {"sm80": True, "dp4a": True, "prmt": True,
+                                                                     "fp8": False}, (name, r)
+        assert r["v4_loads"] > 0, (name, r)
+        assert r["stack"] == 0, (name, r)
+    print(json.dumps(res))

@@ -999,6 +999,186 @@ def _w4a8_gemv_kernel(
         tl.store(c_ptr + out * stride_cm + offs_n, acc.to(c_ptr.dtype.element_ty), mask=n_ok)
 
 
+# The wide one-token path (config wide; session 29): every load of a program issued at once. At one token the two
+# GEMM launches of the MMA tile and of gemv moved their 12.6 + 6.3 MB at 1.0-1.3 TB/s (sessions 19-20: the MMA tile
+# issue-bound on its 15 padding rows, gemv's few warps waiting on each K step's loads in turn), and three small
+# launches (split-K finish, top-k sum, quantizer) came on top. Here a gate-up program holds its pair's whole K for
+# BLOCK_N columns of the gate and the up rows (no split-K, so no finish launch; the GLU and the intermediate's INT8
+# rounding in its epilogue), its codes loaded as one [K/64, BLOCK_N, 8]-word tensor per side (the tile-major layout
+# makes each chunk's BLOCK_N columns one contiguous block), the K reduction done across the program's threads; a
+# down program holds BLOCK_N2 output columns of one token for all of its TOP_K pairs and adds them in pair order,
+# times the router weight and the routed scaling (no top-k sum launch). The same exact int32 group dots as every
+# other loop; the fp32 sums run in another order (a tree over K), so outputs agree with the other configs to fp32
+# rounding, not bit for bit.
+@triton.jit
+def _wide_products(words, x_lo, x_hi, DECODE_ASM: tl.constexpr):
+    """Per word, the int32 dot of its four codes of the chunk's first group with x_lo (four INT8 activations) and of
+    its four codes of the second group with x_hi (`_gemv_dots` without the sum over words)."""
+    if DECODE_ASM:
+        lo, hi = tl.inline_asm_elementwise(_DECODE_ASM_C, "=r,=r,r", [words], dtype=(tl.int32, tl.int32),
+                                           is_pure=True, pack=1)
+        z = tl.zeros(words.shape, dtype=tl.int32)
+        p_lo = tl.inline_asm_elementwise(_DP4A_ASM_C, "=r,r,r,r", [lo, x_lo, z], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+        p_hi = tl.inline_asm_elementwise(_DP4A_ASM_C, "=r,r,r,r", [hi, x_hi, z], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+    else:
+        p_lo = tl.zeros(words.shape, dtype=tl.int32)
+        p_hi = tl.zeros(words.shape, dtype=tl.int32)
+        for i in tl.static_range(4):
+            p_lo += _e2m1x2((words >> (4 * i)) & 0xF) * ((x_lo << (24 - 8 * i)) >> 24)
+            p_hi += _e2m1x2((words >> (16 + 4 * i)) & 0xF) * ((x_hi << (24 - 8 * i)) >> 24)
+    return p_lo, p_hi
+
+
+@triton.jit
+def _wide_codes(w_rows, ok, offs_n, K: tl.constexpr, MASKED: tl.constexpr):
+    """The codes of R chunk rows against BLOCK_N columns offs_n (16, or a multiple of 32, aligned to itself), as one
+    [R, BLOCK_N, 8]-word tensor: w_rows [R] int32 pointers to each row's 64-deep K chunk block (in the tile-major
+    layout column n's chunk is 32 bytes at (n // 32) * 16K + (n % 32) * 32 from it, so the BLOCK_N columns' words
+    are one contiguous block). MASKED: rows where ok [R] is false read as zeros."""
+    offs_w = tl.arange(0, 8)
+    col = (offs_n // 32) * (K * 4) + (offs_n % 32) * 8  # in words: a 32-row tile is 32 * K/2 bytes
+    w_ptrs = w_rows[:, None, None] + col[None, :, None] + offs_w[None, None, :]
+    if MASKED:
+        return tl.load(w_ptrs, mask=ok[:, None, None], other=0)
+    return tl.load(w_ptrs)
+
+
+@triton.jit
+def _wide_x(x_rows, ok, offs_n, MASKED: tl.constexpr):
+    """The INT8 activation words the codes of `_wide_codes` multiply, in their shape and layout: x_rows [R] int32
+    pointers to the activation row's words at each row's chunk; word q of a chunk pairs with x words q (k = 4q..,
+    the first scale group) and 8 + q (k = 32 + 4q.., the second). Addressed per element like the codes, so that
+    they share the codes' layout (loaded as [R, 1, 8] and broadcast, they took a layout of their own and Triton moved
+    the decoded codes to it through shared memory); the copies along the columns are one load each after CSE."""
+    xw = x_rows[:, None, None] + tl.arange(0, 8)[None, None, :] + 0 * offs_n[None, :, None]
+    if MASKED:
+        return tl.load(xw, mask=ok[:, None, None], other=0), tl.load(xw + 8, mask=ok[:, None, None], other=0)
+    return tl.load(xw), tl.load(xw + 8)
+
+
+@triton.jit
+def _wide_rows(words, x_lo, x_hi, s_rows, sa_rows, k_rows, ok, offs_n, stride_bsn, A_GROUP: tl.constexpr,
+               DECODE_ASM: tl.constexpr):
+    """R chunk rows of a wide program (`_wide_codes`, `_wide_x`) against BLOCK_N columns: fp32 [R, BLOCK_N], per row
+    its two scale groups' exact int32 dots times their weight scales (s_rows [R]: each row's scale bytes, column n's
+    pair n * stride_bsn further) and, A_GROUP, their activation scales (sa_rows [R] fp32 pointers to the activation
+    row's scales, k_rows [R] the chunk's K offset); the per-row scale of A_GROUP 0 is the caller's."""
+    ok2 = ok[:, None]
+    s0, s1 = _word_scales(_scale_word(s_rows[:, None] + offs_n[None, :] * stride_bsn, ok2))
+    p_lo, p_hi = _wide_products(words, x_lo, x_hi, DECODE_ASM)
+    if A_GROUP == 16:  # two activation groups per weight group: words 0-3 and 4-7, each half's int32 dot by itself
+        first = (tl.arange(0, 8) < 4)[None, None, :]
+        sa = sa_rows[:, None] + k_rows[:, None] // 16  # the chunk's four groups: lo 0, 1; hi 2, 3
+        v = (tl.sum(tl.where(first, p_lo, 0), axis=2).to(tl.float32) * tl.load(sa, mask=ok2, other=0.0)
+             + tl.sum(tl.where(first, 0, p_lo), axis=2).to(tl.float32) * tl.load(sa + 1, mask=ok2, other=0.0)) * s0 \
+            + (tl.sum(tl.where(first, p_hi, 0), axis=2).to(tl.float32) * tl.load(sa + 2, mask=ok2, other=0.0)
+               + tl.sum(tl.where(first, 0, p_hi), axis=2).to(tl.float32) * tl.load(sa + 3, mask=ok2, other=0.0)) * s1
+    elif A_GROUP:
+        sa_lo = tl.load(sa_rows[:, None] + k_rows[:, None] // A_GROUP, mask=ok2, other=0.0)
+        sa_hi = tl.load(sa_rows[:, None] + (k_rows[:, None] + 32) // A_GROUP, mask=ok2, other=0.0)
+        v = (tl.sum(p_lo, axis=2).to(tl.float32) * s0) * sa_lo + (tl.sum(p_hi, axis=2).to(tl.float32) * s1) * sa_hi
+    else:
+        v = tl.sum(p_lo, axis=2).to(tl.float32) * s0 + tl.sum(p_hi, axis=2).to(tl.float32) * s1
+    return v
+
+
+@triton.jit
+def _wide_gate_up_kernel(
+    a_ptr, a_scale_ptr, b_ptr, bs_ptr, q_ptr, q_scale_ptr, expert_ptr,
+    N, a_row_div, a_scale_groups, limit, stride_am, stride_be, stride_bse, stride_bsn, stride_qm, q_groups,
+    K: tl.constexpr, C: tl.constexpr, A_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DECODE_ASM: tl.constexpr,
+    QUANT: tl.constexpr = False, xq_ptr=None,
+):
+    """Program (pair, BLOCK_N columns): the gate and the up rows of those columns over the pair's whole K (C: K/64
+    rounded up to a power of two; chunks past K/64 masked), then the clamped SiLU-GLU and the intermediate's INT8
+    rounding per BLOCK_N columns (`_glu_quant`), stored as the down launch reads them. N (the intermediate) a
+    multiple of BLOCK_N, K (hidden) of 64. Every code load is issued at once.
+    QUANT (A_GROUP 0): no quantizer launch before this one: a_ptr is the layer input (BF16 rows, stride_am), and each
+    program first rounds its token's row to INT8 itself with `_quantize_rows_kernel`'s operations (the same q and s)
+    into its own scratch row xq_ptr + pid * 64C, then (after a barrier) loads the codes and reads the words back in
+    their layout; a_scale_ptr is not read. (Done after the code loads were issued, the row held the codes' registers
+    longer: 11.4 us at one token on the H200 against 8.4 for the plain launch and 2.1 for the quantizer's.)"""
+    pid = tl.program_id(0)
+    n_tiles = N // BLOCK_N
+    p = pid // n_tiles
+    pid_n = pid % n_tiles
+    expert = tl.load(expert_ptr + p).to(tl.int64)
+    if expert < 0:
+        return
+    row = (p // a_row_div).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, C)
+    ok = offs_c < K // 64
+    MASKED: tl.constexpr = C != K // 64
+    w_rows = (b_ptr + expert * stride_be).to(tl.pointer_type(tl.int32)) + offs_c * 256
+    s_rows = bs_ptr + expert * stride_bse + 2 * offs_c
+    sa_row = a_scale_ptr + row * a_scale_groups
+    if QUANT:  # the token's row rounded to INT8 here (one scale per token), into this program's scratch row
+        offs_k = tl.arange(0, 64 * C)
+        xv = tl.load(a_ptr + row * stride_am + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        sa = _int8_scale(tl.max(tl.abs(xv), axis=0))
+        scratch = xq_ptr + pid.to(tl.int64) * (64 * C)
+        tl.store(scratch + offs_k, round_int8(tl.math.div_rn(xv, sa)))
+        tl.debug_barrier()  # each thread reads words the others wrote
+        x_words = scratch.to(tl.pointer_type(tl.int32))
+    else:
+        x_words = (a_ptr + row * stride_am).to(tl.pointer_type(tl.int32))
+    gate_w = _wide_codes(w_rows, ok, offs_n, K, MASKED)
+    up_w = _wide_codes(w_rows + N * (K // 8), ok, offs_n, K, MASKED)  # the up rows sit N rows further
+    x_lo, x_hi = _wide_x(x_words + 16 * offs_c, ok, offs_n, MASKED)
+    sa_rows = sa_row + 0 * offs_c
+    gate = tl.sum(_wide_rows(gate_w, x_lo, x_hi, s_rows, sa_rows, 64 * offs_c, ok, offs_n, stride_bsn, A_GROUP,
+                             DECODE_ASM), axis=0)
+    up = tl.sum(_wide_rows(up_w, x_lo, x_hi, s_rows + N * stride_bsn, sa_rows, 64 * offs_c, ok, offs_n, stride_bsn,
+                           A_GROUP, DECODE_ASM), axis=0)
+    if not A_GROUP:
+        if not QUANT:
+            sa = tl.load(sa_row)
+        gate = gate * sa
+        up = up * sa
+    q, s = _glu_quant((gate * 0.5)[None, :], up[None, :], offs_n < N, limit, False)
+    tl.store(q_ptr + p.to(tl.int64) * stride_qm + offs_n[None, :], q)
+    tl.store(q_scale_ptr + p.to(tl.int64) * q_groups + pid_n + tl.arange(0, 1), s)
+
+
+@triton.jit
+def _wide_down_kernel(
+    h_ptr, h_scale_ptr, b_ptr, bs_ptr, out_ptr, expert_ptr, topk_w_ptr,
+    N, h_groups, scale, stride_hm, stride_be, stride_bse, stride_bsn, stride_om,
+    K: tl.constexpr, C: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, A_GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, DECODE_ASM: tl.constexpr,
+):
+    """Program (token, BLOCK_N output columns): the down rows of all the token's TOP_K pairs over the intermediate K
+    at once (TOP_K_P x C chunk rows: pair j = row // C, chunk c = row % C; TOP_K_P and C powers of two, rows past
+    TOP_K pairs or K/64 chunks masked), each row times 1/2 (the codes are twice the E2M1 values) and its pair's
+    router weight, summed, times the routed scaling, cast to out's dtype. A pair of expert -1 adds nothing. N
+    (hidden) a multiple of BLOCK_N. (Loading every pair's rows in one tensor puts all of them in flight together; a
+    loop over the pairs waited on each pair's expert id and codes in turn: 10.0 us at one token on the H200 against
+    the MMA down launch's 6.5, session 29.)"""
+    pid = tl.program_id(0)
+    n_tiles = N // BLOCK_N
+    t = pid // n_tiles
+    offs_n = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, TOP_K_P * C)
+    j = r // C
+    c = r % C
+    pair = t.to(tl.int64) * TOP_K + j
+    expert = tl.load(expert_ptr + pair, mask=j < TOP_K, other=-1).to(tl.int64)
+    ok = (j < TOP_K) & (expert >= 0) & (c < K // 64)
+    expert = tl.maximum(expert, 0)
+    w_rows = (b_ptr + expert * stride_be).to(tl.pointer_type(tl.int32)) + c * 256
+    s_rows = bs_ptr + expert * stride_bse + 2 * c
+    x_rows = (h_ptr + pair * stride_hm).to(tl.pointer_type(tl.int32)) + 16 * c
+    words = _wide_codes(w_rows, ok, offs_n, K, True)
+    x_lo, x_hi = _wide_x(x_rows, ok, offs_n, True)
+    v = _wide_rows(words, x_lo, x_hi, s_rows, h_scale_ptr + pair * h_groups, 64 * c, ok, offs_n, stride_bsn, A_GROUP,
+                   DECODE_ASM)
+    weight = tl.load(topk_w_ptr + pair, mask=ok, other=0.0) * 0.5
+    total = tl.sum(v * weight[:, None], axis=0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, (total * scale).to(out_ptr.dtype.element_ty))
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Sort the (token, k) pairs by expert and pad each expert's run to a multiple of block_m.
 
@@ -1097,10 +1277,15 @@ def default_config(pairs: int, inter: int = 512, expand_ok: bool = False) -> dic
     programs along N of the 128-wide tile): 552 / 556 / 604 / 637 / 729 us at 768 / 896 / 1,024 / 1,152 / 1,280
     tokens against the 64x128 tile's 643 (16x32) / 742 / 749 / 751 / 755 and Marlin's 641 / 656 / 688 / 751 / 824;
     at 640 tokens the 16x32 tile stays (529 against 546), at 1,536 the 64x128 (770 against 928). As defaults: 0.86 /
-    0.87 / 0.88 / 0.90 / 0.89x Marlin's time at 640 / 768 / 1,024 / 1,280 / 1,536 tokens."""
-    if pairs <= 6:  # one token: 4 warps per 16x32 tile, one pair per block, gate-up K in 4 shares
+    0.87 / 0.88 / 0.90 / 0.89x Marlin's time at 640 / 768 / 1,024 / 1,280 / 1,536 tokens.
+    One token (session 29): config wide, 32 columns x 16 warps per gate-up program with the input's INT8 rounding in
+    it, 16 output columns x 8 warps per down program: 16.9 us on the H200 at TP4 shapes (CUDA-graph replays, fresh
+    routings) against the pair-block MMA tile's 24.7 (which stays as the fallback at one token: the keys above); the
+    same intermediate group (32) as every other decode config. (16 x 8 warps for the gate-up, group 16, took 16.7.)"""
+    if pairs <= 6:  # one token: the wide path (its own two launches; the MMA tile's keys if it yields, e.g. to input_group)
         return {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3, "shift": False,
-                "fused_io": True, "pair_blocks": True, "split_k": 4}
+                "fused_io": True, "pair_blocks": True, "split_k": 4,
+                "wide": True, "wide_n": 32, "wide_warps": 16, "wide_n2": 16, "wide_warps2": 8, "wide_quant": True}
     if pairs <= (192 if inter <= 512 else 96):  # 2-32 tokens (2-16 for a wider intermediate): gemv, K in 8 shares
         return {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": False,
                 "fused_io": True, "pair_blocks": True, "gemv": True, "split_k": 8, "gemv_prefetch": 1}
@@ -1120,7 +1305,63 @@ def default_config(pairs: int, inter: int = 512, expand_ok: bool = False) -> dic
 CONFIG_KEYS = frozenset({  # every option `w4a8_moe` reads from its config (`default_config` sets a subset)
     "block_m", "block_n", "block_n2", "num_warps", "num_stages", "shift", "fused_io", "pair_blocks", "split_k", "gemv",
     "gemv_n", "gemv_prefetch", "merge", "unroll", "unroll_down", "pair_bf16", "decode", "shift_only", "expand",
-    "block_k", "expand_mb"})
+    "block_k", "expand_mb", "wide", "wide_n", "wide_n2", "wide_warps", "wide_warps2", "wide_quant"})
+
+
+WIDE_OWN = frozenset({"wide", "wide_n", "wide_n2", "wide_warps", "wide_warps2", "wide_quant", "decode", "fused_io"})
+
+
+def _wide_width(name: str, width: int, dim: int, dim_name: str) -> None:
+    if not (width == 16 or width % 32 == 0) or dim % width:
+        raise ValueError(f"w4a8_moe config {name}={width}: 16 or a multiple of 32 that divides {dim_name} {dim}")
+
+
+def _wide_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, cfg, swiglu_limit, routed_scaling_factor,
+              input_group, out):
+    """config wide: the quantizer, `_wide_gate_up_kernel` (pair, wide_n columns; wide_warps) and `_wide_down_kernel`
+    (token, wide_n2 output columns; wide_warps2): three launches, no alignment, split-K finish or top-k sum. The
+    intermediate's INT8 group is wide_n columns."""
+    t, h = x.shape
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    pairs = t * top_k
+    wn, wn2 = int(cfg.get("wide_n", 16)), int(cfg.get("wide_n2", 16))
+    _wide_width("wide_n", wn, inter, "intermediate")
+    _wide_width("wide_n2", wn2, h, "hidden")
+    dev = x.device
+    decode_asm = cfg.get("decode", "asm" if x.is_cuda and not _INTERPRETED else "alu") == "asm"
+    res = out if out is not None and out.is_contiguous() else torch.empty((t, h), dtype=x.dtype, device=dev)
+    if not t:
+        return res if out is None or res is out else out.copy_(res)
+    quant = bool(cfg.get("wide_quant", False))  # the input's rounding inside the gate-up launch
+    if quant and input_group:
+        raise ValueError(f"w4a8_moe config wide_quant: one scale per token only (input_group 0, not {input_group})")
+    c_up = triton.next_power_of_2(h // CHUNK)
+    scratch = None
+    if quant:  # (xs is not read; a tensor for the argument)
+        xq, xs = (x if x.stride(1) == 1 else x.contiguous()), topk_weights
+        scratch = torch.empty((pairs * (inter // wn), 64 * c_up), dtype=torch.int8, device=dev)  # a row per program
+    else:
+        xq, xs = quantize_rows_int8_fused(x, input_group)
+    groups = inter // wn
+    hq = torch.empty((pairs, inter), dtype=torch.int8, device=dev)
+    hs = torch.empty((pairs, groups), dtype=torch.float32, device=dev)
+    ids = topk_ids.reshape(-1).contiguous()
+    w13b, w13s = w13.view(torch.uint8), w13_scale.view(torch.uint8)
+    w2b, w2s = w2.view(torch.uint8), w2_scale.view(torch.uint8)
+    _wide_gate_up_kernel[(pairs * (inter // wn),)](
+        xq, xs, w13b, w13s, hq, hs, ids, inter, top_k, xs.shape[1], float(swiglu_limit), xq.stride(0),
+        w13b.stride(0), w13s.stride(0), w13s.stride(1), hq.stride(0), groups,
+        K=h, C=c_up, A_GROUP=input_group, BLOCK_N=wn, DECODE_ASM=decode_asm, QUANT=quant, xq_ptr=scratch,
+        num_warps=int(cfg.get("wide_warps", 8)))
+    _wide_down_kernel[(t * (h // wn2),)](
+        hq, hs, w2b, w2s, res, ids, topk_weights.reshape(-1).to(torch.float32).contiguous(), h, groups,
+        float(routed_scaling_factor), hq.stride(0), w2b.stride(0), w2s.stride(0), w2s.stride(1), res.stride(0),
+        K=inter, C=triton.next_power_of_2(inter // CHUNK), TOP_K=top_k, TOP_K_P=triton.next_power_of_2(top_k),
+        A_GROUP=wn, BLOCK_N=wn2,
+        DECODE_ASM=decode_asm, num_warps=int(cfg.get("wide_warps2", 8)))
+    return res if out is None or res is out else out.copy_(res)
 
 
 def w4a8_moe(
@@ -1182,6 +1423,23 @@ def w4a8_moe(
         if not w.is_contiguous():  # the kernels address the repacked tiles and scale pairs by shape alone
             raise ValueError(f"{name} must be contiguous (shape {tuple(w.shape)}, strides {tuple(w.stride())}): "
                              "the kernel layout is addressed from its shape")
+    if input_group % GROUP:
+        raise ValueError(f"input_group={input_group} must be a multiple of {GROUP} (0: one scale per token)")
+    other = ([n for n in ("gemv", "merge", "shift", "expand", "gemv_prefetch", "shift_only", "pair_bf16") if asked.get(n)]
+             + [n for n in ("split_k", "unroll", "unroll_down") if int(asked.get(n, 1)) > 1]
+             + (["pair_blocks off"] if asked.get("pair_blocks") is False else []))
+    wide = bool(cfg.get("wide", False))
+    if "wide" not in asked and (set(asked) - WIDE_OWN or inter % int(cfg.get("wide_n", 16))
+                                or h % int(cfg.get("wide_n2", 16))):
+        wide = False  # default_config's choice yields to any other kernel's option asked for (a tile, a loop: the
+        # caller means that kernel), or to widths it cannot tile
+    if wide and "wide_quant" not in asked and input_group:
+        cfg["wide_quant"] = False  # (the in-launch rounding is per token; a per-group input scale takes the launch)
+    if wide and other:
+        raise ValueError(f"w4a8_moe config wide: its own two kernels; {other} belong to the others (drop them, or wide)")
+    if wide:
+        return _wide_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, cfg, swiglu_limit,
+                         routed_scaling_factor, input_group, out)
     pairs = t * top_k
     dev = x.device
     pair_blocks = bool(cfg.get("pair_blocks", False))  # one pair per M block, no alignment (tiny batches)
