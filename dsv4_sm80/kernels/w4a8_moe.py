@@ -1032,29 +1032,26 @@ def _wide_products(words, x_lo, x_hi, DECODE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _wide_codes(w_rows, ok, offs_n, K: tl.constexpr, MASKED: tl.constexpr):
+def _wide_codes(w_rows, offs_n, K: tl.constexpr):
     """The codes of R chunk rows against BLOCK_N columns offs_n (16, or a multiple of 32, aligned to itself), as one
     [R, BLOCK_N, 8]-word tensor: w_rows [R] int32 pointers to each row's 64-deep K chunk block (in the tile-major
     layout column n's chunk is 32 bytes at (n // 32) * 16K + (n % 32) * 32 from it, so the BLOCK_N columns' words
-    are one contiguous block). MASKED: rows where ok [R] is false read as zeros."""
+    are one contiguous block). Unmasked: a row that must add nothing (padding past K, a missing pair) points at valid
+    codes and its scales read as 0 (`_wide_rows`); a masked load took a zeroing instruction per register and kept
+    the activation words' copies apart (session 29's sm_80 build of the down launch)."""
     offs_w = tl.arange(0, 8)
     col = (offs_n // 32) * (K * 4) + (offs_n % 32) * 8  # in words: a 32-row tile is 32 * K/2 bytes
-    w_ptrs = w_rows[:, None, None] + col[None, :, None] + offs_w[None, None, :]
-    if MASKED:
-        return tl.load(w_ptrs, mask=ok[:, None, None], other=0)
-    return tl.load(w_ptrs)
+    return tl.load(w_rows[:, None, None] + col[None, :, None] + offs_w[None, None, :])
 
 
 @triton.jit
-def _wide_x(x_rows, ok, offs_n, MASKED: tl.constexpr):
+def _wide_x(x_rows, offs_n):
     """The INT8 activation words the codes of `_wide_codes` multiply, in their shape and layout: x_rows [R] int32
     pointers to the activation row's words at each row's chunk; word q of a chunk pairs with x words q (k = 4q..,
     the first scale group) and 8 + q (k = 32 + 4q.., the second). Addressed per element like the codes, so that
     they share the codes' layout (loaded as [R, 1, 8] and broadcast, they took a layout of their own and Triton moved
     the decoded codes to it through shared memory); the copies along the columns are one load each after CSE."""
     xw = x_rows[:, None, None] + tl.arange(0, 8)[None, None, :] + 0 * offs_n[None, :, None]
-    if MASKED:
-        return tl.load(xw, mask=ok[:, None, None], other=0), tl.load(xw + 8, mask=ok[:, None, None], other=0)
     return tl.load(xw), tl.load(xw + 8)
 
 
@@ -1064,7 +1061,8 @@ def _wide_rows(words, x_lo, x_hi, s_rows, sa_rows, k_rows, ok, offs_n, stride_bs
     """R chunk rows of a wide program (`_wide_codes`, `_wide_x`) against BLOCK_N columns: fp32 [R, BLOCK_N], per row
     its two scale groups' exact int32 dots times their weight scales (s_rows [R]: each row's scale bytes, column n's
     pair n * stride_bsn further) and, A_GROUP, their activation scales (sa_rows [R] fp32 pointers to the activation
-    row's scales, k_rows [R] the chunk's K offset); the per-row scale of A_GROUP 0 is the caller's."""
+    row's scales, k_rows [R] the chunk's K offset); the per-row scale of A_GROUP 0 is the caller's. Rows where ok [R]
+    is false read their scales as 0 and add exactly 0 (their codes and activations are valid memory, not masked)."""
     ok2 = ok[:, None]
     s0, s1 = _word_scales(_scale_word(s_rows[:, None] + offs_n[None, :] * stride_bsn, ok2))
     p_lo, p_hi = _wide_products(words, x_lo, x_hi, DECODE_ASM)
@@ -1111,8 +1109,8 @@ def _wide_gate_up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, C)
     ok = offs_c < K // 64
-    MASKED: tl.constexpr = C != K // 64
-    w_rows = (b_ptr + expert * stride_be).to(tl.pointer_type(tl.int32)) + offs_c * 256
+    c_at = tl.minimum(offs_c, K // 64 - 1)  # (padded chunks read the last one's memory; their scales read as 0)
+    w_rows = (b_ptr + expert * stride_be).to(tl.pointer_type(tl.int32)) + c_at * 256
     s_rows = bs_ptr + expert * stride_bse + 2 * offs_c
     sa_row = a_scale_ptr + row * a_scale_groups
     if QUANT:  # the token's row rounded to INT8 here (one scale per token), into this program's scratch row
@@ -1125,9 +1123,9 @@ def _wide_gate_up_kernel(
         x_words = scratch.to(tl.pointer_type(tl.int32))
     else:
         x_words = (a_ptr + row * stride_am).to(tl.pointer_type(tl.int32))
-    gate_w = _wide_codes(w_rows, ok, offs_n, K, MASKED)
-    up_w = _wide_codes(w_rows + N * (K // 8), ok, offs_n, K, MASKED)  # the up rows sit N rows further
-    x_lo, x_hi = _wide_x(x_words + 16 * offs_c, ok, offs_n, MASKED)
+    gate_w = _wide_codes(w_rows, offs_n, K)
+    up_w = _wide_codes(w_rows + N * (K // 8), offs_n, K)  # the up rows sit N rows further
+    x_lo, x_hi = _wide_x(x_words + 16 * c_at, offs_n)
     sa_rows = sa_row + 0 * offs_c
     gate = tl.sum(_wide_rows(gate_w, x_lo, x_hi, s_rows, sa_rows, 64 * offs_c, ok, offs_n, stride_bsn, A_GROUP,
                              DECODE_ASM), axis=0)
@@ -1167,14 +1165,17 @@ def _wide_down_kernel(
     pair = t.to(tl.int64) * TOP_K + j
     expert = tl.load(expert_ptr + pair, mask=j < TOP_K, other=-1).to(tl.int64)
     ok = (j < TOP_K) & (expert >= 0) & (c < K // 64)
+    # rows that add nothing read valid memory (expert 0, the token's first pair, the last chunk); their scales read 0
     expert = tl.maximum(expert, 0)
-    w_rows = (b_ptr + expert * stride_be).to(tl.pointer_type(tl.int32)) + c * 256
+    pair_at = tl.where(j < TOP_K, pair, t.to(tl.int64) * TOP_K)
+    c_at = tl.minimum(c, K // 64 - 1)
+    w_rows = (b_ptr + expert * stride_be).to(tl.pointer_type(tl.int32)) + c_at * 256
     s_rows = bs_ptr + expert * stride_bse + 2 * c
-    x_rows = (h_ptr + pair * stride_hm).to(tl.pointer_type(tl.int32)) + 16 * c
-    words = _wide_codes(w_rows, ok, offs_n, K, True)
-    x_lo, x_hi = _wide_x(x_rows, ok, offs_n, True)
-    v = _wide_rows(words, x_lo, x_hi, s_rows, h_scale_ptr + pair * h_groups, 64 * c, ok, offs_n, stride_bsn, A_GROUP,
-                   DECODE_ASM)
+    x_rows = (h_ptr + pair_at * stride_hm).to(tl.pointer_type(tl.int32)) + 16 * c_at
+    words = _wide_codes(w_rows, offs_n, K)
+    x_lo, x_hi = _wide_x(x_rows, offs_n)
+    v = _wide_rows(words, x_lo, x_hi, s_rows, h_scale_ptr + pair_at * h_groups, 64 * c, ok, offs_n, stride_bsn,
+                   A_GROUP, DECODE_ASM)
     weight = tl.load(topk_w_ptr + pair, mask=ok, other=0.0) * 0.5
     total = tl.sum(v * weight[:, None], axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, (total * scale).to(out_ptr.dtype.element_ty))
@@ -1279,8 +1280,8 @@ def default_config(pairs: int, inter: int = 512, expand_ok: bool = False) -> dic
     at 640 tokens the 16x32 tile stays (529 against 546), at 1,536 the 64x128 (770 against 928). As defaults: 0.86 /
     0.87 / 0.88 / 0.90 / 0.89x Marlin's time at 640 / 768 / 1,024 / 1,280 / 1,536 tokens.
     One token (session 29): config wide, 32 columns x 16 warps per gate-up program with the input's INT8 rounding in
-    it, 16 output columns x 8 warps per down program: 16.9 us on the H200 at TP4 shapes (CUDA-graph replays, fresh
-    routings) against the pair-block MMA tile's 24.7 (which stays as the fallback at one token: the keys above); the
+    it, 16 output columns x 8 warps per down program: 16.5-16.9 us on the H200 at TP4 shapes (CUDA-graph replays, fresh
+    routings) against the pair-block MMA tile's 24.7-25.0 (which stays as the fallback at one token: the keys above); the
     same intermediate group (32) as every other decode config. (16 x 8 warps for the gate-up, group 16, took 16.7.)"""
     if pairs <= 6:  # one token: the wide path (its own two launches; the MMA tile's keys if it yields, e.g. to input_group)
         return {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3, "shift": False,
