@@ -947,6 +947,18 @@ def _gemv_group_loop(a_row_ptr, a_scale_row_ptr, b_base, bs_base, offs_n, n_ok, 
 
 
 @triton.jit
+def _pair_tile(expert_ptr, N, a_row_div, BLOCK_N: tl.constexpr):
+    """A pair-block program's (pair, BLOCK_N-column tile) from its program id: the pair p, the tile's index, the
+    pair's expert (int64; < 0: nothing to do), its activation row (p // a_row_div) and the tile's columns."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    p = pid // n_tiles
+    pid_n = pid % n_tiles
+    expert = tl.load(expert_ptr + p).to(tl.int64)
+    return p, pid_n, expert, (p // a_row_div).to(tl.int64), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
 def _w4a8_gemv_kernel(
     a_ptr, a_scale_ptr, b_ptr, bs_ptr, c_ptr, c_scale_ptr, expert_ptr, topk_w_ptr,
     N, K, num_pairs, a_row_div, a_scale_groups, limit,
@@ -959,15 +971,9 @@ def _w4a8_gemv_kernel(
     rows for one real one (every group's I2F and FFMA on all 16); this one decodes each code once and
     multiplies it once (DP4A). Same outputs, same epilogues (split-K partials, the GLU and INT8 quantization of
     the intermediate per BLOCK_N columns, the top-k weight)."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    p = pid // n_tiles
-    pid_n = pid % n_tiles
-    expert = tl.load(expert_ptr + p).to(tl.int64)
+    p, pid_n, expert, row, offs_n = _pair_tile(expert_ptr, N, a_row_div, BLOCK_N)
     if expert < 0:
         return
-    row = (p // a_row_div).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     k_lo = 0
     k_hi = K
@@ -1098,15 +1104,10 @@ def _wide_gate_up_kernel(
     into its own scratch row xq_ptr + pid * 64C, then (after a barrier) loads the codes and reads the words back in
     their layout; a_scale_ptr is not read. (Done after the code loads were issued, the row held the codes' registers
     longer: 11.4 us at one token on the H200 against 8.4 for the plain launch and 2.1 for the quantizer's.)"""
-    pid = tl.program_id(0)
-    n_tiles = N // BLOCK_N
-    p = pid // n_tiles
-    pid_n = pid % n_tiles
-    expert = tl.load(expert_ptr + p).to(tl.int64)
+    p, pid_n, expert, row, offs_n = _pair_tile(expert_ptr, N, a_row_div, BLOCK_N)
     if expert < 0:
         return
-    row = (p // a_row_div).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
     offs_c = tl.arange(0, C)
     ok = offs_c < K // 64
     c_at = tl.minimum(offs_c, K // 64 - 1)  # (padded chunks read the last one's memory; their scales read as 0)
