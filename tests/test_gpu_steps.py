@@ -143,8 +143,9 @@ def test_moe_onetoken_is_moe_sweep_at_the_default_configs_switch_points(tmp_path
     calls, _ = run_step(tmp_path, "moe-onetoken")
     (bench,) = [a for a in calls if a[0] == "bench/moe.py"]
     assert bench[bench.index("--tokens") + 1] == "1,2,4,8,16,24,32,48,64"
-    assert bench[bench.index("--only") + 1] == "mma|gemv, split_k 8"
-    assert bench[bench.index("--profile-only") + 1] == "gemv, split_k 8, block_n2 128|split_k 4, mma"
+    assert bench[bench.index("--only") + 1] == "mma|gemv, split_k 8|wide"
+    assert bench[bench.index("--profile-only") + 1] == ("gemv, split_k 8, block_n2 128|split_k 4, mma|"
+                                                        "wide 16x8w, down 16x8w, quant in")
     assert os.path.basename(bench[bench.index("--out") + 1]) == "moe-sweep.json" and "--profile" in bench
 
 

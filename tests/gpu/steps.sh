@@ -609,10 +609,12 @@ case ${1:?step} in
     run moe-wide timeout 540 python bench/moe.py --inter 2048 --tokens 1,16,64 --variants --only decode- --profile \
       --out "$OUT/moe-wide.json" ;;
   moe-onetoken)
-    # moe-sweep at the switch points of default_config (session 19: the MMA tile at one token, gemv from 2 to 32
-    # tokens, the aligned MMA tile beyond): the default against the MMA configs gemv replaced and the gemv tiles
-    MOE_TOKENS=${MOE_TOKENS:-1,2,4,8,16,24,32,48,64} MOE_ONLY="mma|gemv, split_k 8" \
-      MOE_PROFILE_ONLY="gemv, split_k 8, block_n2 128|split_k 4, mma" OUT=$OUT NO_JIT_TAR=1 "$0" moe-sweep || rc=1 ;;
+    # moe-sweep at the switch points of default_config (session 29: the wide path at one token; session 19: gemv from
+    # 2 to 32 tokens, the aligned MMA tile beyond): the default against the MMA configs they replaced, the gemv tiles
+    # and the wide tiles
+    MOE_TOKENS=${MOE_TOKENS:-1,2,4,8,16,24,32,48,64} MOE_ONLY="mma|gemv, split_k 8|wide" \
+      MOE_PROFILE_ONLY="gemv, split_k 8, block_n2 128|split_k 4, mma|wide 16x8w, down 16x8w, quant in" OUT=$OUT \
+      NO_JIT_TAR=1 "$0" moe-sweep || rc=1 ;;
   moe-prefill)
     # the prefill sweep (session 21: W4A8 at Marlin's time from 2048 tokens): bench/moe.py's prefill- variants at
     # MOE_TOKENS (512,2048,8192,16384), Marlin beside the default where SGLang is importable, kernels profiled
