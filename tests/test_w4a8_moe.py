@@ -1058,9 +1058,13 @@ WIDE_BUILDS = [  # TP4 per-rank shapes (hidden 4096, intermediate 512)
      {"K": 4096, "C": 64, "A_GROUP": 0, "BLOCK_N": 16, "DECODE_ASM": True}, 8),
     ("gate_up-32x16w", "_wide_gate_up_kernel", "up",
      {"K": 4096, "C": 64, "A_GROUP": 0, "BLOCK_N": 32, "DECODE_ASM": True}, 16),
+    ("gate_up-32x16w-quant", "_wide_gate_up_kernel", "up_bf16",  # the default's
+     {"K": 4096, "C": 64, "A_GROUP": 0, "BLOCK_N": 32, "DECODE_ASM": True, "QUANT": True}, 16),
     ("gate_up-16x8w-quant", "_wide_gate_up_kernel", "up_bf16",
      {"K": 4096, "C": 64, "A_GROUP": 0, "BLOCK_N": 16, "DECODE_ASM": True, "QUANT": True}, 8),
-    ("down-16x8w", "_wide_down_kernel", "down",
+    ("down-16x8w", "_wide_down_kernel", "down",  # the default's (the intermediate group 32)
+     {"K": 512, "C": 8, "A_GROUP": 32, "BLOCK_N": 16, "DECODE_ASM": True, "TOP_K": 6, "TOP_K_P": 8}, 8),
+    ("down-16x8w-group16", "_wide_down_kernel", "down",
      {"K": 512, "C": 8, "A_GROUP": 16, "BLOCK_N": 16, "DECODE_ASM": True, "TOP_K": 6, "TOP_K_P": 8}, 8),
     ("down-32x8w-group32", "_wide_down_kernel", "down",
      {"K": 512, "C": 8, "A_GROUP": 32, "BLOCK_N": 32, "DECODE_ASM": True, "TOP_K": 6, "TOP_K_P": 8}, 8),
