@@ -1320,9 +1320,10 @@ def _wide_width(name: str, width: int, dim: int, dim_name: str) -> None:
 
 def _wide_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, cfg, swiglu_limit, routed_scaling_factor,
               input_group, out):
-    """config wide: the quantizer, `_wide_gate_up_kernel` (pair, wide_n columns; wide_warps) and `_wide_down_kernel`
-    (token, wide_n2 output columns; wide_warps2): three launches, no alignment, split-K finish or top-k sum. The
-    intermediate's INT8 group is wide_n columns."""
+    """config wide: `_wide_gate_up_kernel` (pair, wide_n columns; wide_warps) and `_wide_down_kernel` (token, wide_n2
+    output columns; wide_warps2), with wide_quant the input's INT8 rounding inside the first (else the quantizer
+    launch before them): two launches (three), no alignment, split-K finish or top-k sum. The intermediate's INT8
+    group is wide_n columns."""
     t, h = x.shape
     e, two_i, _ = w13.shape
     inter = two_i // 2
@@ -1340,15 +1341,15 @@ def _wide_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, cfg, swig
     if quant and input_group:
         raise ValueError(f"w4a8_moe config wide_quant: one scale per token only (input_group 0, not {input_group})")
     c_up = triton.next_power_of_2(h // CHUNK)
-    scratch = None
-    if quant:  # (xs is not read; a tensor for the argument)
-        xq, xs = (x if x.stride(1) == 1 else x.contiguous()), topk_weights
-        scratch = torch.empty((pairs * (inter // wn), 64 * c_up), dtype=torch.int8, device=dev)  # a row per program
-    else:
-        xq, xs = quantize_rows_int8_fused(x, input_group)
     groups = inter // wn
     hq = torch.empty((pairs, inter), dtype=torch.int8, device=dev)
     hs = torch.empty((pairs, groups), dtype=torch.float32, device=dev)
+    scratch = None
+    if quant:  # (the input's scales are not read: hs stands in for the argument)
+        xq, xs = (x if x.stride(1) == 1 else x.contiguous()), hs
+        scratch = torch.empty((pairs * (inter // wn), 64 * c_up), dtype=torch.int8, device=dev)  # a row per program
+    else:
+        xq, xs = quantize_rows_int8_fused(x, input_group)
     ids = topk_ids.reshape(-1).contiguous()
     w13b, w13s = w13.view(torch.uint8), w13_scale.view(torch.uint8)
     w2b, w2s = w2.view(torch.uint8), w2_scale.view(torch.uint8)
