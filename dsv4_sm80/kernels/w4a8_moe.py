@@ -816,29 +816,36 @@ _DP4A_ASM_C = tl.constexpr("dp4a.s32.s32 $0, $1, $2, $3;")  # four INT8 products
 
 
 @triton.jit
-def _gemv_dots(words, xw0, xw1, DECODE_ASM: tl.constexpr):
-    """Four words per column against a row: words int32 [4, BLOCK_N] (words q..q+3 of each column's K chunk: in
-    each, the codes of k0+4q'..k0+4q'+3 as nibbles 0-3 and of k0+32+4q'.. as nibbles 4-7; the repacked layout),
-    xw0 / xw1 int32 [4, 1]: the row's INT8 activations at the same k (four per word, in k order) for the first
-    and the second scale group. Returns each group's exact int32 dot over these 16 + 16 codes [BLOCK_N] (of
-    twice the E2M1 values). DECODE_ASM: the PRMT decoder (`_DECODE_ASM`, a word in, each group's four INT8 values
-    out; ptxas hoists its table constants) and DP4A; else the same integers elementwise (interpreter)."""
+def _word_products(words, x_lo, x_hi, DECODE_ASM: tl.constexpr):
+    """Per word of the repacked layout (the codes of k0+4q'..k0+4q'+3 as nibbles 0-3 and of k0+32+4q'.. as nibbles
+    4-7), the exact int32 dot of its first group's four codes (twice the E2M1 values) with x_lo and of its second
+    group's with x_hi (each four INT8 activations in one int32, in k order; broadcastable to words' shape).
+    DECODE_ASM: the PRMT decoder (`_DECODE_ASM`, a word in, each group's four INT8 values out; ptxas hoists its table
+    constants) and DP4A; else the same integers elementwise (interpreter)."""
     if DECODE_ASM:
         lo, hi = tl.inline_asm_elementwise(_DECODE_ASM_C, "=r,=r,r", [words], dtype=(tl.int32, tl.int32),
                                            is_pure=True, pack=1)
         z = tl.zeros(words.shape, dtype=tl.int32)
-        p0 = tl.inline_asm_elementwise(_DP4A_ASM_C, "=r,r,r,r", [lo, tl.broadcast_to(xw0, words.shape), z],
-                                       dtype=tl.int32, is_pure=True, pack=1)
-        p1 = tl.inline_asm_elementwise(_DP4A_ASM_C, "=r,r,r,r", [hi, tl.broadcast_to(xw1, words.shape), z],
-                                       dtype=tl.int32, is_pure=True, pack=1)
+        p_lo = tl.inline_asm_elementwise(_DP4A_ASM_C, "=r,r,r,r", [lo, tl.broadcast_to(x_lo, words.shape), z],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+        p_hi = tl.inline_asm_elementwise(_DP4A_ASM_C, "=r,r,r,r", [hi, tl.broadcast_to(x_hi, words.shape), z],
+                                         dtype=tl.int32, is_pure=True, pack=1)
     else:
-        p0 = tl.zeros(words.shape, dtype=tl.int32)
-        p1 = tl.zeros(words.shape, dtype=tl.int32)
-        for i in tl.static_range(4):
-            x0 = (xw0 << (24 - 8 * i)) >> 24  # byte i, sign-extended (arithmetic shift of int32)
-            x1 = (xw1 << (24 - 8 * i)) >> 24
-            p0 += _e2m1x2((words >> (4 * i)) & 0xF) * x0
-            p1 += _e2m1x2((words >> (16 + 4 * i)) & 0xF) * x1
+        p_lo = tl.zeros(words.shape, dtype=tl.int32)
+        p_hi = tl.zeros(words.shape, dtype=tl.int32)
+        for i in tl.static_range(4):  # byte i of the activation word, sign-extended (arithmetic shift of int32)
+            p_lo += _e2m1x2((words >> (4 * i)) & 0xF) * ((x_lo << (24 - 8 * i)) >> 24)
+            p_hi += _e2m1x2((words >> (16 + 4 * i)) & 0xF) * ((x_hi << (24 - 8 * i)) >> 24)
+    return p_lo, p_hi
+
+
+@triton.jit
+def _gemv_dots(words, xw0, xw1, DECODE_ASM: tl.constexpr):
+    """Four words per column against a row: words int32 [4, BLOCK_N] (words q..q+3 of each column's K chunk),
+    xw0 / xw1 int32 [4, 1]: the row's INT8 activations at the same k for the first and the second scale group.
+    Returns each group's exact int32 dot over these 16 + 16 codes [BLOCK_N] (`_word_products` summed over the
+    words)."""
+    p0, p1 = _word_products(words, xw0, xw1, DECODE_ASM)
     return tl.sum(p0, axis=0), tl.sum(p1, axis=0)
 
 
@@ -1017,27 +1024,6 @@ def _w4a8_gemv_kernel(
 # other loop; the fp32 sums run in another order (a tree over K), so outputs agree with the other configs to fp32
 # rounding, not bit for bit.
 @triton.jit
-def _wide_products(words, x_lo, x_hi, DECODE_ASM: tl.constexpr):
-    """Per word, the int32 dot of its four codes of the chunk's first group with x_lo (four INT8 activations) and of
-    its four codes of the second group with x_hi (`_gemv_dots` without the sum over words)."""
-    if DECODE_ASM:
-        lo, hi = tl.inline_asm_elementwise(_DECODE_ASM_C, "=r,=r,r", [words], dtype=(tl.int32, tl.int32),
-                                           is_pure=True, pack=1)
-        z = tl.zeros(words.shape, dtype=tl.int32)
-        p_lo = tl.inline_asm_elementwise(_DP4A_ASM_C, "=r,r,r,r", [lo, x_lo, z], dtype=tl.int32, is_pure=True,
-                                         pack=1)
-        p_hi = tl.inline_asm_elementwise(_DP4A_ASM_C, "=r,r,r,r", [hi, x_hi, z], dtype=tl.int32, is_pure=True,
-                                         pack=1)
-    else:
-        p_lo = tl.zeros(words.shape, dtype=tl.int32)
-        p_hi = tl.zeros(words.shape, dtype=tl.int32)
-        for i in tl.static_range(4):
-            p_lo += _e2m1x2((words >> (4 * i)) & 0xF) * ((x_lo << (24 - 8 * i)) >> 24)
-            p_hi += _e2m1x2((words >> (16 + 4 * i)) & 0xF) * ((x_hi << (24 - 8 * i)) >> 24)
-    return p_lo, p_hi
-
-
-@triton.jit
 def _wide_codes(w_rows, offs_n, K: tl.constexpr):
     """The codes of R chunk rows against BLOCK_N columns offs_n (16, or a multiple of 32, aligned to itself), as one
     [R, BLOCK_N, 8]-word tensor: w_rows [R] int32 pointers to each row's 64-deep K chunk block (in the tile-major
@@ -1071,7 +1057,7 @@ def _wide_rows(words, x_lo, x_hi, s_rows, sa_rows, k_rows, ok, offs_n, stride_bs
     is false read their scales as 0 and add exactly 0 (their codes and activations are valid memory, not masked)."""
     ok2 = ok[:, None]
     s0, s1 = _word_scales(_scale_word(s_rows[:, None] + offs_n[None, :] * stride_bsn, ok2))
-    p_lo, p_hi = _wide_products(words, x_lo, x_hi, DECODE_ASM)
+    p_lo, p_hi = _word_products(words, x_lo, x_hi, DECODE_ASM)
     if A_GROUP == 16:  # two activation groups per weight group: words 0-3 and 4-7, each half's int32 dot by itself
         first = (tl.arange(0, 8) < 4)[None, None, :]
         sa = sa_rows[:, None] + k_rows[:, None] // 16  # the chunk's four groups: lo 0, 1; hi 2, 3
@@ -1096,7 +1082,7 @@ def _wide_gate_up_kernel(
     QUANT: tl.constexpr = False, xq_ptr=None,
 ):
     """Program (pair, BLOCK_N columns): the gate and the up rows of those columns over the pair's whole K (C: K/64
-    rounded up to a power of two; chunks past K/64 masked), then the clamped SiLU-GLU and the intermediate's INT8
+    rounded up to a power of two; chunks past K/64 read the last chunk's memory and add 0: their scales read 0), then the clamped SiLU-GLU and the intermediate's INT8
     rounding per BLOCK_N columns (`_glu_quant`), stored as the down launch reads them. N (the intermediate) a
     multiple of BLOCK_N, K (hidden) of 64. Every code load is issued at once.
     QUANT (A_GROUP 0): no quantizer launch before this one: a_ptr is the layer input (BF16 rows, stride_am), and each
@@ -1150,8 +1136,8 @@ def _wide_down_kernel(
     BLOCK_N: tl.constexpr, DECODE_ASM: tl.constexpr,
 ):
     """Program (token, BLOCK_N output columns): the down rows of all the token's TOP_K pairs over the intermediate K
-    at once (TOP_K_P x C chunk rows: pair j = row // C, chunk c = row % C; TOP_K_P and C powers of two, rows past
-    TOP_K pairs or K/64 chunks masked), each row times 1/2 (the codes are twice the E2M1 values) and its pair's
+    at once (TOP_K_P x C chunk rows: pair j = row // C, chunk c = row % C; TOP_K_P and C powers of two; rows past
+    TOP_K pairs or K/64 chunks, or of expert -1, read valid memory and add 0: their scales and weights read 0), each row times 1/2 (the codes are twice the E2M1 values) and its pair's
     router weight, summed, times the routed scaling, cast to out's dtype. A pair of expert -1 adds nothing. N
     (hidden) a multiple of BLOCK_N. (Loading every pair's rows in one tensor puts all of them in flight together; a
     loop over the pairs waited on each pair's expert id and codes in turn: 10.0 us at one token on the H200 against
@@ -1453,8 +1439,6 @@ def w4a8_moe(
         sorted_ids = num_padded = block_expert  # not read in this mode
     else:
         sorted_ids, block_expert, num_padded = _align(topk_ids, e, block_m)
-    if input_group % GROUP:
-        raise ValueError(f"input_group={input_group} must be a multiple of {GROUP} (0: one scale per token)")
     merge = cfg.get("merge", False)  # per-group: faster on the H200 (docs/moe.md)
     span_up = _span(h, input_group, merge)
     span_down = _span(inter, block_n, merge)
