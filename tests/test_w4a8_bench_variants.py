@@ -59,9 +59,8 @@ def test_every_bench_variant_computes_the_moe(k):
             ran.add(key)
         h = max(256, 64 * cfg.get("split_k", 1))  # a whole 64-deep step per K share
         full = dict(k.default_config(2 * 2), **cfg)
-        # (the wide path has its own intermediate group; default_config's wide yields to another kernel's option)
-        wide = cfg.get("wide", full.get("wide", False) and not set(cfg) - k.WIDE_OWN)
-        group = full["wide_n"] if wide else full["block_n"]
+        # (the wide path has its own intermediate group; its widths tile every case here)
+        group = full["wide_n"] if k.takes_wide(cfg, full, h, 128) else full["block_n"]
         inter = max(128, group)  # (a 256-wide gate-up tile: intermediate 256)
         (x, w13, s13, w2, s2, tw, ids), (a, b), maps, zero = at(h, inter)
         if (h, inter, group) not in want:

@@ -936,7 +936,8 @@ def test_wide_equals_int8_emulation(k):
     """config wide (the one-token path: a gate-up program holds a pair's whole K for wide_n columns, a down program
     all of a token's pairs for wide_n2 output columns): held to the INT8 emulation reference written from the math,
     the intermediate rounded per wide_n columns; per-token and per-group input scales (32, 64); a hidden size whose
-    K/64 chunks are not a power of two (192: the padded, masked chunk); 16- and 32-wide tiles; more than one token."""
+    K/64 chunks are not a power of two (192: the padded chunk reads valid memory and adds 0); 16- and 32-wide tiles;
+    more than one token."""
     for t, h, inter, top_k, group, extra in ((1, 256, 128, 3, 0, {}), (1, 192, 128, 2, 32, {"wide_n2": 32}),
                                              (3, 256, 64, 3, 64, {"wide_n": 32}), (2, 128, 128, 4, 0,
                                                                                    {"wide_n": 32, "wide_n2": 64})):
@@ -1006,8 +1007,8 @@ def test_wide_routed_scaling_once_and_a_missing_expert_adds_nothing(k):
 
 
 def test_wide_refuses_what_it_cannot_do(k):
-    """Widths that do not tile the layer, and another kernel's options asked for beside wide, are refused loudly;
-    left to a default, wide yields to another kernel's option asked for."""
+    """Widths that do not tile the layer, and another kernel's options asked for beside wide, are refused loudly (left
+    to the default, wide yields instead: test_one_token_defaults_to_wide_and_yields_to_other_kernels_options)."""
     x, w13, s13, w2, s2, tw, ids = case(t=1, top_k=2, h=128, inter=64, seed=150)
     for bad, match in (({"wide_n": 48}, "wide_n=48"), ({"wide_n2": 256}, "wide_n2=256"),
                        ({"split_k": 2}, "split_k"), ({"gemv": True}, "gemv")):
@@ -1033,10 +1034,11 @@ down = dict(common, h_ptr="*i8", h_scale_ptr="*fp32", out_ptr="*bf16", topk_w_pt
 # the divisibility the real JIT derives at TP4 shapes (pointers, and the integer arguments that are multiples of 16)
 attrs = lambda sig: {(i,): [["tt.divisibility", 16]] for i, p in enumerate(sig)
                      if sig[p].startswith("*") or p.startswith("stride_") or p == "N"}
+sigs = {"up": up, "up_bf16": up_bf16, "down": down}
 out = {}
 for name, fn, sig, consts, warps in WIDE_BUILDS:
     fn = getattr(k, fn)
-    sig = {n: sig[n] for n in fn.arg_names}  # in the kernel's argument order
+    sig = {n: sigs[sig][n] for n in fn.arg_names}  # in the kernel's argument order
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs(sig)),
                        target=GPUTarget("cuda", 80, 32), options={"num_warps": warps})
     ptx = c.asm["ptx"]
@@ -1044,12 +1046,11 @@ for name, fn, sig, consts, warps in WIDE_BUILDS:
          "fp8": "e4m3" in ptx or "e5m2" in ptx, "v4_loads": len(re.findall(r"ld[.]global(?:[.]\w+)*[.]v4[.]b32", ptx))}
     # registers and local-memory stack per thread, as ptxas built them (Triton's own cuobjdump)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if os.path.exists(cuobjdump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(c.asm["cubin"]); f.flush()
-            use = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        m = re.search(r"REG:(\d+).*?STACK:(\d+)", use)
-        r["regs"], r["stack"] = (int(m.group(1)), int(m.group(2))) if m else (None, None)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.asm["cubin"]); f.flush()
+        use = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", use)
+    r["regs"], r["stack"] = (int(m.group(1)), int(m.group(2))) if m else (None, None)
     out[name] = r
 print(json.dumps(out))
 """
@@ -1076,11 +1077,7 @@ def test_wide_kernels_compile_for_sm80():
     code loads, no FP8, and no local-memory stack (ptxas spilled nothing; read with the cuobjdump Triton ships)."""
     from conftest import last_json, run_python
 
-    builds = [(n, fn, f"__{s}__", c, w) for n, fn, s, c, w in WIDE_BUILDS]
-    code = WIDE_COMPILE.replace("WIDE_BUILDS", repr(builds))
-    for sig in ("up_bf16", "up", "down"):
-        code = code.replace(f"'__{sig}__'", sig)
-    res = last_json(run_python(code, TRITON_INTERPRET="0"))
+    res = last_json(run_python(WIDE_COMPILE.replace("WIDE_BUILDS", repr(WIDE_BUILDS)), TRITON_INTERPRET="0"))
     for name, r in res.items():
         assert {n: r[n] for n in ("sm80", "dp4a", "prmt", "fp8")} == {"sm80": True, "dp4a": True, "prmt": True,
                                                                      "fp8": False}, (name, r)

@@ -1299,6 +1299,16 @@ CONFIG_KEYS = frozenset({  # every option `w4a8_moe` reads from its config (`def
 WIDE_OWN = frozenset({"wide", "wide_n", "wide_n2", "wide_warps", "wide_warps2", "wide_quant", "decode", "fused_io"})
 
 
+def takes_wide(asked: dict, cfg: dict, h: int, inter: int) -> bool:
+    """Whether `w4a8_moe` runs the wide path for a call whose config asked for `asked` (cfg: default_config's merged
+    with it): when asked for, or when default_config chose it and nothing of another kernel was asked for (a tile, a
+    loop: the caller means that kernel) and its widths tile hidden h and intermediate inter."""
+    if "wide" in asked:
+        return bool(asked["wide"])
+    return bool(cfg.get("wide", False)) and not (set(asked) - WIDE_OWN or inter % int(cfg.get("wide_n", 16))
+                                                 or h % int(cfg.get("wide_n2", 16)))
+
+
 def _wide_width(name: str, width: int, dim: int, dim_name: str) -> None:
     if not (width == 16 or width % 32 == 0) or dim % width:
         raise ValueError(f"w4a8_moe config {name}={width}: 16 or a multiple of 32 that divides {dim_name} {dim}")
@@ -1417,11 +1427,7 @@ def w4a8_moe(
     other = ([n for n in ("gemv", "merge", "shift", "expand", "gemv_prefetch", "shift_only", "pair_bf16") if asked.get(n)]
              + [n for n in ("split_k", "unroll", "unroll_down") if int(asked.get(n, 1)) > 1]
              + (["pair_blocks off"] if asked.get("pair_blocks") is False else []))
-    wide = bool(cfg.get("wide", False))
-    if "wide" not in asked and (set(asked) - WIDE_OWN or inter % int(cfg.get("wide_n", 16))
-                                or h % int(cfg.get("wide_n2", 16))):
-        wide = False  # default_config's choice yields to any other kernel's option asked for (a tile, a loop: the
-        # caller means that kernel), or to widths it cannot tile
+    wide = takes_wide(asked, cfg, h, inter)
     if wide and "wide_quant" not in asked and input_group:
         cfg["wide_quant"] = False  # (the in-launch rounding is per token; a per-group input scale takes the launch)
     if wide and other:
