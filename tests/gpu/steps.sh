@@ -9,6 +9,8 @@
 #   tests/gpu/steps.sh moe         moe_check: native, patched marlin, patched mxfp4_int8 on the same inputs
 #   tests/gpu/steps.sh moe-engine  engine_bed patched with each MoE backend vs the native oracle
 #   tests/gpu/steps.sh moe-bench   bench/moe.py
+#   tests/gpu/steps.sh moe-close   the wide path's GPU tests, then bench/moe.py at every size of issue 4 with Marlin
+#                                  beside the defaults (run it after `seed`: bg moe-close)
 #   tests/gpu/steps.sh moe-sweep   bench/moe.py at decode sizes (MOE_TOKENS, 1,4,16,64): the decode tile sweep
 #                                  (MOE_ONLY picks variants, decode-) and a per-kernel profile
 #   tests/gpu/steps.sh moe-prefill bench/moe.py's prefill sweep (MOE_ONLY variants, prefill-; MOE_TOKENS 512-16384) with Marlin
@@ -603,6 +605,13 @@ case ${1:?step} in
     # is the decode default now; prefill decides with these rows)
     # (MMA=v3 lets Triton take wgmma on an H200; by default mma.sync only, an A800's instruction: session 22)
     run moe-bench $MMA_ENV timeout 540 python bench/moe.py --variants --only "'fused io|pair bf16'" --out "$OUT/moe.json" ;;
+  moe-close)
+    # issue 4's table in one run: the one-token wide path's kernel tests on this GPU at this commit, then every size of
+    # the issue (decode 1-64, prefill 512-16384) with the defaults and SGLang's Marlin in the same process (its JIT
+    # Marlin MoE built by `seed` first: cold, ~5 minutes on its own, which a bench limit must not have to absorb)
+    run moe-close-tests env PYTHONPATH=$PWD/.dev/pyt:$PYTHONPATH timeout 400 python -m pytest -q -p no:cacheprovider \
+      tests/test_w4a8_moe.py -k "'wide or one_token or gemv_equals or kernel_equals or routed_scaling'"
+    run moe-close $MMA_ENV timeout ${MOE_T:-900} python bench/moe.py --out "$OUT/moe-close.json" ;;
   moe-wide)
     # the experts of bench/e2e.py's full-width checkpoint on one GPU (intermediate 2048, TP1): the decode tiles and
     # each kernel's time against Marlin at the batch where e2e-bench's decode fell behind (16 tokens, session 12)
