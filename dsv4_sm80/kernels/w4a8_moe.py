@@ -1337,19 +1337,19 @@ def _wide_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, cfg, swig
     if quant and input_group:
         raise ValueError(f"w4a8_moe config wide_quant: one scale per token only (input_group 0, not {input_group})")
     c_up = triton.next_power_of_2(h // CHUNK)
-    groups = inter // wn
+    groups = inter // wn  # the intermediate's INT8 groups a pair, one per gate-up program
     hq = torch.empty((pairs, inter), dtype=torch.int8, device=dev)
     hs = torch.empty((pairs, groups), dtype=torch.float32, device=dev)
     scratch = None
     if quant:  # (the input's scales are not read: hs stands in for the argument)
         xq, xs = (x if x.stride(1) == 1 else x.contiguous()), hs
-        scratch = torch.empty((pairs * (inter // wn), 64 * c_up), dtype=torch.int8, device=dev)  # a row per program
+        scratch = torch.empty((pairs * groups, 64 * c_up), dtype=torch.int8, device=dev)  # a row per program
     else:
         xq, xs = quantize_rows_int8_fused(x, input_group)
     ids = topk_ids.reshape(-1).contiguous()
     w13b, w13s = w13.view(torch.uint8), w13_scale.view(torch.uint8)
     w2b, w2s = w2.view(torch.uint8), w2_scale.view(torch.uint8)
-    _wide_gate_up_kernel[(pairs * (inter // wn),)](
+    _wide_gate_up_kernel[(pairs * groups,)](
         xq, xs, w13b, w13s, hq, hs, ids, inter, top_k, xs.shape[1], float(swiglu_limit), xq.stride(0),
         w13b.stride(0), w13s.stride(0), w13s.stride(1), hq.stride(0), groups,
         K=h, C=c_up, A_GROUP=input_group, BLOCK_N=wn, DECODE_ASM=decode_asm, QUANT=quant, xq_ptr=scratch,
