@@ -53,6 +53,7 @@ STEPS = {  # step: files it expects from earlier steps
     "e2e-floors": ("engine-e2e.json",), "trace": (), "e2e": (), "oracle": (), "soak": (), "soak-native": (),
     "wide-parity": (), "e2e-bench": (), "moe-wide": (), "machines": (), "trace-linears": (), "e2e-replay": ("native-alone.json",),
     "e2e-gemm": ("native-alone.json",), "vision-replay": (), "graphs-self": (), "mma-peak": (),
+    "moe-close": (), "vision-gemm": (), "engine-wide": (),
 }
 
 
@@ -102,6 +103,9 @@ def test_quoted_arguments_survive_runs_eval(tmp_path):
     pytest_argv = next(a for a in calls if a[:2] == ["-m", "pytest"])
     assert pytest_argv[pytest_argv.index("-k") + 1] == "not every_bench_variant_computes_the_moe"
     assert all(os.path.isfile(os.path.join(REPO, a)) for a in pytest_argv if a.startswith("tests/"))
+    calls, _ = run_step(tmp_path, "moe-close")
+    pytest_argv = next(a for a in calls if a[:2] == ["-m", "pytest"])
+    assert pytest_argv[pytest_argv.index("-k") + 1] == "wide or one_token or gemv_equals or kernel_equals or routed_scaling"
 
 
 def test_trace_compares_against_the_pinned_run_with_the_perturbed_floor(tmp_path):

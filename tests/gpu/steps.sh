@@ -559,23 +559,18 @@ case ${1:?step} in
       --out "$OUT/http-vision-native.json" --compare "$OUT/http-vision.json"
     run http-vision-chunked env $LAB DSV4_SM80_TRIPWIRE=1 timeout 280 python -u tests/gpu/http_check.py --vision --port 30223 \
       --chunked-prefill-size 256 --out "$OUT/http-vision-chunked.json" --compare "$OUT/http-vision.json" ;;
-  vision-replay)
-    # vision-ab's teacher-forced image prompts with native's FP8 roundings replayed on the patched server
-    # (kv,act,idx; its experts are Marlin already): is the vision A/B's gap native's rounding, as the text one's?
+  vision-replay|vision-gemm)
+    # vision-ab's teacher-forced image prompts with native's FP8 roundings replayed on the patched server: is the
+    # vision A/B's gap native's rounding, as the text one's? vision-replay: kv,act,idx (act through SGLang's own
+    # quantizer), tripwire on. vision-gemm: kv,gemm,idx, native's own FP8 block linear (DeepGEMM) in place of the act
+    # model, Marlin experts, as e2e-gemm for text (session 18: 99.45 % against native's 99.55 %); DeepGEMM is what the
+    # tripwire guards, so it is off there (vision-ab runs the shipped path with it on)
     [ -f "$OUT/http-vision-native.json" ] || run http-vision-native timeout 280 python -u tests/gpu/http_check.py \
       --vision --port 30223 --native --out "$OUT/http-vision-native.json"
-    run http-vision-replay env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=kv,act,idx timeout 280 \
-      python -u tests/gpu/http_check.py --vision --port 30223 --out "$OUT/http-vision-replay.json" \
-      --compare "$OUT/http-vision-native.json" ;;
-  vision-gemm)
-    # vision-replay with native's own FP8 block linear (DeepGEMM) in place of the act model: kv,gemm,idx, as e2e-gemm
-    # for text (session 18: 99.45 % against native's 99.55 %). DeepGEMM is what the tripwire guards, so it is off here
-    # (vision-ab runs the shipped path with it on). Within native's floor, the vision gap is native's FP8 rounding only
-    [ -f "$OUT/http-vision-native.json" ] || run http-vision-native timeout 280 python -u tests/gpu/http_check.py \
-      --vision --port 30224 --native --out "$OUT/http-vision-native.json"
-    run http-vision-gemm env $LAB DSV4_SM80_LAB_NATIVE_ROUNDING=kv,gemm,idx SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin \
-      timeout 280 python -u tests/gpu/http_check.py --vision --port 30224 --out "$OUT/http-vision-gemm.json" \
-      --compare "$OUT/http-vision-native.json" ;;
+    if [ "$1" = vision-gemm ]; then replay="DSV4_SM80_LAB_NATIVE_ROUNDING=kv,gemm,idx SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin"
+    else replay="DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=kv,act,idx"; fi
+    run "http-$1" env $LAB $replay timeout 280 python -u tests/gpu/http_check.py --vision --port 30223 \
+      --out "$OUT/http-$1.json" --compare "$OUT/http-vision-native.json" ;;
   engine-wide)
     # the one-token MoE (config wide) in the engine, in CUDA graphs, tripwire on: the one-at-a-time decodes run one token
     # a step (wide), the batched ones three (gemv); engine_bed prints how many greedy tokens the two agree on
