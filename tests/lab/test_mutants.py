@@ -405,3 +405,33 @@ def test_compressed_rope_theta(knob):
     assert wrong.compress_rope_theta == 10000 and wrong.hidden_size == config.hidden_size
     table = lambda base: precompute_freqs_cis(64, 256, 256, base, 1.0, 32, 1)  # noqa: E731
     assert not torch.equal(table(wrong.compress_rope_theta), table(config.compress_rope_theta))
+
+
+def test_applied_after_the_product_seam_it_wraps_the_product_replacement(knob, monkeypatch):
+    """The applier chains a lab seam over the product's on one target: on a throwaway module holding a subclass
+    of SGLang's backend, attention.forward (replace) then mutant.attn_sink_dropped (around)."""
+    import types
+
+    from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
+
+    from dsv4_sm80 import apply, attention, env
+    from dsv4_sm80.seams import SEAMS
+
+    for attr in (apply.MARK, "__wrapped__"):  # applying a replace seam marks the product function: undone after
+        monkeypatch.setattr(attention.sm80_forward, attr, None, raising=False)
+
+    monkeypatch.setattr(env, "KNOBS", (*env.KNOBS, M.MUTANT_KNOB))  # the lead registers it with the lab's knobs
+    monkeypatch.setattr(apply, "_status", {})
+    monkeypatch.setenv("ENABLE_SGLANG_DSV4_A100_PATCH", "1")
+    knob("attn_sink_dropped")
+    module = types.ModuleType("throwaway")
+    module.DeepseekV4AttnBackend = type("Backend", (DeepseekV4AttnBackend,), {"forward": DeepseekV4AttnBackend.forward})
+    product = next(s for s in SEAMS if s.name == "attention.forward")
+    lab = M.MUTANTS["attn_sink_dropped"].seams[0]
+    assert product.target == lab.target and lab.enabled()
+    assert apply.apply_seam(product, module) and apply.apply_seam(lab, module)
+    new = module.DeepseekV4AttnBackend.forward
+    assert apply._marks(new) == ["mutant.attn_sink_dropped", "attention.forward"]
+    assert new.__wrapped__ is attention.sm80_forward
+    assert attention.sm80_forward.__wrapped__ is DeepseekV4AttnBackend.forward
+    assert not apply.apply_seam(lab, module)  # exactly once
