@@ -14,6 +14,8 @@ import torch
 from dsv4_lab import mutants as M
 from dsv4_sm80.upstream import FINGERPRINTS, locate_sglang, module_relpath
 
+pytestmark = pytest.mark.sglang
+
 KNOB = "DSV4_SM80_LAB_MUTANT"
 NAMED = ("routed_scaling_dropped", "e8m0_exponent_off", "mxfp4_nibble_swap", "swa_window_127", "swa_window_129",
          "compressed_visibility_off_by_one", "indexer_topk_511", "kv_store_skip_last", "attn_sink_dropped",
