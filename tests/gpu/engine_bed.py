@@ -125,6 +125,11 @@ def main(argv=None) -> int:
                          "token_ids_logprob): `all` (every id: small vocabularies only) or a JSON file with one id "
                          "list, or one per teacher sequence (`python -m dsv4_lab.oracle score --support-out`); "
                          "the lab oracle then computes KL exactly on those ids")
+    ap.add_argument("--chunked-prefill-size", type=int,
+                    help="SGLang's prefill chunk (an odd size splits C4/C128 windows and pages mid-way)")
+    ap.add_argument("--prefix-hit", action="store_true",
+                    help="first prefill each teacher sequence's first half, then teacher-force from that point "
+                         "(logprob_start_len) so the half comes from the prefix cache; earlier positions stay empty")
     ap.add_argument("--batch", type=int, default=0,
                     help="N concurrent prompts cycling over --lengths (distinct ids); 0 = one per length")
     args = ap.parse_args(argv)
@@ -160,6 +165,8 @@ def main(argv=None) -> int:
         extra["cuda_graph_max_bs_decode"] = args.cuda_graph_max_bs
     if args.max_total_tokens:
         extra["max_total_tokens"] = args.max_total_tokens
+    if args.chunked_prefill_size:
+        extra["chunked_prefill_size"] = args.chunked_prefill_size
     if args.perturb:
         if args.cuda_graph:
             raise SystemExit("engine_bed: --perturb hooks eager forwards only; drop --cuda-graph")
@@ -192,16 +199,22 @@ def main(argv=None) -> int:
         if not args.speculative_algorithm:
             t0 = time.time()
             tf_params = {"temperature": 0.0, "max_new_tokens": 1}
-            tf_kw = dict(return_logprob=True, logprob_start_len=0, top_logprobs_num=args.top)
+            tf_kw = dict(return_logprob=True, top_logprobs_num=args.top)
+            starts = [0] * len(seqs)
+            if args.prefix_hit:
+                halves = [q[: len(q) // 2] for q in seqs]
+                engine.generate(input_ids=halves, sampling_params=tf_params)
+                starts = [len(h) for h in halves]
             ids = logprob_ids(args.token_ids_logprob, vocab, len(seqs))
             if args.teacher_mode == "batched":
-                tf = engine.generate(input_ids=seqs, sampling_params=tf_params, **tf_kw, **_ids_kw(ids))
+                tf = engine.generate(input_ids=seqs, sampling_params=tf_params, logprob_start_len=starts, **tf_kw,
+                                     **_ids_kw(ids))
             elif args.teacher_mode == "reversed":
-                tf = engine.generate(input_ids=seqs[::-1], sampling_params=tf_params, **tf_kw,
-                                     **_ids_kw(ids and ids[::-1]))[::-1]
+                tf = engine.generate(input_ids=seqs[::-1], sampling_params=tf_params, logprob_start_len=starts[::-1],
+                                     **tf_kw, **_ids_kw(ids and ids[::-1]))[::-1]
             else:
-                tf = [engine.generate(input_ids=q, sampling_params=tf_params, **tf_kw, **_ids_kw(ids and [ids[i]]))
-                      for i, q in enumerate(seqs)]
+                tf = [engine.generate(input_ids=q, sampling_params=tf_params, logprob_start_len=starts[i], **tf_kw,
+                                      **_ids_kw(ids and ids[i])) for i, q in enumerate(seqs)]
             record["timings"]["teacher_forced_s"] = round(time.time() - t0, 1)
     finally:
         engine.shutdown()
@@ -223,13 +236,15 @@ def main(argv=None) -> int:
     record["teacher"] = []
     for k, (s, r) in enumerate(zip(seqs, tf)):
         mi = r["meta_info"]
+        pad = len(s) - len(mi["input_token_logprobs"])  # positions before logprob_start_len (--prefix-hit)
         record["teacher"].append({
             "sequence": s,
-            "input_logprobs": [e[0] for e in mi["input_token_logprobs"]],
-            "top": [_pairs(x) if x else [] for x in mi["input_top_logprobs"]],
+            "input_logprobs": [None] * pad + [e[0] for e in mi["input_token_logprobs"]],
+            "top": [[]] * pad + [_pairs(x) if x else [] for x in mi["input_top_logprobs"]],
         })
         if ids:
-            record["teacher"][-1].update(ids=ids[k], ids_logprobs=_ids_rows(ids[k], mi["input_token_ids_logprobs"]))
+            record["teacher"][-1].update(ids=ids[k], ids_logprobs=[None] * pad + _ids_rows(
+                ids[k], mi["input_token_ids_logprobs"]))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     # written whole, then renamed: another GPU lane waiting for this file (steps.sh need) must never read it half
     # written (session 8: a floor compare read the one-at-a-time record while it was being written)
