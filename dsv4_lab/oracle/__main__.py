@@ -53,14 +53,17 @@ def cmd_score(args) -> int:
                          "expected an engine_bed.py record made without --speculative-algorithm")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_reference(args.ckpt, device)
-    out = score(model, seqs, names=tuple(args.refs.split(",")), top=args.top, support_k=args.support_top,
+    out = score(model, seqs, names=tuple(args.refs.split(",")), top=args.top, support_size=args.support_size,
                 hidden_out=args.hidden_out, log=lambda m: print(m, file=sys.stderr))
     out.update(ckpt=os.path.abspath(args.ckpt), record=os.path.abspath(args.record), device=device,
-               torch=torch.__version__, top=args.top, support_top=args.support_top)
+               torch=torch.__version__, top=args.top, support_size=args.support_size)
     _write(args.out, out)
     if args.support_out:
         _write(args.support_out, out["support"])
     print(f"oracle score: {len(seqs)} sequences x {list(out['references'])} -> {args.out}")
+    for name, ref in out["references"].items():
+        print(f"  {name}: reference mass inside the support ids, mean per sequence "
+              f"{[t['support_mass'] for t in ref['teacher']]}")
     for name, errs in out["hidden_rel_error"].items():
         for s_i, e in enumerate(errs):
             print(f"  {name} vs {args.refs.split(',')[0]} seq {s_i}: hidden rel. error per layer {e}; "
@@ -103,7 +106,9 @@ def cmd_compare(args) -> int:
         for group, key in (("path", "paths"), ("mutant", "mutants"), ("control", "controls")):
             for name, _ in groups[group]:
                 cmp = metrics.compare_records(ref, records[name])
-                v = metrics.verdict(cmp["pooled"], nat["pooled"])
+                # native on the positions this record holds (all, or the second halves of a --prefix-hit run)
+                bar = metrics.compare_records(ref, native, only=records[name])
+                v = metrics.verdict(cmp["pooled"], bar["pooled"])
                 row = _row(cmp, ref, records[name])
                 row.update(passes=v["passes"], kl_ratio=v["kl_ratio"], agree_drop_points=v["agree_drop_points"],
                            reasons=v["reasons"])
@@ -157,8 +162,9 @@ def main(argv=None) -> int:
     s.add_argument("--refs", default="R_x,R_q", help="references to score (dsv4_lab.oracle.numerics.NUMERICS)")
     s.add_argument("--device", default="auto")
     s.add_argument("--top", type=int, default=20, help="top ids kept per position (0: the whole vocabulary)")
-    s.add_argument("--support-top", type=int, default=8,
-                   help="each reference's top-k per position joins the sequence's support ids (exact KL)")
+    s.add_argument("--support-size", type=int, default=256,
+                   help="ids per sequence both sides record log-probs of (KL exact on them): the most probable "
+                        "under the references, summed over positions")
     s.add_argument("--support-out", help="also write the support ids (for engine_bed.py --token-ids-logprob)")
     s.add_argument("--hidden-out", help="also save every layer's output (fp16) per reference and sequence")
     s.set_defaults(func=cmd_score)

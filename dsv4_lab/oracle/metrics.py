@@ -8,7 +8,8 @@ KL(R || X) per position, by what the two records hold:
 - `support` (both record log-probs of the same id list S): exact KL of the two distributions coarsened to
   S plus one bucket for everything else, sum_{v in S} R(v) log(R(v)/X(v)) + R(rest) log(R(rest)/X(rest)).
   By the log-sum inequality it never exceeds the full KL, and equals it when S holds the mass (the oracle's S
-  is every reference's top-8 at every position of the sequence plus the sequence's own tokens).
+  is the sequence's 256 ids of most reference probability summed over positions; `oracle score` prints the
+  mean reference mass inside S, and the whole vocabulary is S on small-vocabulary checkpoints).
 - `union` (only top-k lists, as SGLang returns): both lists on the union of their ids, an id missing from a
   list given that list's smallest listed log-prob (an upper bound of its true value), then each side
   renormalised on the union; the approximation tests/gpu/compare.py uses. When both lists hold the whole
@@ -83,8 +84,9 @@ def kl_method(ref: dict, path: dict) -> str:
     return "union"
 
 
-def sequence_metrics(ref: dict, path: dict, margins=MARGINS) -> dict:
-    """Per-position lists and their sums for one sequence (the pooled figures add these up)."""
+def sequence_metrics(ref: dict, path: dict, margins=MARGINS, only: dict | None = None) -> dict:
+    """Per-position lists and their sums for one sequence (the pooled figures add these up); with `only`
+    (another record's entry for the sequence), just the positions that record holds."""
     if list(ref["sequence"]) != list(path["sequence"]):
         raise ValueError("oracle metrics: the two records hold different sequences; run the engine bed with "
                          "--teacher-from the record the reference was scored on")
@@ -92,7 +94,7 @@ def sequence_metrics(ref: dict, path: dict, margins=MARGINS) -> dict:
     kls, dnll = [], []
     agree = {m: [0, 0] for m in margins}
     for i, (rt, xt) in enumerate(zip(ref["top"], path["top"])):
-        if not rt or not xt:
+        if not rt or not xt or (only is not None and not only["top"][i]):
             continue
         if method == "support":
             kls.append(kl_support(ref["ids_logprobs"][i], path["ids_logprobs"][i]))
@@ -132,13 +134,16 @@ def _label(t: str) -> str:
     return f"{float(t):g}nat".replace(".", "p")
 
 
-def compare_records(ref: dict, path: dict, margins=MARGINS) -> dict:
+def compare_records(ref: dict, path: dict, margins=MARGINS, only: dict | None = None) -> dict:
     """{"sequences": [summary per sequence], "pooled": summary over all positions} of a path's record
-    against a reference record (both with `teacher` lists over the same sequences)."""
-    if len(ref["teacher"]) != len(path["teacher"]):
-        raise ValueError(f"oracle metrics: the reference holds {len(ref['teacher'])} sequences, the path "
-                         f"{len(path['teacher'])}; both must be scored on the same teacher sequences")
-    rows = [sequence_metrics(r, x, margins) for r, x in zip(ref["teacher"], path["teacher"])]
+    against a reference record (both with `teacher` lists over the same sequences); with `only` (a third
+    record), over the positions that record holds (native measured where a --prefix-hit path is)."""
+    for other in (path, only):
+        if other is not None and len(ref["teacher"]) != len(other["teacher"]):
+            raise ValueError(f"oracle metrics: the reference holds {len(ref['teacher'])} sequences, a path "
+                             f"{len(other['teacher'])}; both must be scored on the same teacher sequences")
+    masks = only["teacher"] if only is not None else [None] * len(ref["teacher"])
+    rows = [sequence_metrics(r, x, margins, m) for r, x, m in zip(ref["teacher"], path["teacher"], masks)]
     return {"sequences": [dict(summarize([r]), length=r["length"]) for r in rows], "pooled": summarize(rows)}
 
 

@@ -58,13 +58,17 @@ def _nan(x: float):
     return None if math.isnan(x) else _r(x)
 
 
-def support_ids(sequence: list[int], logprobs_by_ref: list[torch.Tensor], k: int) -> list[int]:
-    """The ids whose log-probabilities both sides record for exact KL: every reference's top-k at every
-    position of the sequence, plus the sequence's own tokens."""
-    ids = set(sequence)
-    for lp in logprobs_by_ref:
-        ids.update(lp.topk(min(k, lp.shape[-1]), dim=-1).indices.flatten().tolist())
-    return sorted(ids)
+def support_ids(logprobs_by_ref: list[torch.Tensor], size: int) -> list[int]:
+    """The ids whose log-probabilities both sides record for exact KL on them: the `size` ids with the most
+    reference probability summed over the sequence's positions and the references (one list per sequence:
+    SGLang's token_ids_logprob takes one id list per request, and a record holds positions x ids values)."""
+    mass = sum(lp.exp().sum(0) for lp in logprobs_by_ref)
+    return sorted(mass.topk(min(size, mass.shape[0])).indices.tolist())
+
+
+def support_mass(logprobs: torch.Tensor, support: list[int]) -> float:
+    """The mean over positions of the reference probability inside the support (1: KL on it is exact)."""
+    return float(logprobs[:, torch.tensor(support, device=logprobs.device)].exp().sum(-1).mean())
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -83,7 +87,7 @@ def choice_flips(a: ChoiceRecorder, b: ChoiceRecorder) -> dict:
     return out
 
 
-def score(model, sequences: list[list[int]], names=("R_x", "R_q"), top: int = 20, support_k: int = 8,
+def score(model, sequences: list[list[int]], names=("R_x", "R_q"), top: int = 20, support_size: int = 256,
           hidden_out: str | None = None, log=print) -> dict:
     """Every reference of `names` on every sequence: {"support": [...], "references": {name: {"teacher":
     [...]}}, "hidden_rel_error": {name: [per layer, per sequence]}, "choice_flips": ...} (the last two
@@ -98,11 +102,12 @@ def score(model, sequences: list[list[int]], names=("R_x", "R_q"), top: int = 20
         for n in names:
             with applied(model, NUMERICS[n]):
                 runs[n] = forward_logprobs(model, seq)
-        support = support_ids(seq, [lp for lp, _ in runs.values()], support_k)
+        support = support_ids([lp for lp, _ in runs.values()], support_size)
         supports.append(support)
         first = names[0]
         for n, (lp, rec) in runs.items():
             refs[n]["teacher"].append(sequence_record(seq, lp, rec, top, support))
+            refs[n]["teacher"][-1]["support_mass"] = _r(support_mass(lp, support))
             if n != first:
                 base = runs[first][1]
                 hidden_err[n].append([_r(rel_error(base.hidden[l], rec.hidden[l])) for l in sorted(base.hidden)])

@@ -81,17 +81,18 @@ def test_forward_gives_finite_logprobs(ref_model):
 
 def test_score_record_layout(ref_model):
     seqs = [[(13 * i + 5) % 1000 + 2 for i in range(n)] for n in (9, 17)]
-    out = score(ref_model, seqs, names=("R_x", "R_q"), top=4, support_k=3, log=lambda *_: None)
+    out = score(ref_model, seqs, names=("R_x", "R_q"), top=4, support_size=1024, log=lambda *_: None)
     assert sorted(out["references"]) == ["R_q", "R_x"]
     for name, ref in out["references"].items():
         for seq, sup, t in zip(seqs, out["support"], ref["teacher"]):
-            assert t["sequence"] == seq and t["ids"] == sup and set(seq) <= set(sup)
+            assert t["sequence"] == seq and t["ids"] == sup == list(range(1024))  # the whole vocabulary
+            assert t["support_mass"] == pytest.approx(1.0, abs=1e-5)
             assert t["input_logprobs"][0] is None and t["top"][0] == [] and t["ids_logprobs"][0] is None
             assert len(t["top"]) == len(seq) == len(t["ids_logprobs"]) == len(t["input_logprobs"])
             for i in range(1, len(seq)):
                 by_id = dict(zip(t["ids"], t["ids_logprobs"][i]))
                 assert by_id[seq[i]] == pytest.approx(t["input_logprobs"][i], abs=2e-6)
-                for tok, lp in t["top"][i][:3]:  # the support holds each reference's top-3
+                for tok, lp in t["top"][i]:
                     assert by_id[tok] == pytest.approx(lp, abs=2e-6)
     assert len(out["hidden_rel_error"]["R_q"][0]) == ref_model.config.num_hidden_layers
     assert all(e > 0 for e in out["hidden_rel_error"]["R_q"][0])
