@@ -156,3 +156,21 @@ def test_cli_compare_table_and_json(tmp_path):
         assert set(r["paths"]["sm80"]) >= {"kl_mean", "top1_at_1nat", "dnll", "passes"}
         assert r["paths"]["sm80"]["passes"] and r["controls"]["twin"]["passes"]
         assert r["mutants"]["swap"]["caught"] and r["mutants"]["swap"]["top1_at_1nat"] == 0.0
+
+
+def test_accuracy_script_steps_use_existing_options(tmp_path):
+    import os
+    import re
+
+    proc = subprocess.run(["bash", "dsv4_lab/oracle/accuracy.sh", str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, cwd=REPO, env=dict(os.environ, DRY="1", MUTANTS="m1 m2"))
+    assert proc.returncode == 0, proc.stderr
+    steps = [line[2:] for line in proc.stdout.splitlines() if line.startswith("+ ")]
+    beds = [s for s in steps if "tests/gpu/engine_bed.py" in s]
+    assert len(beds) == 1 + 2 + 4 + 3 + 2  # sequences, native x2, four modes, alone/chunked/prefix-hit, mutants
+    bed_src = open(os.path.join(REPO, "tests/gpu/engine_bed.py")).read()
+    for flag in {f for s in beds for f in re.findall(r"(--[a-z][a-z-]+)", s)}:
+        assert f'"{flag}"' in bed_src, flag
+    assert any("DSV4_SM80_LAB_MUTANT=m2" in s for s in beds)
+    assert sum("SGLANG_DSV4_A100_DENSE=fp8_marlin SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin" in s for s in beds) == 1
+    assert any("dsv4_lab.oracle score" in s for s in steps) and "dsv4_lab.oracle compare" in steps[-1]
