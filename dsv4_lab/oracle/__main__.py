@@ -54,7 +54,7 @@ def cmd_score(args) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_reference(args.ckpt, device)
     out = score(model, seqs, names=tuple(args.refs.split(",")), top=args.top, support_size=args.support_size,
-                hidden_out=args.hidden_out, log=lambda m: print(m, file=sys.stderr))
+                tensors_out=args.tensors_out, log=lambda m: print(m, file=sys.stderr))
     out.update(ckpt=os.path.abspath(args.ckpt), record=os.path.abspath(args.record), device=device,
                torch=torch.__version__, top=args.top, support_size=args.support_size)
     _write(args.out, out)
@@ -166,7 +166,8 @@ def main(argv=None) -> int:
                    help="ids per sequence both sides record log-probs of (KL exact on them): the most probable "
                         "under the references, summed over positions")
     s.add_argument("--support-out", help="also write the support ids (for engine_bed.py --token-ids-logprob)")
-    s.add_argument("--hidden-out", help="also save every layer's output (fp16) per reference and sequence")
+    s.add_argument("--tensors-out", help="also save, per reference and sequence, every layer's output (fp16), the "
+                   "routed experts and the indexer's choices (torch.save)")
     s.set_defaults(func=cmd_score)
     c = sub.add_parser("compare", help="reference record vs engine records -> table and JSON")
     c.add_argument("--ref", required=True, help="an `oracle score` output")

@@ -88,10 +88,11 @@ def choice_flips(a: ChoiceRecorder, b: ChoiceRecorder) -> dict:
 
 
 def score(model, sequences: list[list[int]], names=("R_x", "R_q"), top: int = 20, support_size: int = 256,
-          hidden_out: str | None = None, log=print) -> dict:
+          tensors_out: str | None = None, log=print) -> dict:
     """Every reference of `names` on every sequence: {"support": [...], "references": {name: {"teacher":
     [...]}}, "hidden_rel_error": {name: [per layer, per sequence]}, "choice_flips": ...} (the last two
-    against the first name)."""
+    against the first name). With `tensors_out`, also saves per (name, sequence index) every layer's output
+    (fp16), routed experts and indexer choices (torch.save)."""
     unknown = [n for n in names if n not in NUMERICS]
     if unknown:
         raise ValueError(f"oracle score: unknown references {unknown}; expected names from {sorted(NUMERICS)}")
@@ -112,10 +113,11 @@ def score(model, sequences: list[list[int]], names=("R_x", "R_q"), top: int = 20
                 base = runs[first][1]
                 hidden_err[n].append([_r(rel_error(base.hidden[l], rec.hidden[l])) for l in sorted(base.hidden)])
                 flips[n].append(choice_flips(base, rec))
-            if hidden_out:
-                saved[(n, s_i)] = {l: h.half() for l, h in rec.hidden.items()}
+            if tensors_out:
+                saved[(n, s_i)] = {"hidden": {l: h.half() for l, h in rec.hidden.items()},
+                                   "experts": rec.experts, "indexer": rec.indexer}
         log(f"oracle score: sequence {s_i} ({len(seq)} tokens) done")
         del runs
-    if hidden_out:
-        torch.save(saved, hidden_out)
+    if tensors_out:
+        torch.save(saved, tensors_out)
     return {"support": supports, "references": refs, "hidden_rel_error": hidden_err, "choice_flips": flips}
