@@ -148,8 +148,9 @@ def _print(name, ref_name, p, v, group="native"):
     else:
         verdict = ("pass" if v["passes"] else "FAIL") + ("".join(f"; {r}" for r in v["reasons"]))
     ratio = "1.00" if v is None else _fmt(v["kl_ratio"], ".2f")
-    print(f"{name[:24]:24} {ref_name:6} {_fmt(p['kl_mean'], '.5f'):>9} {ratio:>8} {_fmt(p['top1_at_0p5nat'], '.2f'):>9} "
-          f"{_fmt(p['top1_at_1nat'], '.2f'):>8} {_fmt(p['top1_at_2nat'], '.2f'):>8} {_fmt(p['dnll'], '.4f'):>8}  {verdict}")
+    agree = [_fmt(p[f"top1_at_{k}nat"], ".2f") for k in ("0p5", "1", "2")]
+    print(f"{name[:24]:24} {ref_name:6} {_fmt(p['kl_mean'], '.5f'):>9} {ratio:>8} {agree[0]:>9} {agree[1]:>8} "
+          f"{agree[2]:>8} {_fmt(p['dnll'], '.4f'):>8}  {verdict}")
 
 
 def main(argv=None) -> int:
