@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, load_script
 from dsv4_lab.oracle import metrics as M
 
 LN = math.log
@@ -174,3 +174,18 @@ def test_accuracy_script_steps_use_existing_options(tmp_path):
     assert any("DSV4_SM80_LAB_MUTANT=m2" in s for s in beds)
     assert sum("SGLANG_DSV4_A100_DENSE=fp8_marlin SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin" in s for s in beds) == 1
     assert any("dsv4_lab.oracle score" in s for s in steps) and "dsv4_lab.oracle compare" in steps[-1]
+
+
+def test_engine_bed_token_ids_logprob_rows(tmp_path):
+    bed = load_script("tests/gpu/engine_bed.py", "engine_bed_oracle")
+    assert bed.logprob_ids(None, 10, 2) is None
+    assert bed.logprob_ids("all", 3, 2) == [[0, 1, 2], [0, 1, 2]]
+    one, per_seq = tmp_path / "one.json", tmp_path / "per.json"
+    one.write_text("[7, 3]")
+    per_seq.write_text("[[4, 1], [2]]")
+    assert bed.logprob_ids(str(one), 10, 2) == [[3, 7], [3, 7]]
+    assert bed.logprob_ids(str(per_seq), 10, 2) == [[1, 4], [2]]
+    with pytest.raises(SystemExit, match="one per sequence"):
+        bed.logprob_ids(str(per_seq), 10, 3)
+    # SGLang's (logprob, id, text) entries, in whatever order, as rows in the ids' order
+    assert bed._ids_rows([1, 4], [None, [(-2.0, 4, None), (-0.5, 1, None)]]) == [None, [-0.5, -2.0]]

@@ -67,6 +67,34 @@ def test_fp4_block_values_ties_and_floor():
     assert torch.equal(fp4_e2m1_simulate(torch.zeros(32)), torch.zeros(32))
 
 
+def _nearest_even(v, grid, mantissa_even):
+    """The grid value nearest to v, ties to the one with an even mantissa (written from the definition)."""
+    best = min(abs(v - g) for g in grid)
+    near = [g for g in grid if abs(v - g) == best]
+    return near[0] if len(near) == 1 else next(g for g in near if mantissa_even(g))
+
+
+def test_rounding_primitives_match_the_format_tables():
+    import numpy as np
+    from reference import e2m1_table, e4m3_table
+
+    e4m3 = sorted({float(x) for x in e4m3_table() if np.isfinite(x)})
+    e2m1 = sorted({float(x) for x in e2m1_table()})
+    codes4 = {float(v): c for c, v in enumerate(e4m3_table()) if np.isfinite(v) and c < 128}
+    codes2 = {float(v): c for c, v in enumerate(e2m1_table()) if c < 8}
+    g = torch.Generator().manual_seed(3)
+    # every midpoint between neighbours (the ties), and random values across the range
+    mids8 = [(a + b) / 2 for a, b in zip(e4m3, e4m3[1:])]
+    mids4 = [(a + b) / 2 for a, b in zip(e2m1, e2m1[1:])]
+    vals8 = torch.tensor(mids8 + (torch.rand(2000, generator=g) * 896 - 448).tolist())
+    vals4 = torch.tensor(mids4 + (torch.rand(500, generator=g) * 12 - 6).tolist())
+    got8, got4 = rounding.round_e4m3(vals8).tolist(), rounding.round_e2m1(vals4).tolist()
+    for v, r in zip(vals8.tolist(), got8):
+        assert r == _nearest_even(v, e4m3, lambda x: codes4[abs(x)] % 2 == 0), v
+    for v, r in zip(vals4.tolist(), got4):
+        assert r == _nearest_even(v, e2m1, lambda x: codes2[abs(x)] % 2 == 0), v
+
+
 def test_hadamard_is_the_normalised_sylvester_matrix():
     h4 = torch.tensor([[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1]], dtype=torch.float32) / 2
     assert torch.allclose(hadamard(torch.eye(4)), h4)
