@@ -51,6 +51,37 @@ def teacher_sequences(path: str, wait_s: float = 0.0, poll_s: float = 5.0) -> li
     return [r["sequence"] for r in json.load(open(path))["teacher"]]
 
 
+def logprob_ids(spec, vocab: int, n_sequences: int):
+    """--token-ids-logprob as one id list per teacher sequence (None without the option)."""
+    if not spec:
+        return None
+    if spec == "all":
+        return [list(range(vocab))] * n_sequences
+    ids = json.load(open(spec))
+    per_seq = ids if ids and isinstance(ids[0], list) else [ids] * n_sequences
+    if len(per_seq) != n_sequences:
+        raise SystemExit(f"engine_bed: --token-ids-logprob {spec} holds {len(per_seq)} id lists for "
+                         f"{n_sequences} teacher sequences; expected one list, or one per sequence")
+    return [sorted(int(i) for i in x) for x in per_seq]
+
+
+def _ids_kw(ids):
+    return {"token_ids_logprob": ids} if ids else {}
+
+
+def _ids_rows(ids, entries):
+    """SGLang's per-position (logprob, token_id, text) lists as log-prob rows in `ids` order (None at
+    position 0, which has no prediction)."""
+    rows = []
+    for e in entries:
+        if not e:
+            rows.append(None)
+            continue
+        got = {x[1]: x[0] for x in e}
+        rows.append([got[i] for i in ids])
+    return rows
+
+
 def _pairs(entries):
     """SGLang logprob entries (logprob, token_id, text) -> [[token_id, logprob], ...]."""
     return [[e[1], e[0]] for e in entries if e is not None]
@@ -89,6 +120,16 @@ def main(argv=None) -> int:
     ap.add_argument("--teacher-mode", choices=("batched", "alone", "reversed"), default="batched",
                     help="how the teacher-forced sequences are submitted: a floor run should differ from the "
                          "oracle's batch composition (alone or reversed), or it measures only determinism")
+    ap.add_argument("--token-ids-logprob", metavar="all|FILE",
+                    help="also record, per teacher-forced position, SGLang's log-probs of these ids (SGLang's "
+                         "token_ids_logprob): `all` (every id: small vocabularies only) or a JSON file with one id "
+                         "list, or one per teacher sequence (`python -m dsv4_lab.oracle score --support-out`); "
+                         "the lab oracle then computes KL exactly on those ids")
+    ap.add_argument("--chunked-prefill-size", type=int,
+                    help="SGLang's prefill chunk (an odd size splits C4/C128 windows and pages mid-way)")
+    ap.add_argument("--prefix-hit", action="store_true",
+                    help="first prefill each teacher sequence's first half, then teacher-force from that point "
+                         "(logprob_start_len) so the half comes from the prefix cache; earlier positions stay empty")
     ap.add_argument("--batch", type=int, default=0,
                     help="N concurrent prompts cycling over --lengths (distinct ids); 0 = one per length")
     args = ap.parse_args(argv)
@@ -124,6 +165,8 @@ def main(argv=None) -> int:
         extra["cuda_graph_max_bs_decode"] = args.cuda_graph_max_bs
     if args.max_total_tokens:
         extra["max_total_tokens"] = args.max_total_tokens
+    if args.chunked_prefill_size:
+        extra["chunked_prefill_size"] = args.chunked_prefill_size
     if args.perturb:
         if args.cuda_graph:
             raise SystemExit("engine_bed: --perturb hooks eager forwards only; drop --cuda-graph")
@@ -156,13 +199,22 @@ def main(argv=None) -> int:
         if not args.speculative_algorithm:
             t0 = time.time()
             tf_params = {"temperature": 0.0, "max_new_tokens": 1}
-            tf_kw = dict(return_logprob=True, logprob_start_len=0, top_logprobs_num=args.top)
+            tf_kw = dict(return_logprob=True, top_logprobs_num=args.top)
+            starts = [0] * len(seqs)
+            if args.prefix_hit:
+                halves = [q[: len(q) // 2] for q in seqs]
+                engine.generate(input_ids=halves, sampling_params=tf_params)
+                starts = [len(h) for h in halves]
+            ids = logprob_ids(args.token_ids_logprob, vocab, len(seqs))
             if args.teacher_mode == "batched":
-                tf = engine.generate(input_ids=seqs, sampling_params=tf_params, **tf_kw)
+                tf = engine.generate(input_ids=seqs, sampling_params=tf_params, logprob_start_len=starts, **tf_kw,
+                                     **_ids_kw(ids))
             elif args.teacher_mode == "reversed":
-                tf = engine.generate(input_ids=seqs[::-1], sampling_params=tf_params, **tf_kw)[::-1]
+                tf = engine.generate(input_ids=seqs[::-1], sampling_params=tf_params, logprob_start_len=starts[::-1],
+                                     **tf_kw, **_ids_kw(ids and ids[::-1]))[::-1]
             else:
-                tf = [engine.generate(input_ids=q, sampling_params=tf_params, **tf_kw) for q in seqs]
+                tf = [engine.generate(input_ids=q, sampling_params=tf_params, logprob_start_len=starts[i], **tf_kw,
+                                      **_ids_kw(ids and ids[i])) for i, q in enumerate(seqs)]
             record["timings"]["teacher_forced_s"] = round(time.time() - t0, 1)
     finally:
         engine.shutdown()
@@ -182,13 +234,17 @@ def main(argv=None) -> int:
             "spec": {k: v for k, v in b["meta_info"].items() if k.startswith("spec_") and k != "spec_accept_histogram"},
         })
     record["teacher"] = []
-    for s, r in zip(seqs, tf):
+    for k, (s, r) in enumerate(zip(seqs, tf)):
         mi = r["meta_info"]
+        pad = len(s) - len(mi["input_token_logprobs"])  # positions before logprob_start_len (--prefix-hit)
         record["teacher"].append({
             "sequence": s,
-            "input_logprobs": [e[0] for e in mi["input_token_logprobs"]],
-            "top": [_pairs(x) if x else [] for x in mi["input_top_logprobs"]],
+            "input_logprobs": [None] * pad + [e[0] for e in mi["input_token_logprobs"]],
+            "top": [[]] * pad + [_pairs(x) if x else [] for x in mi["input_top_logprobs"]],
         })
+        if ids:
+            record["teacher"][-1].update(ids=ids[k], ids_logprobs=[None] * pad + _ids_rows(
+                ids[k], mi["input_token_ids_logprobs"]))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     # written whole, then renamed: another GPU lane waiting for this file (steps.sh need) must never read it half
     # written (session 8: a floor compare read the one-at-a-time record while it was being written)
