@@ -279,48 +279,49 @@ def test_stage_stores_round_with_the_option(monkeypatch):
 
 
 POOL = """
-import json, torch
-from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4SingleKVPool
-import sys
+import json, os, sys, torch
+from types import SimpleNamespace as NS
+from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4SingleKVPool, DeepSeekV4TokenToKVPool
 sys.path.insert(0, {root!r})
+from dsv4_sm80 import attention
 from dsv4_sm80.kernels.block_rounding_ref import kv_fp8_sim_ref
-pool = DeepSeekV4SingleKVPool(size=300, page_size=64, dtype=torch.bfloat16, qk_nope_head_dim=448,
-                              qk_rope_head_dim=64, layer_num=1, device="cpu", enable_memory_saver=False)
+from dsv4_sm80.kernels.kv_store import k_norm_rope_store
 g = torch.Generator().manual_seed(7)
 rows = (torch.randn(3, 512, generator=g) * 5).to(torch.bfloat16)
-pool.set_key_buffer_fused(0, torch.tensor([5, -1, 200]), rows)
-flat = pool.get_key_buffer(0).view(-1, 512)
-want = kv_fp8_sim_ref(rows[[0, 2]])
-out = {{"rounded": bool(torch.equal(flat[[5, 200]], want)), "unrounded": bool(torch.equal(flat[[5, 200]], rows[[0, 2]]))}}
-# the SWA store through SGLang's own (patched) method, against the same kernel's store without the rounding
-from types import SimpleNamespace as NS
-from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-from dsv4_sm80.kernels.kv_store import k_norm_rope_store
-swa = NS(swa_kv_pool=NS(kv_buffer=[torch.zeros(1, 8 * 512, dtype=torch.bfloat16)]), _swa_local_layer_id=lambda l: l)
-kv, w = rows.clone(), (torch.rand(512, generator=g) + 0.5).to(torch.bfloat16)
+w = (torch.rand(512, generator=g) + 0.5).to(torch.bfloat16)
 f = torch.polar(torch.ones(16, 32), torch.rand(16, 32, generator=g) * 6.28)
 pos, loc = torch.tensor([1, 7, 3]), torch.tensor([2, -1, 6])
-DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope(swa, 0, loc, kv, w, 1e-6, f, pos)
-plain = torch.zeros(8, 512, dtype=torch.bfloat16)
-k_norm_rope_store(kv, w, 1e-6, f, pos, loc, plain)
-got = swa.swa_kv_pool.kv_buffer[0].view(-1, 512)
-out["swa_rounded"] = bool(torch.equal(got[[2, 6]], kv_fp8_sim_ref(plain[[2, 6]])))
-out["swa_unrounded"] = bool(torch.equal(got[[2, 6]], plain[[2, 6]]))
+plain = torch.zeros(8, 512, dtype=torch.bfloat16)  # the SWA store's kernel without the rounding
+k_norm_rope_store(rows, w, 1e-6, f, pos, loc, plain)
+def stores():
+    pool = DeepSeekV4SingleKVPool(size=300, page_size=64, dtype=torch.bfloat16, qk_nope_head_dim=448,
+                                  qk_rope_head_dim=64, layer_num=1, device="cpu", enable_memory_saver=False)
+    pool.set_key_buffer_fused(0, loc, rows)  # SGLang's own (patched) pool method
+    flat = pool.get_key_buffer(0).view(-1, 512)
+    swa = NS(swa_kv_pool=NS(kv_buffer=[torch.zeros(1, 8 * 512, dtype=torch.bfloat16)]), _swa_local_layer_id=lambda l: l)
+    DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope(swa, 0, loc, rows, w, 1e-6, f, pos)
+    got = swa.swa_kv_pool.kv_buffer[0].view(-1, 512)
+    return {{"rows_rounded": bool(torch.equal(flat[[2, 6]], kv_fp8_sim_ref(rows[[0, 2]]))),
+            "rows_plain": bool(torch.equal(flat[[2, 6]], rows[[0, 2]])),
+            "swa_rounded": bool(torch.equal(got[[2, 6]], kv_fp8_sim_ref(plain[[2, 6]]))),
+            "swa_plain": bool(torch.equal(got[[2, 6]], plain[[2, 6]]))}}
+out = {{"fp8_sim": stores()}}
+os.environ["SGLANG_DSV4_A100_KV_ROUNDING"] = "none"
+attention.kv_fp8_sim.cache_clear()
+out["none"] = stores()
 print(json.dumps(out))
 """
 
 
 @pytest.mark.sglang
 def test_real_sglang_pool_rounds_with_the_option():
-    """SGLang's own DeepSeekV4SingleKVPool and SWA store method with the patch on: the knob decides whether a
-    stored row is rounded."""
+    """SGLang's own DeepSeekV4SingleKVPool row store and SWA store method, patched, started with
+    SGLANG_DSV4_A100_KV_ROUNDING=fp8_sim: the stored rows are rounded; set to none, they are not."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = POOL.format(root=root)
-    on = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", SGLANG_DSV4_A100_KV_ROUNDING="fp8_sim",
-                              TRITON_INTERPRET="1"))
-    assert on == {"rounded": True, "unrounded": False, "swa_rounded": True, "swa_unrounded": False}
-    off = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", TRITON_INTERPRET="1"))
-    assert off == {"rounded": False, "unrounded": True, "swa_rounded": False, "swa_unrounded": True}
+    out = last_json(run_python(POOL.format(root=root), ENABLE_SGLANG_DSV4_A100_PATCH="1",
+                               SGLANG_DSV4_A100_KV_ROUNDING="fp8_sim", TRITON_INTERPRET="1"))
+    assert out["fp8_sim"] == {"rows_rounded": True, "rows_plain": False, "swa_rounded": True, "swa_plain": False}
+    assert out["none"] == {"rows_rounded": False, "rows_plain": True, "swa_rounded": False, "swa_plain": True}
 
 
 def test_knob_contract():
