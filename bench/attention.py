@@ -220,19 +220,19 @@ def main(argv=None) -> int:
                           "  ".join(f"{n} {v:.1f}" for n, v in prof.items()))
                 if args.variants:
                     old = default_splits(b, HEADS, WINDOW + extra_n, q.device)
-                    alts = {f"session 19 (splits {old}, lists apart, loop combine)": dict(
+                    alts = {f"earlier plan (splits {old}, lists apart, loop combine)": dict(
                                 splits=old, joint=False, combine="loop"),
                             f"splits {max(1, splits // 2)}": dict(splits=max(1, splits // 2)),
                             f"splits {min(64, splits * 2)}": dict(splits=min(64, splits * 2)),
                             "block_n 64": dict(splits=splits, block_n=64),
                             "8 warps": dict(splits=splits, num_warps=8),
                             "stages 3": dict(splits=splits, num_stages=3),
-                            # the split partials unnormalised in fp32 (the default until session 16 made them
-                            # normalised BF16: at batch 64 and 640 keys the fp32 ones were half as many bytes
-                            # again as the keys, written by the main kernel and read back by the combine)
+                            # the split partials unnormalised in fp32 (the earlier default; normalised BF16 now:
+                            # at batch 64 and 640 keys the fp32 ones were half as many bytes again as the keys,
+                            # written by the main kernel and read back by the combine)
                             "fp32 partials": dict(splits=splits, partial_dtype=torch.float32),
-                            # session 20, for batch 1 (9-11x its floor: each program a serial chain of dependent
-                            # loads): the combine's loads all at once, and splits over the two lists read as one
+                            # for batch 1 (9-11x its floor: each program a serial chain of dependent loads): the
+                            # combine's loads all at once, and splits over the two lists read as one
                             # (one run of steps per program), with more splits; decode_plan takes them from 8
                             # splits on; here each the other way round
                             "tiles" if plan["combine"] == "loop" else "loop combine": dict(
@@ -242,8 +242,8 @@ def main(argv=None) -> int:
                                 splits=min(64, splits * 2), joint=True, combine="tiles"),
                             f"joint, tiles, splits {min(64, splits * 4)}, block_n 16": dict(
                                 splits=min(64, splits * 4), joint=True, combine="tiles", block_n=16)}
-                    # session 16 timed 3, 4, 6 and 8 splits at batch 64 (default_splits then rounded two waves up
-                    # to 5 at 640 keys: 320 programs on 132 SMs; 4 was 24.5 us against 27.9): the neighbours
+                    # 3, 4, 6 and 8 splits at batch 64 (default_splits once rounded two waves up to 5 at 640
+                    # keys: 320 programs on 132 SMs; 4 was 24.5 us against 27.9 on the H200): the neighbours
                     for n in sorted({3, 4, 6, 8} - {splits}):
                         if n * 64 <= WINDOW + extra_n:
                             alts.setdefault(f"splits {n}", dict(splits=n))

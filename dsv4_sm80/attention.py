@@ -1,6 +1,6 @@
 """DSV4 attention on SM80: BF16 main KV caches, an INT8 indexer cache, Triton sparse attention.
 
-The replacements for the `attention.*` seams (dsv4_sm80/seams.py; reference 02 §8; docs/attention.md):
+The replacements for the `attention.*` seams (dsv4_sm80/seams.py; docs/attention.md):
 
 - launch: the KV cache dtype resolves to `bfloat16` (SGLang's DSV4 default is FP8 e4m3, which SM80
   cannot run).
@@ -17,18 +17,34 @@ The replacements for the `attention.*` seams (dsv4_sm80/seams.py; reference 02 �
 - attention: `DeepseekV4AttnBackend.forward` maps the backend's per-query metadata (flat slot ids, -1
   invalid, lengths) onto `kernels/sparse_attn.py` in every mode, plain extend included, so neither FlashMLA
   path (decode or sparse prefill) is reached; the FlashMLA scheduling metadata is never built.
+- the model's own roundings (docs/attention-numerics.md), off by default: SGLANG_DSV4_A100_KV_ROUNDING=fp8_sim
+  gives every stored SWA and compressed key row the FP8 simulation DeepSeek-V4 was trained with;
+  SGLANG_DSV4_A100_INDEXER_ROUNDING=fp4_sim the indexer's FP4 simulation of its query and keys.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
 
-from . import lab_rounding
+from . import env, lab_rounding
 from .launch_gate import refusal
 
 HEAD_DIM = 512
+
+
+@functools.lru_cache(maxsize=None)
+def kv_fp8_sim() -> bool:
+    """SGLANG_DSV4_A100_KV_ROUNDING=fp8_sim, read once per process (the stores call this per layer)."""
+    return env.get(env.KV_ROUNDING) == "fp8_sim"
+
+
+@functools.lru_cache(maxsize=None)
+def indexer_fp4_sim() -> bool:
+    """SGLANG_DSV4_A100_INDEXER_ROUNDING=fp4_sim, read once per process."""
+    return env.get(env.INDEXER_ROUNDING) == "fp4_sim"
 
 
 # --- launch ---------------------------------------------------------------------------------------
@@ -83,7 +99,7 @@ def bf16_set_key_buffer_fused(self, layer_id: int, loc: torch.Tensor, cache_k: t
     rows = cache_k.reshape(-1, _row_dim(self))
     if lab_rounding.kv_enabled() and rows.shape[-1] == HEAD_DIM:
         rows = lab_rounding.round_nope_(rows.clone())
-    scatter_rows(rows, loc, self.kv_buffer[layer_id])
+    scatter_rows(rows, loc, self.kv_buffer[layer_id], fp8_sim=kv_fp8_sim() and rows.shape[-1] == HEAD_DIM)
 
 
 def bf16_set_key_buffer(self, layer_id: int, loc: torch.Tensor, cache_k) -> None:
@@ -104,7 +120,7 @@ def bf16_swa_norm_rope_store(self, layer_id, swa_loc, kv, kv_weight, eps, freqs_
 
         scatter_rows(lab_rounding.swa_rows(kv, kv_weight, eps, freqs_cis, positions), swa_loc, buf)
         return
-    k_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, swa_loc, buf)
+    k_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, swa_loc, buf, fp8_sim=kv_fp8_sim())
 
 
 def bf16_bytes_per_full_token(original, self) -> float:
@@ -131,6 +147,11 @@ def compress_store(original, kv, plan, *, norm_weight, norm_eps, freq_cis, out_l
                        kvcache=flat, page_size=1, use_fp4=False, bf16_store=True)
         if lab_rounding.kv_enabled():  # idempotent: rows out_loc names but this call left alone are unchanged
             lab_rounding.kv_rows_(kvcache.view(torch.bfloat16).reshape(-1, HEAD_DIM), out_loc)
+        if kv_fp8_sim():  # the rows the JIT just stored, as the model rounds its BF16 compressed rows
+            from .kernels.kv_store import round_planned_rows_
+
+            round_planned_rows_(kvcache.view(torch.bfloat16), plan[1], kv.shape[0], bool(plan.is_decode), out_loc,
+                                int(plan.compress_ratio))
         return out
     if use_fp4:
         raise ValueError("dsv4-sm80 attention: the FP4 indexer (--enable-deepseek-v4-fp4-indexer, SM100) is not "
@@ -141,7 +162,7 @@ def compress_store(original, kv, plan, *, norm_weight, norm_eps, freq_cis, out_l
     from .kernels.indexer_int8 import compress_store_index_k_int8
 
     compress_store_index_k_int8(kv, plan[1], bool(plan.is_decode), out_loc, norm_weight, norm_eps, freq_cis,
-                                kvcache, ratio=int(plan.compress_ratio))
+                                kvcache, ratio=int(plan.compress_ratio), fp4_sim=indexer_fp4_sim())
     return None
 
 
@@ -154,7 +175,7 @@ def indexer_q_int8(original, q, weight, weight_scale, freqs_cis, positions):
         return original(q, weight, weight_scale, freqs_cis, positions)
     from .kernels.indexer_int8 import q_rope_hadamard_int8
 
-    return q_rope_hadamard_int8(q, weight, weight_scale, freqs_cis, positions)
+    return q_rope_hadamard_int8(q, weight, weight_scale, freqs_cis, positions, fp4_sim=indexer_fp4_sim())
 
 
 def indexer_logits_int8(original, q, kv_cache, weights, seq_lens, page_table, deep_gemm_metadata, max_seq_len,
@@ -167,7 +188,8 @@ def indexer_logits_int8(original, q, kv_cache, weights, seq_lens, page_table, de
         return lab_rounding.fp8_paged_logits(q, kv_cache, weights, seq_lens, page_table, int(max_seq_len))
     from .kernels.indexer_int8 import paged_mqa_logits_int8
 
-    return paged_mqa_logits_int8(q, kv_cache, weights, seq_lens, page_table, int(max_seq_len))
+    return paged_mqa_logits_int8(q, kv_cache, weights, seq_lens, page_table, int(max_seq_len),
+                                 fp4_sim=indexer_fp4_sim())
 
 
 # --- the attention backend ----------------------------------------------------------------------------
@@ -199,7 +221,7 @@ VISIBLE_WIDTH = 512  # the Vision-Exp visible window: 128 causal + up to 384 ima
 
 def visible_swa_lists(swa_ids, swa_lens, spans_per_req, positions, req_tokens, req_rows, req_to_token,
                       full_to_swa):
-    """The Vision-Exp bidirectional image window (reference 03 §5) as SWA index lists, for an extend batch:
+    """The Vision-Exp bidirectional image window as SWA index lists, for an extend batch:
     a query inside an image span [s, e] (IMAGE_START .. IMAGE_END, absolute positions, wholly in this
     extend) sees raw keys [max(0, min(p - 127, s)), min(that + 511, e)], i.e. the whole block both ways plus
     the causal window before it; every other query keeps its causal list (the same ids, now padded to

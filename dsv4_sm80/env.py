@@ -38,6 +38,22 @@ INT8_INDEXER = Knob(
     "1: the C4 indexer cache is INT8 with an fp32 row scale. It is the only indexer cache the SM80 path "
     "has (SGLang's is FP8, which SM80 cannot run; no BF16 indexer is built), so 0 is refused.",
 )
+KV_ROUNDING = Knob(
+    "SGLANG_DSV4_A100_KV_ROUNDING", "none", ("none", "fp8_sim"),
+    "Attention KV cache rows: none = the BF16 row as computed; fp8_sim = the model's own FP8 simulation "
+    "(DeepSeek-V4's inference code applies it, and the model was trained with it) on every stored window and "
+    "compressed key row: its 448 non-rope dims in blocks of 64 with a power-of-two scale, rounded to e4m3 on the "
+    "BF16 row; the 64 rope dims untouched. Exact in BF16: same pool, no extra memory, one extra pass only over "
+    "the compressed rows. The default stays none until it is measured against the reference on a GPU "
+    "(docs/attention-numerics.md).",
+)
+INDEXER_ROUNDING = Knob(
+    "SGLANG_DSV4_A100_INDEXER_ROUNDING", "int8", ("int8", "fp4_sim"),
+    "C4 indexer query and keys after the Hadamard rotation: int8 = INT8 per row with an fp32 scale; fp4_sim = "
+    "the model's own FP4 simulation (blocks of 32, power-of-two scales, e2m1), held exactly as INT8 codes with "
+    "per-block exponents in the same 132-byte cache entries, the logits on INT8 tensor cores per block. The "
+    "default stays int8 until it is measured against the reference on a GPU (docs/attention-numerics.md).",
+)
 MOE_BACKEND = Knob(
     "SGLANG_DSV4_MXFP4_MOE_BACKEND", "mxfp4_int8", ("mxfp4_int8", "marlin"),
     "Routed experts: mxfp4_int8 = 4-bit resident, INT8 tensor cores (W4A8); "
@@ -134,8 +150,9 @@ LAB_MEMSITES = Knob(
     "Slows every allocation; never for serving.",
 )
 
-KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC, LOAD_REPORT, TRIPWIRE,
-         ALLOW_OPEN_BIND, VISION, LAB_POISON, LAB_ROUTE_TRACE, LAB_NATIVE_ROUNDING, LAB_MEMLOG, LAB_MEMSITES)
+KNOBS = (PATCH, INT8_INDEXER, KV_ROUNDING, INDEXER_ROUNDING, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC,
+         LOAD_REPORT, TRIPWIRE, ALLOW_OPEN_BIND, VISION, LAB_POISON, LAB_ROUTE_TRACE, LAB_NATIVE_ROUNDING, LAB_MEMLOG,
+         LAB_MEMSITES)
 
 
 def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:

@@ -1,5 +1,7 @@
 """Plain-PyTorch references for the SM80 cache writers (`kv_store.py`, `indexer_int8.py`), written from
-the math of reference 02 §1.2 and the 0.5.16 JIT kernels' contracts (§8 S2.1, S1.4/S3.2, S4.1, S4.2).
+the model's math and the contracts of the 0.5.16 JIT kernels they replace (the FP8 KV store
+`fused_k_norm_rope_flashmla`, the indexer's Q quantization, index K store and paged logits). The model's own
+block roundings (the fp8_sim / fp4_sim options) have their reference in `block_rounding_ref.py`.
 
 - RoPE is on interleaved pairs (x[2i], x[2i+1]) of the rotated dims, as the complex product with
   freqs_cis[pos, i] (complex64 [max_pos, dims/2]).
