@@ -66,8 +66,8 @@ s13 = torch.stack([torch.cat([raw[(e, "w1", "scale")], raw[(e, "w3", "scale")]])
 w2 = torch.stack([raw[(e, "w2", "weight")] for e in range(E)])
 s2 = torch.stack([raw[(e, "w2", "scale")] for e in range(E)])
 exact = ref.moe_exact(x, w13, s13, w2, s2, tw, ids, scaling=1.5)
-from dsv4_sm80.kernels.w4a8_moe import default_config
-emu = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=default_config(T * 3)["block_n"])
+from dsv4_sm80.kernels.w4a8_moe_table import select
+emu = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=select(T * 3, M).kernel.group)
 out["dtype"] = str(y.dtype)
 out["rel_exact"] = float((y.double() - exact).norm() / exact.norm())
 out["rel_emulated_max"] = float((y.double() - emu).abs().max() / emu.abs().max())
