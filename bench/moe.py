@@ -186,6 +186,9 @@ def main(argv=None) -> int:
     ours = [repack_mxfp4_for_w4a8(w13.clone()), s13, repack_mxfp4_for_w4a8(w2.clone()), s2]
     erefs = {"w13_eref": shift_refs(s13), "w2_eref": shift_refs(s2)}
     variants = alternatives()
+    if args.once not in ("", "default", *variants):
+        raise SystemExit(f"bench/moe.py --once {args.once!r}: not a W4A8 table row; 'default' or one of "
+                         f"{sorted(variants)}")
     shiftable = [float((m > 0).float().mean()) for m in erefs.values()]
     print(f"shiftable columns (exponent spread <= 3 binades): gate-up {100 * shiftable[0]:.1f} %, "
           f"down {100 * shiftable[1]:.1f} %")

@@ -1,6 +1,6 @@
 """The W4A8 MoE on CUDA cores for small decode batches (the table runs it from 2 to 32 tokens): program (pair, column
 tile, K share) multiplies its pair's one row, no sorting by expert. Each code is decoded once (the PRMT decoder, a
-word in, each group's four INT8 values out) and multiplied once (DP4A, four INT8 products a instruction), one column
+word in, each group's four INT8 values out) and multiplied once (DP4A, four INT8 products per instruction), one column
 per thread so every sum over words stays in its thread. An MMA tile would carry 15 padding rows for the one real
 row, every group's conversion and scaling done on all 16.
 

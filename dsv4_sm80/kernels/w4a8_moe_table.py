@@ -1,10 +1,11 @@
 """Which W4A8 MoE kernel runs for how many (token, expert) pairs: the table `w4a8_moe` reads, as data.
 
-Each row: the pair range it serves (tokens at DSV4's top-6 in its name), the kernel family and its tile, why, and the
-measured figure that chose it. Figures are H200 ones at DSV4-Flash TP4 per-rank shapes (256 experts, hidden 4096,
-intermediate 512, top-6), CUDA-graph replays over 20 routings, Marlin (SGLang's `fused_marlin_moe`) in the same run
-where named; the date is that of the run in docs/gpu-runs.md. Retune on an A800 with `python bench/moe.py --variants`
-(every row's kernel at every size, Marlin beside).
+Each row: the pair range it serves (its reason names the token counts at DSV4's top-6; the boundary at 4,096
+pairs is 682 tokens), the kernel family and its tile, why, and the measured figure that chose it. Figures are H200
+ones at DSV4-Flash TP4 per-rank shapes (256 experts, hidden 4096, intermediate 512, top-6), CUDA-graph replays over
+20 routings, Marlin (SGLang's `fused_marlin_moe`) in the same run where named; the date is that of the run in
+docs/gpu-runs.md. Retune on an A800 with `python bench/moe.py --variants` (every row's kernel at every size, Marlin
+beside).
 
 The first row whose range, intermediate bound and `expand_ok` condition hold is taken.
 """
@@ -62,12 +63,12 @@ TABLE = (
         "33-512 tokens: ~1-12 rows an expert, so the 16-row tile pads least; 2 warps for 16-byte weight loads",
         f"48 / 64 tokens 282.8 / 323.7 us against gemv's 302.1 / 401.7 ({H200}, 2026-12-02); 64 tokens 317.2 against "
         f"Marlin's 314.3, 512 tokens 457.1 against 498.8 ({H200}, 2026-12-04)"),
-    Row("mma 16x32, bf16 pairs", 512 * TOP_K + 1, 682 * TOP_K,
+    Row("mma 16x32, bf16 pairs", 512 * TOP_K + 1, 4096,
         Mma(block_m=16, block_n=32, block_n2=128, warps=2, stages=4, pair_bf16=True),
         "513-682 tokens: the same tile, per-pair outputs in BF16 (half the bytes of the [pairs, H] buffer)",
         f"600 tokens 498.3 us against Marlin's 560.8 and the 64x128 tile's 735 ({H200}, 2026-12-02); 640 tokens 528.7 "
         f"against the 32x64 tile's 545.8 ({H200}, 2026-12-03)"),
-    Row("mma 32x64 shift", 682 * TOP_K + 1, 1280 * TOP_K,
+    Row("mma 32x64 shift", 4097, 1280 * TOP_K,
         Mma(block_m=32, block_n=64, block_n2=128, warps=2, stages=4, shift=True, pair_bf16=True),
         "683-1,280 tokens: ~16-30 rows an expert fill one 32-row tile; 64 columns double the programs along N; the "
         "shift loop (int32 accumulation, no per-group conversion) where the columns allow",
