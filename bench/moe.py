@@ -1,7 +1,7 @@
 """Routed-expert MoE at DeepSeek-V4-Flash TP4 per-rank shapes (256 experts, hidden 4096, intermediate 512
 per rank, top-6), both SM80 backends in one run:
 
-  mxfp4_int8  dsv4_sm80.kernels.w4a8_moe: MXFP4 resident, W4A8 on INT8 tensor cores
+  mxfp4_int8  dsv4_sm80.kernels.w4a8_moe: MXFP4 resident, W4A8 on INT8 (the table's kernel per size)
   marlin      SGLang 0.5.16's fused_marlin_moe on MXFP4 (W4A16, BF16 MMA): what the `marlin` backend
               runs, and on an H200 also the native path (native SM90 DSV4 uses this kernel; the only
               native difference is the Python check the overlay lifts)
@@ -13,10 +13,11 @@ backends' outputs (the accuracy of each against an exact reference is in tests/t
 
 Each timed call routes its tokens afresh (one of ROUTINGS random routings, in turn): the experts one call reads
 at decode (6 at one token: 19 MB at TP4 shapes) fit in an H200's 50 MB L2 (an A800's 40 MB), so calls that all
-read the same experts (`--same-routing`, the way sessions 4-15 timed) measure L2, not HBM, at the smallest
-sizes; in a model each layer's experts are different weights.
+read the same experts (`--same-routing`) measure L2, not HBM, at the smallest sizes; in a model each layer's
+experts are different weights.
 
-    python bench/moe.py --out moe.json        (an H200 prints H200 numbers, not A800 ones)
+    python bench/moe.py --out moe.json              (an H200 prints H200 numbers, not A800 ones)
+    python bench/moe.py --variants --out moe.json   (every row's kernel of the W4A8 table at every size)
 """
 
 from __future__ import annotations
@@ -75,10 +76,9 @@ def read_floor_us(torch, w13, w2, routes) -> float:
 
 
 def expand_us(torch, ours, erefs) -> dict:
-    """The expanded path's fixed cost (config expand): `_expand_kernel` over every expert of gate-up and of down into
-    one workspace each (as default_config's expand with a workspace of all experts), in a CUDA graph: microseconds
-    and GB/s (codes + scale bytes read, INT8 written) against the copy peak. Session 22: the two-point fit put the
-    decode at ~1.2 ms a call at TP4 shapes."""
+    """The expanded kernel's fixed cost: `_expand_kernel` over every expert of gate-up and of down into
+    one workspace each (the expanded kernel with a workspace of all experts), in a CUDA graph: microseconds and GB/s
+    (codes + scale bytes read, INT8 written) against the copy peak."""
     from dsv4_sm80.kernels.w4a8_moe import expand_experts
 
     w13, s13, w2, s2 = ours
@@ -115,235 +115,16 @@ def peaks(torch):
     return out
 
 
-# W4A8 alternatives timed with --variants (config keys of w4a8_moe), each against the default: the PTX
-# table decoder with default_config's tiles and its per-size choice of the shift path (per group at decode,
-# shift above 4096 pairs). Every variant names its shift setting, so the rows compare like with like.
-VARIANTS = {
-    # the shift path (int32 accumulation for columns whose exponents span <= 3 binades) against the
-    # per-group loop; "eref 0" passes all-zero shift maps: the shift kernel's per-tile check, then the
-    # per-group fallback everywhere (what the check and the bigger kernel cost)
-    "shift on": {"shift": True},
-    "shift off": {"shift": False},
-    "shift, eref 0 (fallback)": {"shift": True, "_eref0": True},
-    "shift, decode block_n 64": {"block_n": 64, "shift": True},  # the down kernel's activation group 64
-    "fused io": {"fused_io": True},  # one-launch activation quantizer and top-k combine (~12 + 3 launches fewer)
-    # per-pair outputs in BF16 before the top-k sum (as Marlin's intermediate cache): the [pairs, H] buffer is
-    # the largest prefill traffic (1.6 GB fp32 at 16K tokens, written and read once)
-    "pair bf16": {"pair_bf16": True},
-    "fused io, pair bf16": {"fused_io": True, "pair_bf16": True},
-    "alu-decode": {"decode": "alu"},
-    "span-merge": {"merge": True, "shift": False},
-    "block_n2 128": {"block_n2": 128},
-    "block_m 128, warps 8, shift off": {"block_m": 128, "num_warps": 8, "shift": False},
-    # tiles ranked by the sm_80 SASS census (bench/sass_census.py; instructions per IMMA): fewer warps
-    # sharing one weight tile decode it fewer times
-    "shift, tile 64x128, warps 4": {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4, "shift": True},
-    "shift, tile 32x128, warps 4": {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 4, "shift": True},
-    "shift, tile 64x64, warps 8": {"block_m": 64, "block_n": 64, "block_n2": 128, "num_warps": 8, "shift": True},
-    "shift off, tile 64x128, warps 4": {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4,
-                                        "shift": False},
-    "shift off, tile 32x128, warps 4": {"block_m": 32, "block_n": 128, "block_n2": 128, "num_warps": 4,
-                                        "shift": False},
-    "shift off, tile 16x32, warps 4": {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "shift": False},
-}
-# The prefill sweep (--only prefill-): session 21's H200 run had W4A8 at Marlin's time from 2048 tokens on (1.04 /
-# 1.00 / 0.99 at 2048 / 8192 / 16384), i.e. 16-21 % of the mma.sync INT8 peak, while an H200's mma.sync INT8 runs at
-# 2.26x its BF16 (bench/mma_peak.py) and Marlin reached 39-48 % of that BF16 rate. The sm_80 SASS census
-# (bench/sass_census.py) of the >4096-pair tile (64x128, 4 warps, shift) counts 9.3 instructions per IMMA, within an
-# SM80 or H200 scheduler's issue budget, but 45 spilled words; with 8 warps 10.8 and no spill (more warps to hide
-# latency with, each holding half the accumulators). The rest of the [pairs, H] traffic: pair_bf16 (half the bytes of
-# the largest buffer) and fused_io (one-launch quantizer and combine; 763 -> 698 us at 512 tokens, session 21). Each
-# entry names its shift setting and tiles; the down tile is block_n2 wide with the gate-up's block_m and warps.
-PREFILL_TILE = {"block_m": 64, "block_n": 128, "block_n2": 128, "num_warps": 4, "num_stages": 3, "shift": True}
-VARIANTS.update({f"prefill-{name}": dict(PREFILL_TILE, **cfg) for name, cfg in {
-    "64x128, warps 4, fused io": {"fused_io": True},
-    "64x128, warps 4, fused io, pair bf16": {"fused_io": True, "pair_bf16": True},
-    "64x128, warps 4, stages 4": {"num_stages": 4},
-    "64x128, warps 8": {"num_warps": 8},
-    "64x128, warps 8, stages 4": {"num_warps": 8, "num_stages": 4},
-    "64x128, warps 8, fused io, pair bf16": {"num_warps": 8, "fused_io": True, "pair_bf16": True},
-    "64x256, warps 8": {"block_n": 256, "num_warps": 8},  # (block_n 256: the intermediate's INT8 group is 256)
-    "32x128, warps 4": {"block_m": 32},
-    "32x128, warps 8": {"block_m": 32, "num_warps": 8},
-    # 769-1500 tokens (session 22: Marlin 1.01-1.09x ahead there; 16-24 rows an expert): shorter tiles with the shift path
-    "32x64, warps 4": {"block_m": 32, "block_n": 64},
-    "16x128, warps 4": {"block_m": 16},
-    # ... and with the default's fused io and BF16 pair outputs (the glue is ~1/6 of the time at 1024 tokens: the
-    # 64x128 tile 893 -> 751 us with them, session 22), so that the tile alone is what differs from the default
-    "32x128, warps 4, fused io, pair bf16": {"block_m": 32, "fused_io": True, "pair_bf16": True},
-    "32x64, warps 4, fused io, pair bf16": {"block_m": 32, "block_n": 64, "fused_io": True, "pair_bf16": True},
-    "16x128, warps 4, fused io, pair bf16": {"block_m": 16, "fused_io": True, "pair_bf16": True},
-    "32x128, warps 4, shift only, fused io, pair bf16": {"block_m": 32, "shift_only": True, "fused_io": True,
-                                                         "pair_bf16": True},
-    "32x64, warps 2, stages 4, fused io, pair bf16": {"block_m": 32, "block_n": 64, "num_warps": 2, "num_stages": 4,
-                                                      "fused_io": True, "pair_bf16": True},
-    "128x32, warps 2": {"block_m": 128, "block_n": 32, "block_n2": 64, "num_warps": 2},  # one warp's tile 64 rows tall
-    "64x32, warps 1": {"block_m": 64, "block_n": 32, "block_n2": 64, "num_warps": 1},
-    # the shift loop alone (no per-group fallback compiled beside it): the census's 4-warp in-loop spills, 8 -> 0 (the
-    # bench's maps are all shiftable; a real checkpoint's fraction is printed at start-up)
-    "64x128, warps 4, shift only": {"shift_only": True},
-    "64x128, warps 8, shift only": {"num_warps": 8, "shift_only": True},
-    # config expand: every expert decoded once per call into an INT8 workspace (expand_mb at a time), then plain INT8
-    # grouped GEMMs whose loop only loads and multiplies (the 4-bit tile decodes each weight tile once per M tile:
-    # ~6 times per expert at 16K tokens); the decode's ~2.4 GB of traffic (TP4, 4-bit in, INT8 out) against that
-    "expand 64x128, k 128, warps 4": {"expand": True},
-    "expand 64x128, k 128, warps 4, stages 4": {"expand": True, "num_stages": 4},
-    "expand 64x128, k 64, warps 4, stages 4": {"expand": True, "block_k": 64, "num_stages": 4},
-    "expand 128x128, k 128, warps 8": {"expand": True, "block_m": 128, "num_warps": 8},
-    "expand 128x128, k 64, warps 8, stages 4": {"expand": True, "block_m": 128, "block_k": 64, "num_warps": 8,
-                                                "num_stages": 4},
-    "expand 64x128, k 128, warps 4, all experts": {"expand": True, "expand_mb": 4096},
-    "expand 64x128, k 128, warps 4, fused io, pair bf16": {"expand": True, "fused_io": True, "pair_bf16": True},
-    "expand 64x128, k 64, warps 4, stages 4, fused io, pair bf16": {"expand": True, "block_k": 64, "num_stages": 4,
-                                                                    "fused_io": True, "pair_bf16": True},
-    "expand 64x128, k 128, warps 4, fused io": {"expand": True, "fused_io": True},
-    "expand 64x128, k 128, warps 4, pair bf16": {"expand": True, "pair_bf16": True},
-    "64x128, warps 4, shift only, fused io, pair bf16": {"shift_only": True, "fused_io": True, "pair_bf16": True},
-}.items()})
-# The decode sweep (--only decode-): which tile, warp count and pipeline depth reach HBM bandwidth at 1-64 tokens
-# on this GPU (session 7's decode tile moved 35-45 % of the copy peak on the H200, Marlin 70-78 %); each entry is
-# that tile (pinned here, shift off) with the keys it names changed. Session 8's H200 sweep put 2 warps, the
-# 128-wide down tile and 4 stages into default_config from 5 tokens on; to be re-run on an A800.
-DECODE_TILE = {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3, "shift": False}
-VARIANTS.update({f"decode-{name}": dict(DECODE_TILE, **cfg) for name, cfg in {
-    "16x32x64, warps 4, stages 3 (session 7 default)": {},
-    "stages 2": {"num_stages": 2},
-    "stages 4": {"num_stages": 4},
-    "stages 5": {"num_stages": 5},
-    "stages 6": {"num_stages": 6},
-    "warps 2, stages 3": {"num_warps": 2, "num_stages": 3},
-    "warps 2, stages 4": {"num_warps": 2, "num_stages": 4},
-    "warps 2, stages 6": {"num_warps": 2, "num_stages": 6},
-    "warps 8, stages 3": {"num_warps": 8, "num_stages": 3},
-    "block_n 64, stages 4": {"block_n": 64, "num_stages": 4},
-    "block_n 64, warps 2, stages 4": {"block_n": 64, "num_warps": 2, "num_stages": 4},
-    "block_n2 32": {"block_n2": 32},
-    "block_n2 128": {"block_n2": 128},
-    "block_n2 128, warps 2, stages 4": {"block_n2": 128, "num_warps": 2, "num_stages": 4},
-    "16x32x128, warps 2, stages 5": {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 2,
-                                     "num_stages": 5},
-    # session 8's profile: ~25-40 us per call of small torch kernels around the two GEMMs (the activation
-    # quantizer, the top-k combine); fused_io makes them one Triton launch each
-    "fused io": {"fused_io": True},
-    "warps 2, stages 4, fused io": {"num_warps": 2, "num_stages": 4, "fused_io": True},
-    "block_n2 128, warps 2, stages 4, fused io": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
-                                                  "fused_io": True},
-    # the down kernel moved 57 % of copy bandwidth at 64 tokens against gate-up's 70 % (session 8's profile):
-    # 8 K steps per program at K = 512, so a wider tile spreads each program's fixed cost over more bytes
-    "block_n2 256, warps 2, stages 4": {"block_n2": 256, "num_warps": 2, "num_stages": 4},
-    "block_n2 256, warps 4, stages 4": {"block_n2": 256, "num_warps": 4, "num_stages": 4},
-    # at 1 token the gate-up launch has 6 experts x 16 column tiles = 96 programs for the whole GPU: split-K
-    # gives each K share its own program (fp32 partials, a deterministic finishing kernel)
-    "split_k 2": {"split_k": 2},
-    "split_k 4": {"split_k": 4},
-    "warps 2, stages 4, split_k 4": {"num_warps": 2, "num_stages": 4, "split_k": 4},
-    "block_n2 128, warps 2, stages 4, split_k 8": {"block_n2": 128, "num_warps": 2, "num_stages": 4, "split_k": 8},
-    # session 16: 16 tokens at 65 % of copy bandwidth with fresh routings (goal 70 %): the 5-64 token default
-    # (the next entry but one above) with a wider gate-up tile, a deeper pipeline, a wider down tile, 4 warps
-    "block_n 64, block_n2 128, warps 2, stages 4, fused io": {"block_n": 64, "block_n2": 128, "num_warps": 2,
-                                                              "num_stages": 4, "fused_io": True},
-    "block_n2 128, warps 2, stages 5, fused io": {"block_n2": 128, "num_warps": 2, "num_stages": 5, "fused_io": True},
-    "block_n2 128, warps 2, stages 6, fused io": {"block_n2": 128, "num_warps": 2, "num_stages": 6, "fused_io": True},
-    "block_n2 256, warps 2, stages 4, fused io": {"block_n2": 256, "num_warps": 2, "num_stages": 4, "fused_io": True},
-    "block_n2 128, warps 4, stages 4, fused io": {"block_n2": 128, "num_warps": 4, "num_stages": 4, "fused_io": True},
-    # session 11 made fused io the decode default: split-K on top of it (the one-token gate-up had 96 programs)
-    "fused io, split_k 2": {"fused_io": True, "split_k": 2},
-    "fused io, split_k 4": {"fused_io": True, "split_k": 4},
-    "fused io, split_k 8": {"fused_io": True, "split_k": 8},
-    "block_n2 128, warps 2, stages 4, fused io, split_k 4": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
-                                                             "fused_io": True, "split_k": 4},
-    # session 11's one-token profile: ~8 us of the 32 in launches around the two GEMMs, 3.7 of them SGLang's
-    # alignment (moe_align_block_size: two kernels); pair_blocks drops it (one pair per M block)
-    "pair blocks, fused io": {"pair_blocks": True, "fused_io": True},
-    "pair blocks, fused io, split_k 2": {"pair_blocks": True, "fused_io": True, "split_k": 2},
-    "pair blocks, fused io, split_k 4": {"pair_blocks": True, "fused_io": True, "split_k": 4},
-    "pair blocks, fused io, stages 5": {"pair_blocks": True, "fused_io": True, "num_stages": 5},
-    # the one-token gate-up moves ~27 % of copy bandwidth with 96 programs: latency-bound, and pipeline depth
-    # barely moved it (session 8), so the weight loads of several K steps per iteration (unrolled)
-    "pair blocks, fused io, unroll 2": {"pair_blocks": True, "fused_io": True, "unroll": 2},
-    "pair blocks, fused io, unroll 4": {"pair_blocks": True, "fused_io": True, "unroll": 4},
-    "pair blocks, fused io, unroll 8": {"pair_blocks": True, "fused_io": True, "unroll": 8},
-    "pair blocks, fused io, split_k 2, unroll 4": {"pair_blocks": True, "fused_io": True, "split_k": 2, "unroll": 4},
-    "fused io, unroll 4": {"fused_io": True, "unroll": 4},
-    # session 15's sweep: pair blocks + split_k 4 best at 1 and 4 tokens (21.4 / 60.1 us); unroll helped without
-    # split-K (25.5 against 27.7) and hurt with it: the down launch unrolled alone, and the neighbours
-    "pair blocks, fused io, split_k 4, unroll_down 2": {"pair_blocks": True, "fused_io": True, "split_k": 4,
-                                                        "unroll_down": 2},
-    "pair blocks, fused io, split_k 4, unroll_down 4": {"pair_blocks": True, "fused_io": True, "split_k": 4,
-                                                        "unroll_down": 4},
-    "pair blocks, fused io, split_k 8": {"pair_blocks": True, "fused_io": True, "split_k": 8},
-    "pair blocks, fused io, split_k 4, block_n2 32": {"pair_blocks": True, "fused_io": True, "split_k": 4,
-                                                      "block_n2": 32},
-    "pair blocks, fused io, split_k 4, block_n2 128": {"pair_blocks": True, "fused_io": True, "split_k": 4,
-                                                       "block_n2": 128},
-    "pair blocks, fused io, split_k 4, warps 2, stages 4": {"pair_blocks": True, "fused_io": True, "split_k": 4,
-                                                            "num_warps": 2, "num_stages": 4},
-    "block_n2 128, warps 2, stages 4, fused io, unroll 4": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
-                                                            "fused_io": True, "unroll": 4},
-    # (session 18's config prefetch, the scale loads carried one or two K steps ahead in registers, lost at every
-    # size on the H200 in session 19: 25.4-36.4 us against the default's 24.4 at one token, 55.8-72.5 against 59.5
-    # at 4; removed)
-    # ... or the issue rate: the per-group loop converts every 32-deep dot of all 16 tile rows (one real at one token)
-    # with I2F at quarter rate; the shift path accumulates in int32 instead (no I2F; no split-K: shift takes K whole;
-    # block_n 64 also gives the down launch the 64-column activation group its shift path needs)
-    "pair blocks, fused io, shift": {"pair_blocks": True, "fused_io": True, "shift": True},
-    "pair blocks, fused io, shift, block_n 64": {"pair_blocks": True, "fused_io": True, "shift": True, "block_n": 64},
-    # ... or without the MMA: gemv multiplies the pair's one row on CUDA cores (PRMT decode + DP4A), one column per
-    # thread, ~2.7 SASS instructions per code in the gate-up loop against ~5.9 (+16 quarter-rate I2F) per step of
-    # the 16-row MMA tile (sm_80 SASS, session 18); more K shares for more programs (96 at split_k 4, tile 128)
-    "pair blocks, fused io, gemv, split_k 4": {"pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 4},
-    "pair blocks, fused io, gemv, split_k 8": {"pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 8},
-    "pair blocks, fused io, gemv, split_k 16": {"pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 16},
-    "pair blocks, fused io, gemv, split_k 8, gemv_n 64": {"pair_blocks": True, "fused_io": True, "gemv": True,
-                                                          "split_k": 8, "gemv_n": 64},
-    "pair blocks, fused io, gemv, split_k 8, block_n2 128": {"pair_blocks": True, "fused_io": True, "gemv": True,
-                                                             "split_k": 8, "block_n2": 128},
-    "pair blocks, fused io, gemv, split_k 1": {"pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 1},
-    # session 19 (H200, TP4 shapes): gemv won from 2 to 32 tokens (35.4 / 43.3 / 78.0 / 120.0 / 211.2 us at 2 / 4 /
-    # 8 / 16 / 32 against the MMA configs' 39.4 / 61.0 / 96.8 / 150.4 / 231.4) and is their default now (to 16
-    # tokens above 512 intermediate per rank); the two "mma" entries below are the configs it replaced, to keep the
-    # switch points measured (a Triton pipeline over the gemv loop, tl.range with cp.async, was slower at every
-    # size, 28.4-31.1 us at one token, 65.7-74.2 at 4: removed)
-    # the gemv loop's warps wait on their loads (H200 profile at one token: 4.5-5.3 cycles of long-scoreboard stall
-    # per issued instruction, 18-22 % of issue slots used; the MMA loop uses 59 %): the loads issued 1 or 2 K
-    # steps ahead, carried in registers
-    "pair blocks, fused io, gemv, split_k 8, block_n2 128, prefetch 1": {
-        "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 8, "block_n2": 128, "gemv_prefetch": 1},
-    "pair blocks, fused io, gemv, split_k 8, block_n2 128, prefetch 2": {
-        "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 8, "block_n2": 128, "gemv_prefetch": 2},
-    "pair blocks, fused io, gemv, split_k 4, prefetch 2": {
-        "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 4, "gemv_prefetch": 2},
-    "pair blocks, fused io, gemv, split_k 16, prefetch 2": {
-        "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 16, "gemv_prefetch": 2},
-    # (session 20, H200, TP4 shapes: prefetch 1 the fastest gemv at 2-32 tokens, 29.7 / 41.0 / 71.2 / 113.5 / 200.9 us
-    # at 2 / 4 / 8 / 16 / 32 against the plain loop's 33.4 / 42.6 / 76.9 / 119.2 / 207.8, and default_config's since;
-    # 24.7 at one token against the MMA tile's 24.6; prefetch 2 ahead of 1 only at 8 tokens, 70.9 against 71.2)
-    # ... with more warps per scheduler as well (gemv had 1.45 at one token; the MMA launches 2.7)
-    "pair blocks, fused io, gemv, split_k 16, gemv_n 64, prefetch 2": {
-        "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 16, "gemv_n": 64, "gemv_prefetch": 2},
-    "pair blocks, fused io, gemv, split_k 8, block_n2 32, prefetch 2": {
-        "pair_blocks": True, "fused_io": True, "gemv": True, "split_k": 8, "block_n2": 32, "gemv_prefetch": 2},
-    "pair blocks, fused io, split_k 4, mma": {"pair_blocks": True, "fused_io": True, "split_k": 4, "gemv": False,
-                                              "block_n2": 64},
-    "block_n2 128, warps 2, stages 4, fused io, mma": {"block_n2": 128, "num_warps": 2, "num_stages": 4,
-                                                       "fused_io": True, "gemv": False, "pair_blocks": False,
-                                                       "split_k": 1},
-}.items()})
-for _cfg in VARIANTS.values():  # the MMA kernel unless a variant names gemv (default_config's choice at 2-32 tokens),
-    _cfg.setdefault("gemv", False)  # and gemv's plain loop unless it names a prefetch depth (default_config's is 1)
-    _cfg.setdefault("gemv_prefetch", 0)
-# session 29: config wide, the one-token path without split-K or a top-k launch: a gate-up program holds its pair's
-# whole K for wide_n columns (every load issued at once, the K sum across the program's threads, the GLU in its
-# epilogue), a down program all of a token's pairs for wide_n2 output columns (their sum and the routed scaling applied
-# there); the intermediate's INT8 group is wide_n. Sizes: gate-up wide_n x wide_warps, down wide_n2 x wide_warps2
-# (sizes whose codes fit the registers). First H200 run (three launches with the quantizer's): 17.4 us at one token
-# for 16 x 8 warps / 16 x 8 warps, against the MMA default's 24.3-24.9; default_config's at one token since is
-# "wide 32x16w, down 16x8w, quant in" (16.5-16.9 us)
-VARIANTS.update({f"wide {a}x{aw}w, down {b}x{bw}w{', quant in' if q else ''}": {
-    "wide": True, "wide_n": a, "wide_warps": aw, "wide_n2": b, "wide_warps2": bw, "wide_quant": q}
-    for a, aw, b, bw, q in ((16, 8, 16, 8, False), (16, 8, 16, 16, False), (16, 16, 16, 8, False),
-                            (32, 16, 16, 8, False), (32, 32, 16, 16, False), (16, 8, 16, 8, True),
-                            (16, 16, 16, 8, True), (32, 16, 16, 8, True), (32, 32, 16, 8, True))})
+def alternatives() -> dict:
+    """--variants: every row's kernel of the W4A8 table (`w4a8_moe_table.TABLE`), by row name, timed at every size
+    beside the default: the switch points between rows are the tuning choices an A800 run re-measures."""
+    from dsv4_sm80.kernels.w4a8_moe_table import TABLE
+
+    out = {}
+    for row in TABLE:
+        if row.kernel not in out.values():  # (rows sharing a kernel: timed once, under the first one's name)
+            out[row.name] = row.kernel
+    return out
 
 
 def mxfp4_like_scales(torch, e, n, k, gen):
@@ -367,22 +148,21 @@ def main(argv=None) -> int:
                     help="expert intermediate width per rank: 512 at TP4 (the default), 2048 at TP1 (bench/e2e.py's "
                          "full-width checkpoint on one GPU)")
     ap.add_argument("--only", default="",
-                    help="with --variants: only the variants whose name contains this (alternatives joined by |)")
+                    help="with --variants: only the table rows whose name contains this (alternatives joined by |)")
     ap.add_argument("--variants", action="store_true",
-                    help="also time the W4A8 kernel's alternatives per size (decoder, span merge, tiles)")
+                    help="also time every W4A8 table row's kernel at every size (the switch points)")
     ap.add_argument("--profile", action="store_true",
                     help=f"per size, also each CUDA kernel's device time per call (torch.profiler, {PROFILE_CALLS} "
                          "eager calls) for the W4A8 default and Marlin")
     ap.add_argument("--profile-only", default="",
-                    help="with --variants and --profile: also profile the variants whose name contains this "
+                    help="with --variants and --profile: also profile the table rows whose name contains this "
                          "(alternatives joined by |)")
     ap.add_argument("--same-routing", action="store_true",
-                    help="every call the same routing (the experts stay in L2 between calls at decode sizes; "
-                         "sessions 4-15 timed this way)")
+                    help="every call the same routing (the experts stay in L2 between calls at decode sizes)")
     ap.add_argument("--once", default="",
-                    help="for Nsight Compute: at the first --tokens size, two eager calls of this variant ('default': "
-                         "default_config) and nothing else (ncu -k regex:_w4a8 --launch-skip 2: the second call's "
-                         "launches)")
+                    help="for Nsight Compute: at the first --tokens size, two eager calls of this table row "
+                         "('default': the table's choice) and nothing else (ncu -k regex:_w4a8 --launch-skip 2: the "
+                         "second call's launches)")
     ap.add_argument("--no-marlin", action="store_true",
                     help="the W4A8 kernel alone, without SGLang (no Marlin column): a quick timing on a GPU host "
                          "with only torch and Triton")
@@ -391,6 +171,7 @@ def main(argv=None) -> int:
     import torch
 
     from dsv4_sm80.kernels.w4a8_moe import repack_mxfp4_for_w4a8, shift_refs, w4a8_moe
+    from dsv4_sm80.kernels.w4a8_moe_table import select
 
     e, inter = args.experts, args.inter
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -404,7 +185,10 @@ def main(argv=None) -> int:
     w2, s2 = experts(H, inter)
     ours = [repack_mxfp4_for_w4a8(w13.clone()), s13, repack_mxfp4_for_w4a8(w2.clone()), s2]
     erefs = {"w13_eref": shift_refs(s13), "w2_eref": shift_refs(s2)}
-    no_shift = {"w13_eref": torch.zeros_like(erefs["w13_eref"]), "w2_eref": torch.zeros_like(erefs["w2_eref"])}
+    variants = alternatives()
+    if args.once not in ("", "default", *variants):
+        raise SystemExit(f"bench/moe.py --once {args.once!r}: not a W4A8 table row; 'default' or one of "
+                         f"{sorted(variants)}")
     shiftable = [float((m > 0).float().mean()) for m in erefs.values()]
     print(f"shiftable columns (exponent spread <= 3 binades): gate-up {100 * shiftable[0]:.1f} %, "
           f"down {100 * shiftable[1]:.1f} %")
@@ -431,15 +215,15 @@ def main(argv=None) -> int:
     print(f"moe bench on {record['gpu']}: peaks INT8 {pk['int8_tops']:.0f} TOP/s, BF16 {pk['bf16_tflops']:.0f} "
           f"TFLOP/s, copy {pk['copy_gbps']:.0f} GB/s, empty kernel {pk['empty_kernel_us']:.1f} us")
     # On SM90 Triton lowers the 64-row tiles' tl.dot to wgmma unless DISABLE_MMA_V3=1 (then mma.sync, the only MMA an
-    # A800 has; session 22); Marlin issues mma.sync either way. The peaks above are cuBLAS's (wgmma on SM90):
+    # A800 has); Marlin issues mma.sync either way. The peaks above are cuBLAS's (wgmma on SM90):
     # bench/mma_peak.py measures mma.sync's.
     record["triton_mma"] = "mma.sync only (DISABLE_MMA_V3=1)" if os.environ.get("DISABLE_MMA_V3") == "1" else (
         "wgmma allowed" if torch.cuda.get_device_capability(0)[0] >= 9 else "mma.sync")
     print(f"moe bench on {record['gpu']}: Triton MMA {record['triton_mma']}")
     if not args.once and min(shiftable) == 1.0 and max(int(x) for x in args.tokens.split(",")) > 8192:
         record["expand"] = xp = expand_us(torch, ours, erefs)  # what the expanded path pays per call before its GEMMs
-        print(f"moe bench: every expert expanded to INT8 (config expand's decode, gate-up and down): {xp['us']:.1f} us, "
-              f"{xp['gbps']:.0f} GB/s ({100 * xp['gbps'] / pk['copy_gbps']:.0f} % of copy)")
+        print(f"moe bench: every expert expanded to INT8 (the expanded kernel's decode, gate-up and down): "
+              f"{xp['us']:.1f} us, {xp['gbps']:.0f} GB/s ({100 * xp['gbps'] / pk['copy_gbps']:.0f} % of copy)")
     print(f"{'tokens':>6s} {'experts':>7s} {'int8 us':>9s} {'marlin us':>9s} {'int8/marlin':>11s}  "
           f"{'GB/s int8 (%pk)':>16s} {'GB/s marlin (%pk)':>17s} {'floor us':>8s}  {'TOP/s int8 (%int8pk)':>20s} "
           f"{'TFLOP/s marlin (%bf16pk)':>24s} {'rel diff':>8s}")
@@ -460,13 +244,11 @@ def main(argv=None) -> int:
                 turn[0] += 1
             return r
 
-        def run_int8(config=None, r=None):
-            """The W4A8 call with config: default_config's, or a VARIANTS entry (its `_eref0`: all-zero shift maps)."""
-            cfg = dict(config or {})
-            maps = no_shift if cfg.pop("_eref0", False) else erefs
+        def run_int8(kernel=None, r=None):
+            """The W4A8 call: the table's kernel, or a row's (`alternatives`)."""
             tw, ids, _ = route(r)
-            return w4a8_moe(x, *ours, tw, ids, swiglu_limit=10.0, routed_scaling_factor=1.0, config=cfg,
-                            expand_ok=maps is erefs and min(shiftable) == 1.0, **maps)  # (as dsv4_sm80/moe.py decides)
+            return w4a8_moe(x, *ours, tw, ids, swiglu_limit=10.0, routed_scaling_factor=1.0, kernel=kernel,
+                            expand_ok=min(shiftable) == 1.0, **erefs)  # (as dsv4_sm80/moe.py decides)
 
         def run_marlin(r=None):
             if fused_marlin_moe is None:
@@ -478,11 +260,11 @@ def main(argv=None) -> int:
 
         if args.once:
             for _ in range(2):
-                run_int8(None if args.once == "default" else VARIANTS[args.once])
+                run_int8(None if args.once == "default" else variants[args.once])
             torch.cuda.synchronize()
             print(f"moe bench --once: two calls of {args.once!r} at {m} tokens")
             return 0
-        row = {"tokens": m}
+        row = {"tokens": m, "table_row": select(m * TOP_K, inter, min(shiftable) == 1.0).name}
         try:
             row["int8_s"] = timed(run_int8)
         except Exception as err:
@@ -516,6 +298,7 @@ def main(argv=None) -> int:
               f"{cell('int8_s', pk['copy_gbps'], 1e9, 16)} {cell('marlin_s', pk['copy_gbps'], 1e9, 17)} "
               f"{row['floor_s'] * 1e6:8.1f}  {cell('int8_s', pk['int8_tops'], 1e12, 20)} "
               f"{cell('marlin_s', pk['bf16_tflops'], 1e12, 24)} {row.get('rel_diff', float('nan')):8.2e}")
+        print(f"        W4A8 table row: {row['table_row']}")
         for k in ("int8_error", "marlin_error"):
             if k in row:
                 print("  ", k, row[k])
@@ -525,13 +308,13 @@ def main(argv=None) -> int:
         if args.variants:
             row["variants"], row["variant_rel"] = {}, {}
             base = run_int8(r=routes[0]).float() if "int8_s" in row else None
-            for name, cfg in VARIANTS.items():
+            for name, kernel in variants.items():
                 if not any(o in name for o in args.only.split("|")):
                     continue
                 try:
-                    row["variants"][name] = timed(lambda: run_int8(cfg)) * 1e6
+                    row["variants"][name] = timed(lambda: run_int8(kernel)) * 1e6
                     if base is not None:  # the same routing as the default's: a variant that computes another MoE shows
-                        got = run_int8(cfg, r=routes[0]).float()
+                        got = run_int8(kernel, r=routes[0]).float()
                         row["variant_rel"][name] = float((got - base).norm() / base.norm())
                 except Exception as err:
                     row["variants"][name] = f"{type(err).__name__}: {err}"[:200]
@@ -542,9 +325,9 @@ def main(argv=None) -> int:
             # eager calls (timed() replays a CUDA graph): the sum is device time only, launch gaps excluded
             row["profile"] = {}
             runs = [("int8", run_int8), ("marlin", run_marlin)]
-            for name, cfg in VARIANTS.items() if args.variants and args.profile_only else ():
-                if any(o in name for o in args.profile_only.split("|")) and not cfg.get("_eref0"):
-                    runs.append((name, lambda cfg=cfg: run_int8(cfg)))
+            for name, kernel in variants.items() if args.variants and args.profile_only else ():
+                if any(o in name for o in args.profile_only.split("|")):
+                    runs.append((name, lambda kernel=kernel: run_int8(kernel)))
             for backend, fn in runs:
                 try:
                     prof = row["profile"][backend] = kernel_profile(fn)

@@ -274,7 +274,9 @@ def expand_workspace(runner) -> str:
     """The W4A8 MoE's expanded-path workspace (`mxfp4_int8`, layers whose every column is shiftable): a transient of
     a MoE call, not a resident, allocated only by forwards above 8192 tokens, which SGLang's chunked prefill size
     bounds; "" when no layer can take that path."""
-    layer = next((m for m in runner.model.modules() if getattr(m, "_dsv4_expand_ok", False)), None)
+    from dsv4_sm80.moe import w4a8_layer
+
+    layer = next((m for m in runner.model.modules() if getattr(w4a8_layer(m), "expand_ok", False)), None)
     if layer is None:
         return ""
     from dsv4_sm80.kernels.w4a8_moe import EXPAND_TOKENS, expand_share

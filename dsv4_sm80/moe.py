@@ -4,8 +4,9 @@
 - `mxfp4_int8` (default): `Sm80W4A8MoEMethod`, the Triton W4A8 kernels of `kernels/w4a8_moe.py` on INT8
   tensor cores (codes decoded to INT8 in the kernel, activations quantized per token, exact per-32
   weight scales). Not an `Mxfp4MarlinMoEMethod`, so DeepseekV2MoE does not scale its output
-  (`maybe_fuse_routed_scale_and_shared_add`, reference 01 §3.6): the method applies the routed scaling
-  factor itself, exactly once.
+  (`maybe_fuse_routed_scale_and_shared_add` in SGLang's deepseek_v2.py): the method applies the routed scaling
+  factor itself, exactly once. What it keeps per layer beside SGLang's parameters is one `W4A8Layer` at
+  `layer.dsv4_w4a8` (`w4a8_layer(layer)` reads it); the start-up footprint line reads it from there.
 - `marlin`: SGLang 0.5.16's own `Mxfp4MarlinMoEMethod` (W4A16, BF16 MMA, lossless), with its one SM80
   refusal (`mxfp4_marlin_moe.py:118`) lifted.
 
@@ -17,6 +18,7 @@ seam sets it, and refuses expert parallelism (its kernels need SM90).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import time
@@ -56,8 +58,8 @@ def route_experts_at_launch(cls, server_args, *args, **kwargs):
 
 def marlin_on_sm80(is_sm90_supported):
     """Value of mxfp4_marlin_moe.is_sm90_supported (that module's global only): true on SM80+ too.
-    The MXFP4 Marlin MoE kernels are SM80-legal PTX (mma.sync bf16, ldmatrix, cp.async; reference 01
-    §3.4); the check at mxfp4_marlin_moe.py:118 is the only thing that refuses them."""
+    The MXFP4 Marlin MoE kernels are SM80-legal PTX (mma.sync bf16, ldmatrix, cp.async); the check at
+    mxfp4_marlin_moe.py:118 is the only thing that refuses them."""
     if getattr(is_sm90_supported, "_dsv4_sm80", False):
         return is_sm90_supported
 
@@ -70,6 +72,24 @@ def marlin_on_sm80(is_sm90_supported):
 
 
 # --- the mxfp4_int8 backend --------------------------------------------------------------------
+
+W4A8_ATTR = "dsv4_w4a8"  # the FusedMoE layer attribute holding its W4A8Layer
+
+
+@dataclasses.dataclass
+class W4A8Layer:
+    """The mxfp4_int8 method's state of one FusedMoE layer, set once after loading (the parameters themselves
+    stay SGLang's, repacked in place)."""
+    w13_eref: torch.Tensor  # shift maps (`shift_refs`): 1 byte per expert and output row, which columns
+    w2_eref: torch.Tensor  # accumulate in int32
+    expand_ok: bool  # every column of both maps shiftable: large prefill batches may take the expanded kernel
+    repack_seconds: float  # the load-time repack and maps, for the start-up line
+
+
+def w4a8_layer(module) -> W4A8Layer | None:
+    """The module's W4A8Layer, or None for a module the mxfp4_int8 method did not load."""
+    return getattr(module, W4A8_ATTR, None)
+
 
 @functools.lru_cache(maxsize=None)
 def _method_class():
@@ -101,13 +121,10 @@ def _method_class():
             t0 = time.perf_counter()
             w4a8_moe.repack_mxfp4_for_w4a8(layer.w13_weight.data)
             w4a8_moe.repack_mxfp4_for_w4a8(layer.w2_weight.data)
-            # the shift maps (1 byte per output row per expert): which columns accumulate in int32
-            layer._dsv4_w13_eref = w4a8_moe.shift_refs(layer.w13_weight_scale_inv.data)
-            layer._dsv4_w2_eref = w4a8_moe.shift_refs(layer.w2_weight_scale_inv.data)
-            # every column of both maps shiftable: large prefill batches may run the expanded path (default_config)
-            layer._dsv4_expand_ok = bool((layer._dsv4_w13_eref > 0).all()) and bool((layer._dsv4_w2_eref > 0).all())
-            layer._dsv4_mxfp4_backend = "mxfp4_int8"
-            _moe_stats["seconds"] += time.perf_counter() - t0
+            w13_eref = w4a8_moe.shift_refs(layer.w13_weight_scale_inv.data)
+            w2_eref = w4a8_moe.shift_refs(layer.w2_weight_scale_inv.data)
+            expand_ok = bool((w13_eref > 0).all()) and bool((w2_eref > 0).all())
+            setattr(layer, W4A8_ATTR, W4A8Layer(w13_eref, w2_eref, expand_ok, time.perf_counter() - t0))
 
         def apply(self, layer, dispatch_output):
             from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
@@ -120,13 +137,13 @@ def _method_class():
             if self.hidden_pad:
                 x = torch.nn.functional.pad(x, (0, self.hidden_pad))
             cfg = self.moe_runner_config
+            state = w4a8_layer(layer)
             out = w4a8_moe.w4a8_moe(
                 x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv,
                 topk_output.topk_weights, topk_output.topk_ids,
                 swiglu_limit=float(cfg.swiglu_limit or 0.0),
                 routed_scaling_factor=float(cfg.routed_scaling_factor or 1.0),
-                w13_eref=getattr(layer, "_dsv4_w13_eref", None), w2_eref=getattr(layer, "_dsv4_w2_eref", None),
-                expand_ok=getattr(layer, "_dsv4_expand_ok", False),
+                w13_eref=state.w13_eref, w2_eref=state.w2_eref, expand_ok=state.expand_ok,
             )
             if self.hidden_pad:
                 out = out[:, : x.shape[1] - self.hidden_pad]
@@ -148,34 +165,30 @@ def select_moe_method(original, self, layer, prefix):
 
 # --- the start-up memory line --------------------------------------------------------------------
 
-_moe_stats = {"seconds": 0.0}
-
-
 def expert_footprint(model) -> dict:
-    """Bytes resident in the routed-expert layers and what 4 bits + one E8M0 byte per 32 weights is, plus
-    the mxfp4_int8 shift maps (one byte per expert and output row; `eref_bytes`, included in `bytes`) and
-    the fraction of their columns that are shiftable."""
-    layers, resident, weights, backends = 0, 0, 0, set()
+    """Over the model's mxfp4_int8 expert layers (those holding a W4A8Layer): bytes resident and what 4 bits + one
+    E8M0 byte per 32 weights is, plus the shift maps (one byte per expert and output row; `eref_bytes`, included in
+    `bytes`), the fraction of their columns that are shiftable, and the seconds the repack took."""
+    layers, resident, weights, seconds = 0, 0, 0, 0.0
     eref_bytes, eref_cols, shiftable = 0, 0, 0
     for _, mod in model.named_modules():
-        backend = getattr(mod, "_dsv4_mxfp4_backend", None)
-        if backend is None:
+        state = w4a8_layer(mod)
+        if state is None:
             continue
         layers += 1
-        backends.add(backend)
+        seconds += state.repack_seconds
         resident += sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
-        for name in ("_dsv4_w13_eref", "_dsv4_w2_eref"):
-            t = getattr(mod, name, None)
-            if t is not None:
-                eref_bytes += t.numel() * t.element_size()
-                eref_cols += t.numel()
-                shiftable += int((t > 0).sum())
+        for t in (state.w13_eref, state.w2_eref):
+            eref_bytes += t.numel() * t.element_size()
+            eref_cols += t.numel()
+            shiftable += int((t > 0).sum())
         e, two_i = mod.w13_weight.shape[0], 2 * mod.intermediate_size_per_partition
         hidden = mod.hidden_size
         weights += e * (two_i * hidden + hidden * two_i // 2)
     return {"layers": layers, "bytes": resident + eref_bytes, "weights": weights,
             "expected": weights // 2 + weights // 32 + eref_bytes, "eref_bytes": eref_bytes,
-            "shiftable": shiftable / eref_cols if eref_cols else None, "backends": sorted(backends)}
+            "shiftable": shiftable / eref_cols if eref_cols else None,
+            "backends": ["mxfp4_int8"] if layers else [], "repack_seconds": seconds}
 
 
 def log_expert_footprint(result, model, *args, **kwargs):
@@ -189,9 +202,8 @@ def log_expert_footprint(result, model, *args, **kwargs):
             f"{f['bytes'] / 2**30:.3f} GiB resident = {bits:.3f} bits/weight "
             f"(4-bit codes + E8M0 per 32 = 4.250"
             + (f", + shift maps {8 * f['eref_bytes'] / f['weights']:.4f}; {100 * f['shiftable']:.1f} % of columns "
-               f"shiftable" if f["eref_bytes"] else "") + f"); repack {_moe_stats['seconds']:.2f} s")
+               f"shiftable" if f["eref_bytes"] else "") + f"); repack {f['repack_seconds']:.2f} s")
     if f["bytes"] != f["expected"]:
         line += f"; MISMATCH: expected {f['expected']} bytes"
     print(line, file=sys.stderr, flush=True)
-    _moe_stats["seconds"] = 0.0
     return result

@@ -130,6 +130,7 @@ def test_startup_report_names_the_moe_expand_workspace():
     import torch
 
     from dsv4_sm80.kernels.w4a8_moe import expand_share
+    from dsv4_sm80.moe import W4A8Layer
 
     assert expand_share(256, 1024, 4096) == (128, 128 * 1024 * 4096, 128 * 4096)
     assert expand_share(2, 1024, 4096) == (2, 2 * 1024 * 4096, 2 * 4096)  # fewer experts than a share
@@ -142,7 +143,7 @@ def test_startup_report_names_the_moe_expand_workspace():
         return types.SimpleNamespace(model=model, server_args=types.SimpleNamespace(chunked_prefill_size=chunk))
 
     assert fp.expand_workspace(runner(16384)) == ""  # no layer marked: nothing to name
-    model.experts._dsv4_expand_ok = True
+    model.experts.dsv4_w4a8 = W4A8Layer(torch.ones(1, 1), torch.ones(1, 1), expand_ok=True, repack_seconds=0.0)
     assert fp.expand_workspace(runner(8192)) == "MoE expand workspace 0.50 GiB transient, not reached: chunked prefill 8,192"
     assert fp.expand_workspace(runner(16384)) == ("MoE expand workspace 0.50 GiB transient, reached by prefill forwards "
                                                   "above 8,192 tokens (chunked prefill 16,384)")

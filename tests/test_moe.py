@@ -66,13 +66,15 @@ s13 = torch.stack([torch.cat([raw[(e, "w1", "scale")], raw[(e, "w3", "scale")]])
 w2 = torch.stack([raw[(e, "w2", "weight")] for e in range(E)])
 s2 = torch.stack([raw[(e, "w2", "scale")] for e in range(E)])
 exact = ref.moe_exact(x, w13, s13, w2, s2, tw, ids, scaling=1.5)
-from dsv4_sm80.kernels.w4a8_moe import default_config
-emu = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=default_config(T * 3)["block_n"])
+from dsv4_sm80.kernels.w4a8_moe_table import select
+emu = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=select(T * 3, M).kernel.group)
 out["dtype"] = str(y.dtype)
 out["rel_exact"] = float((y.double() - exact).norm() / exact.norm())
 out["rel_emulated_max"] = float((y.double() - emu).abs().max() / emu.abs().max())
 out["rel_double_scaled"] = float((y.double() - exact * 1.5).norm() / exact.norm())
 f = moe.expert_footprint(torch.nn.ModuleDict({{"experts": layer}}))
+state = moe.w4a8_layer(layer)
+out["state"] = {{"expand_ok": state.expand_ok, "maps": [list(state.w13_eref.shape), list(state.w2_eref.shape)]}}
 out["footprint"] = f
 print(json.dumps(out))
 """
@@ -89,8 +91,11 @@ def test_w4a8_method_in_a_real_fused_moe_layer(unit_ckpt):
     assert out["dtype"] == "torch.bfloat16"
     assert out["rel_emulated_max"] < 1e-2, out  # BF16 output rounding on top of the fp32 kernel result
     assert out["rel_exact"] < 2.5e-2 and out["rel_double_scaled"] > 0.4, out
+    # the method's per-layer state (`layer.dsv4_w4a8`): the shift maps of both weights, read by the footprint line
+    assert out["state"]["maps"][0][0] == out["state"]["maps"][1][0], out["state"]
     f = out["footprint"]
     assert f["layers"] == 1 and f["backends"] == ["mxfp4_int8"] and f["bytes"] == f["expected"], f
+    assert f["repack_seconds"] > 0, f
 
 
 def test_marlin_backend_keeps_sglangs_method_and_lifts_only_its_check():

@@ -1,8 +1,10 @@
-"""The W4A8 MoE kernels (dsv4_sm80/kernels/w4a8_moe.py) in the Triton interpreter at tiny sizes,
-against plain-PyTorch references written from the math (dsv4_sm80/kernels/w4a8_moe_ref.py)."""
+"""The W4A8 MoE kernels (dsv4_sm80/kernels/w4a8_moe*.py) in the Triton interpreter at tiny sizes, against
+plain-PyTorch references written from the math (dsv4_sm80/kernels/w4a8_moe_ref.py): every kernel family the table
+(w4a8_moe_table.py) runs, at the tiles it runs them with."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -104,134 +106,156 @@ def test_align_by_expert(k):
     assert (block_expert[int(num_padded) // 4:] == -1).all()
 
 
-# the MMA kernel's tiles (default_config takes gemv from 2 to 32 tokens; these name the MMA kernel at any size)
-DECODE = {"block_m": 16, "block_n": 32, "block_n2": 64, "num_warps": 4, "num_stages": 3, "gemv": False}
-DECODE2 = {"block_m": 16, "block_n": 32, "block_n2": 128, "num_warps": 2, "num_stages": 4, "gemv": False}  # 33-64
-PREFILL = {"block_m": 32, "block_n": 64, "block_n2": 128, "num_warps": 4, "num_stages": 3, "gemv": False}
+def kernels():
+    """The table's tiles by name (a test of a family names its kernel; the table picks by batch size)."""
+    from dsv4_sm80.kernels.w4a8_moe import Gemv, Mma, Wide
+
+    return {"mma16": Mma(block_m=16, block_n=32, block_n2=128, warps=2, stages=4),
+            "mma32": Mma(block_m=32, block_n=64, block_n2=128, warps=2, stages=4, shift=True),
+            "mma64": Mma(block_m=64, block_n=128, block_n2=128, warps=4, stages=3, shift=True),
+            "gemv": Gemv(), "wide": Wide()}
 
 
-@pytest.mark.parametrize("seed,t,top_k,input_group,cfg", [
-    (0, 5, 3, 0, DECODE), (4, 1, 2, 0, DECODE), (9, 19, 6, 0, PREFILL), (5, 6, 2, 64, PREFILL),
-    (6, 3, 4, 32, DECODE), (7, 9, 6, 0, DECODE2), (8, 2, 6, 0, dict(DECODE, split_k=2))])
-def test_kernel_equals_int8_emulation(k, seed, t, top_k, input_group, cfg):
-    """Weight side exact: with scale groups 12 binades apart, the kernel equals the reference that
-    rounds only the activations to INT8, at the same points (the intermediate per pair and block_n
-    columns), up to fp32 accumulation order. Both tile configurations (decode, prefill).
+KERNELS = kernels()
+MMA16, MMA32, MMA64 = KERNELS["mma16"], KERNELS["mma32"], KERNELS["mma64"]
+
+
+def per_token(got, want):
+    return (got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1).clamp_min(1e-30)
+
+
+@pytest.mark.parametrize("seed,t,top_k,name", [(0, 5, 3, "mma16"), (4, 1, 2, "mma16"), (9, 19, 6, "mma32"),
+                                               (7, 9, 6, "mma64"), (8, 2, 6, "gemv")])
+def test_kernel_equals_int8_emulation(k, seed, t, top_k, name):
+    """Weight side exact: with scale groups 12 binades apart, each kernel equals the reference that rounds only the
+    activations to INT8, at the same points (the intermediate per pair and the kernel's group of columns), up to
+    fp32 accumulation order. (The shift tiles without shift maps run their per-group loop; gemv in 2 K shares.)
 
     Accumulation order (and the GPU's exp in SiLU) can move an intermediate value across a rounding
     boundary of the INT8 re-quantization: one code step in one element, which shows as ~1e-3 on the
     token that holds it (measured on the H200: 2.0e-3 on one case of five). So: nearly every token
     exact, and at most one token in four off by no more than such a flip."""
+    from dataclasses import replace
+
+    cfg = KERNELS[name] if name != "gemv" else replace(KERNELS[name], split_k=2)
     x, w13, s13, w2, s2, tw, ids = case(t=t, top_k=top_k, seed=seed)
-    got = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=input_group,
-                     config=cfg).float().cpu()
-    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"],
-                                 input_group=input_group).float().cpu()
-    per_token = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
-    off = per_token > 1e-5
-    assert int(off.sum()) <= max(1, t // 4) and float(per_token.max()) < 1e-2, per_token.tolist()
+    got = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, kernel=cfg).float().cpu()
+    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg.group).float().cpu()
+    err = per_token(got, want)
+    assert int((err > 1e-5).sum()) <= max(1, t // 4) and float(err.max()) < 1e-2, err.tolist()
 
 
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("rows,cols,group", [(3, 256, 0), (5, 256, 64), (1, 4096, 0), (4, 96, 32), (0, 128, 0),
-                                             (7, 128, 0)])
-def test_quantizers_equal_the_reference_rounding(k, rows, cols, group, fused):
-    """Both activation quantizers (the one-launch kernel of fused_io, the torch one of the prefill tiles)
-    against the reference's INT8 round trip written from the math: the same q * s bit for bit (IEEE division
-    in both), zero rows and huge values included. (7, 128, 0) is the row set whose scale came out one ulp off
-    on the H200 when the torch quantizer divided by the Python scalar 127 (CUDA multiplies by its reciprocal)
-    and so flipped a code: session 14, test_bf16_pair_outputs_stay_within_their_rounding's case."""
+@pytest.mark.parametrize("rows,cols", [(3, 256), (1, 4096), (0, 128), (7, 128)])
+def test_quantizer_equals_the_reference_rounding(k, rows, cols):
+    """The layer input's one-launch INT8 quantizer against the reference's INT8 round trip written from the math:
+    the same q * s bit for bit (IEEE division in both), zero rows and huge values included. (7, 128) is a row set
+    whose scale comes out one ulp off when a quantizer divides by the Python scalar 127 (PyTorch's CUDA division
+    multiplies by its reciprocal) and so flips a code."""
     if (rows, cols) == (7, 128):
         x = case(t=7, top_k=3, seed=37)[0].float()
     else:
-        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols + group)) * 3
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols)) * 3
     if rows > 1 and cols != 128:
         x[1] = 0.0
         x[0, :5] = torch.tensor([1e30, -1e30, 65504.0, 1e-30, -0.0])
     x = x.to(torch.bfloat16)
-    q, s = (k.quantize_rows_int8_fused if fused else k.quantize_rows_int8)(dev(x), group)
+    q, s = k.quantize_rows_int8(dev(x))
     q, s = q.cpu(), s.cpu()
-    assert q.dtype == torch.int8 and s.shape == (rows, cols // (group or cols))
-    back = (q.float().view(rows, cols // (group or cols), group or cols) * s.unsqueeze(-1)).view(rows, cols)
-    assert torch.equal(back, ref.int8_round_trip(x.float(), group or None))
+    assert q.dtype == torch.int8 and s.shape == (rows, 1)
+    assert torch.equal(q.float() * s, ref.int8_round_trip(x.float()))
     assert q.abs().max() <= 127 if rows else True
-    if group:
-        with pytest.raises(ValueError, match="not a whole number of groups"):
-            (k.quantize_rows_int8_fused if fused else k.quantize_rows_int8)(dev(torch.zeros(1, cols + group // 2, dtype=torch.bfloat16)), group)
 
 
-@pytest.mark.parametrize("cfg", [DECODE, PREFILL])
-def test_fused_io_moe_equals_the_torch_io(k, cfg):
-    """fused_io (one-launch quantize, one-launch top-k sum x scaling x cast) gives the unfused result."""
-    x, w13, s13, w2, s2, tw, ids = case(t=6, top_k=3, e=4, seed=31)
-    a, b = k.repack_mxfp4_for_w4a8(dev(w13.clone())), k.repack_mxfp4_for_w4a8(dev(w2.clone()))
-    args = dev(x, a, s13, b, s2, tw, ids)
-    plain = k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(cfg, fused_io=False)).float().cpu()
-    fused = k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(cfg, fused_io=True))
-    assert fused.dtype == x.dtype
-    assert rel(fused.float().cpu(), plain) < 1e-2  # the same fp32 sums, rounded to BF16 once each
-    # and against the reference written from the math, as test_kernel_equals_int8_emulation holds the unfused path
-    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"]).float()
-    per_token = (fused.float().cpu() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
-    assert float(per_token.max()) < 1e-2, per_token.tolist()
-    into, plain_into = dev(torch.empty(x.shape, dtype=torch.float32)), dev(torch.empty(x.shape, dtype=torch.float32))
-    k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(cfg, fused_io=True), out=into)
-    k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(cfg, fused_io=False), out=plain_into)
-    assert rel(into.cpu(), plain_into.cpu()) < 1e-6  # fp32 out: only the summation order may differ
-
-
-@pytest.mark.parametrize("fused", [False, True])
-def test_bf16_pair_outputs_stay_within_their_rounding(k, fused):
+def test_bf16_pair_outputs_stay_within_their_rounding(k):
     """pair_bf16 keeps each (token, expert) output in BF16 before the top-k sum: within a BF16 rounding of the
-    fp32-pair result, and held to the reference written from the math as the fp32 path is."""
+    fp32-pair result of the same tile, and held to the reference written from the math as the fp32 path is."""
+    from dataclasses import replace
+
     x, w13, s13, w2, s2, tw, ids = case(t=7, top_k=3, seed=37)
-    a, b = k.repack_mxfp4_for_w4a8(dev(w13.clone())), k.repack_mxfp4_for_w4a8(dev(w2.clone()))
-    args = dev(x, a, s13, b, s2, tw, ids)
-    for cfg in (DECODE, PREFILL):
-        base = dict(cfg, fused_io=fused)
-        out32 = dev(torch.empty(x.shape, dtype=torch.float32))
-        out16 = dev(torch.empty(x.shape, dtype=torch.float32))
-        k.w4a8_moe(*args, routed_scaling_factor=1.5, config=base, out=out32)
-        k.w4a8_moe(*args, routed_scaling_factor=1.5, config=dict(base, pair_bf16=True), out=out16)
-        per_token = (out16.cpu() - out32.cpu()).norm(dim=-1) / out32.cpu().norm(dim=-1).clamp_min(1e-30)
-        assert float(per_token.max()) < 4e-3 and float(per_token.max()) > 0, per_token.tolist()  # 2^-9 per pair
-        want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"]).float()
-        err = (out16.cpu() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
-        assert float(err.max()) < 1e-2, err.tolist()
+    out32 = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, kernel=MMA16)
+    out16 = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5,
+                       kernel=replace(MMA16, pair_bf16=True))
+    err = per_token(out16, out32)
+    assert 0 < float(err.max()) < 4e-3, err.tolist()  # 2^-9 per pair
+    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=MMA16.group)
+    assert float(per_token(out16, want).max()) < 1e-2
 
 
 def test_split_k_equals_the_unsplit_kernel_and_is_deterministic(k):
-    """Gate-up in 4 K shares (more programs at batch 1): the same output as one share up to fp32 summation
-    order (and the rare INT8 re-quantization flip that order can cause, as in the emulation test), bit-equal
-    from run to run (the shares are added in a fixed order, no atomics); a share count that does not divide
-    K into 64-wide steps, or with span merging, is refused."""
-    # 512 wide: two 64-wide K steps per share; 20 pairs: two row blocks of the finishing kernel, the second part-masked;
-    # intermediate 64 (two 32-wide gate-up tiles: the interpreter's time is per program)
-    x, w13, s13, w2, s2, tw, ids = case(t=5, top_k=4, h=512, inter=64, e=4, seed=41)
-    one = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=1)).float().cpu()
-    four = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=4)).float().cpu()
-    again = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=4)).float().cpu()
+    """gemv's gate-up in 4 K shares (more programs for small batches): the same output as one share up to fp32
+    summation order (and the rare INT8 re-quantization flip that order can cause, as in the emulation test),
+    bit-equal from run to run (the shares are added in a fixed order, no atomics); a share count whose shares are
+    not whole 64-deep steps is refused."""
+    from dsv4_sm80.kernels.w4a8_moe import Gemv
+
+    # 256 wide: one 64-wide K step per share; 20 pairs: two row blocks of the finishing kernel, the second part-masked
+    x, w13, s13, w2, s2, tw, ids = case(t=5, top_k=4, h=256, inter=64, e=4, seed=41)
+    one = run_kernel(k, x, w13, s13, w2, s2, tw, ids, kernel=Gemv(split_k=1)).float().cpu()
+    four = run_kernel(k, x, w13, s13, w2, s2, tw, ids, kernel=Gemv(split_k=4)).float().cpu()
+    again = run_kernel(k, x, w13, s13, w2, s2, tw, ids, kernel=Gemv(split_k=4)).float().cpu()
     assert torch.equal(four, again)
-    per_token = (four - one).norm(dim=-1) / one.norm(dim=-1).clamp_min(1e-30)
-    assert int((per_token > 1e-5).sum()) <= 1 and float(per_token.max()) < 1e-2, per_token.tolist()
-    for bad in (dict(DECODE, split_k=3), dict(DECODE, split_k=2, merge=True), dict(DECODE, split_k=0)):
+    err = per_token(four, one)
+    assert int((err > 1e-5).sum()) <= 1 and float(err.max()) < 1e-2, err.tolist()
+    for bad in (Gemv(split_k=3), Gemv(split_k=16), Gemv(split_k=0)):
         with pytest.raises(ValueError, match="split_k"):
-            run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=bad)
+            run_kernel(k, x, w13, s13, w2, s2, tw, ids, kernel=bad)
 
 
-def test_default_configs_are_valid(k):
-    for pairs in (1, 24, 25, 64, 384, 385, 3072, 3073, 4096, 4097, 7680, 7681, 49152, 49153, 100000):
+def test_table_picks_a_kernel_for_every_batch(k):
+    """The table (w4a8_moe_table.TABLE) has a row for every pair count, at TP4's intermediate (512 per rank) and
+    TP1's (2048), with and without the caller's word that every column is shiftable: one token the wide kernel,
+    2-32 tokens gemv (2-16 at the wider intermediate), the 16x32 MMA tile to 682 tokens (BF16 pair outputs above
+    512), the 32x64 shift tile to 1,280, the 64x128 shift tile beyond, the expanded kernel above 8,192 tokens where
+    every column is shiftable. Every row's kernel fits DSV4's shapes, and each row cites its measured figure as
+    `H200, mma.sync only, bench/moe.py, <date>`; the benchmark's alternatives are the table's kernels."""
+    def name(tokens, inter=512, expand_ok=False):
+        return k.select(6 * tokens, inter, expand_ok).name
+
+    for inter in (512, 2048):
         for expand_ok in (False, True):
-            cfg = k.default_config(pairs, 512, expand_ok)
-            assert cfg["block_n"] % 32 == 0 and 512 % cfg["block_n"] == 0 and 4096 % cfg["block_n2"] == 0, cfg
-            # every size takes the one-launch quantizer and combine (decode: session 11; prefill: session 22); the
-            # 16-row tile to 682 tokens at top-6 (session 22, 23), the 32-row tile to 1280 (session 23), per-pair
-            # BF16 outputs above 512 tokens, the expanded path above 8192 tokens where the caller says every column is
-            # shiftable
-            assert cfg["fused_io"], (pairs, cfg)
-            assert cfg["block_m"] == (16 if pairs <= 4096 else 32 if pairs <= 7680 else 64), (pairs, cfg)
-            assert cfg.get("pair_bf16", False) == (pairs > 3072), (pairs, cfg)
-            assert cfg.get("expand", False) == (expand_ok and pairs > 49152), (pairs, cfg)
+            for pairs in range(1, 100_001, 7):
+                k.select(pairs, inter, expand_ok)  # raises where no row serves
+    assert [name(t) for t in (1, 2, 32, 33, 64, 512, 513, 682, 683, 1280, 1281, 8192, 8193)] == [
+        "wide", "gemv", "gemv", "mma 16x32", "mma 16x32", "mma 16x32", "mma 16x32, bf16 pairs",
+        "mma 16x32, bf16 pairs", "mma 32x64 shift", "mma 32x64 shift", "mma 64x128 shift", "mma 64x128 shift",
+        "mma 64x128 shift"]
+    assert name(8192, expand_ok=True) == "mma 64x128 shift" and name(8193, expand_ok=True) == "expand"
+    assert [name(t, 2048) for t in (1, 16, 17)] == ["wide", "gemv, wide intermediate", "mma 16x32"]
+    assert k.choose(12, 128, 512, False).split_k == 2  # gemv's K shares lowered to what hidden 128 divides
+    for row in k.TABLE:
+        row.kernel.check(4096, 512)
+        assert row.reason and re.search(r"H200, mma\.sync only, bench/moe\.py[^)]*, 2026-\d\d-\d\d\)", row.figure), row
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_moe_rows", os.path.join(os.path.dirname(__file__), "..",
+                                                                               "bench", "moe.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert set(bench.alternatives().values()) == {row.kernel for row in k.TABLE}
+
+
+def test_gemv_equals_the_mma_per_group_loop_bit_for_bit(k):
+    """gemv (each pair's one row on CUDA cores: the codes decoded once, multiplied by DP4A on the GPU, elementwise
+    here) runs the same exact int32 group dots and the same fp32 steps as the 16x32 MMA tile's per-group loop, so in
+    the interpreter it is bit-equal to it (one K share: the same summation; hidden 192, three K steps, so the loop's
+    look-ahead runs past the end of K); compiled, within fp32 rounding (FMA contraction may differ). In K shares it
+    holds to the INT8 emulation reference, and the default at 4 tokens is the table's gemv."""
+    from dsv4_sm80.kernels.w4a8_moe import Gemv
+
+    x, w13, s13, w2, s2, tw, ids = case(t=3, top_k=3, h=192, inter=128, seed=83)
+    mma = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, kernel=MMA16)
+    gemv = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, kernel=Gemv(split_k=1))
+    if k.INTERPRETED:
+        assert torch.equal(gemv, mma)
+    else:
+        assert float((gemv - mma).norm() / mma.norm()) < 1e-3
+    x, w13, s13, w2, s2, tw, ids = case(t=4, top_k=3, h=512, inter=64, seed=84)
+    default = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5)
+    assert k.choose(12, 512, 64, False) == Gemv()
+    assert torch.equal(default, run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5,
+                                           kernel=Gemv()))
+    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=32)
+    assert float(per_token(default, want).max()) < 1e-2
 
 
 def test_error_against_exact_is_bounded(k):
@@ -262,8 +286,8 @@ def test_swiglu_limit_clamps(k):
     gate_up = ref.dequant_mxfp4(w13, s13)[ids[0, 0].item()] @ x[0].double()
     assert gate_up.abs().max() > 20  # the clamp is really exercised
     got = run_kernel(k, x, w13, s13, w2, s2, tw, ids)
-    assert rel(got, ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids)) < 2e-3
-    unclamped = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, limit=0.0)
+    assert rel(got, ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, group=32)) < 2e-3
+    unclamped = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, limit=0.0, group=32)
     assert rel(got, unclamped) > 0.05
 
 
@@ -285,14 +309,12 @@ def test_non_contiguous_weights_refused(k):
         k.w4a8_moe(x, w13, s13, w2, s2_t, tw, ids)
 
 
-
 COMPILE = r"""
 import json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from dsv4_sm80.kernels import w4a8_moe as k
-from dsv4_sm80.kernels.w4a8_moe import _w4a8_moe_kernel as fn
+from dsv4_sm80.kernels import w4a8_moe as k, w4a8_moe_io as kio
 SIG = {
     "a_ptr": "*i8", "a_scale_ptr": "*fp32", "b_ptr": "*u8", "bs_ptr": "*u8", "c_ptr": "*i8", "c_scale_ptr": "*fp32",
     "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "topk_w_ptr": "*fp32",
@@ -300,8 +322,7 @@ SIG = {
     "limit": "fp32", "stride_am": "i32", "stride_be": "i32", "stride_bn": "i32", "stride_bse": "i32",
     "stride_bsn": "i32", "stride_cm": "i32", "c_scale_groups": "i32", "stride_ere": "i32",
     "GATED": "constexpr", "MUL_WEIGHT": "constexpr", "A_GROUP": "constexpr", "BLOCK_M": "constexpr",
-    "BLOCK_N": "constexpr", "SPAN": "constexpr", "DECODE_ASM": "constexpr", "SHIFT": "constexpr", "SPLIT_K": "constexpr",
-    "PAIR_BLOCKS": "constexpr", "UNROLL": "constexpr",
+    "BLOCK_N": "constexpr", "DECODE_ASM": "constexpr", "SHIFT": "constexpr",
 }
 
 
@@ -314,88 +335,54 @@ def asm_layouts(ttgir):  # the layouts of every inline-asm decoder's operands an
 
 
 out = {}
-for name, cfg in CONFIGS.items():
+for name, (bm, bn, bn2, warps, stages, shift) in TILES.items():
     for gated in (True, False):
-        variants = [(span, asm, False) for span in sorted({32, 128 if gated else cfg["block_n"]})
-                    for asm in (True, False)] + [(32, asm, True) for asm in (True, False)]
-        for span, asm, shift in variants:
-            # the shift path needs the down kernel's activation group a multiple of 64
-            a_group = 0 if gated else (cfg["block_n"] if not shift else max(64, cfg["block_n"]))
-            sig = dict(SIG, c_ptr="*i8" if gated else "*fp32")
-            consts = {"GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": a_group, "BLOCK_M": cfg["block_m"],
-                      "BLOCK_N": cfg["block_n"] if gated else cfg["block_n2"], "SPAN": span, "DECODE_ASM": asm,
-                      "SHIFT": shift, "SPLIT_K": 1, "PAIR_BLOCKS": False, "UNROLL": 1}
-            c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 80, 32),
-                               options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-            ptx = c.asm["ptx"]
-            layouts = asm_layouts(c.asm["ttgir"])
-            out[f"{name}-{'gate_up' if gated else 'down'}-{'shift' if shift else 'span%d' % span}-{'asm' if asm else 'alu'}"] = {
-                "sm80": ".target sm_80" in ptx,
-                "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
-                "prmt": "0xF4F8FAFC" in ptx,  # the negative table of the inline decoder
-                "prmt_shift": "0x7F7F7F7F" in ptx,  # the shift decoder's sign mask
-                # the decoders' words must be 4 consecutive k of one column: the INT8 MMA B operand layout
-                "asm_in_mma_b_layout": bool(layouts) and all("dot_op<{opIdx = 1" in l for l in layouts),
-                "fp8": "e4m3" in ptx or "e5m2" in ptx}
-def extra(name, sig, consts):  # one more decode-tile build, its PTX checked as above
-    c = triton.compile(ASTSource(fn=fn, signature=dict(SIG, **sig), constexprs=dict(
-        {"MUL_WEIGHT": not consts["GATED"], "BLOCK_M": 16, "SPAN": 32, "DECODE_ASM": True, "SHIFT": False,
-         "SPLIT_K": 1, "PAIR_BLOCKS": False, "UNROLL": 1}, **consts)),
-        target=GPUTarget("cuda", 80, 32), options={"num_warps": 4, "num_stages": 3})
-    ptx, layouts = c.asm["ptx"], asm_layouts(c.asm["ttgir"])
-    out[name] = {
-        "sm80": ".target sm_80" in ptx, "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
-        "prmt": "0xF4F8FAFC" in ptx, "prmt_shift": False,
-        "asm_in_mma_b_layout": bool(layouts) and all("dot_op<{opIdx = 1" in l for l in layouts),
-        "fp8": "e4m3" in ptx or "e5m2" in ptx}
-
-
-# split-K gate-up at the decode tile (fp32 partials out; its finishing kernel is among the io kernels below)
-extra("decode-gate_up-split4-asm", {"c_ptr": "*fp32"},
-      {"GATED": True, "A_GROUP": 0, "BLOCK_N": 32, "SPLIT_K": 4})
-# pair blocks (no alignment) with 4 K steps per iteration at the decode tile: gate-up and down; and the gate-up
-# in 4 K shares as default_config runs it up to 4 tokens
-extra("decode-gate_up-pairs-unroll4-asm", {"c_ptr": "*i8"},
-      {"GATED": True, "A_GROUP": 0, "BLOCK_N": 32, "PAIR_BLOCKS": True, "UNROLL": 4})
-extra("decode-down-pairs-unroll4-asm", {"c_ptr": "*fp32"},
-      {"GATED": False, "A_GROUP": 32, "BLOCK_N": 64, "PAIR_BLOCKS": True, "UNROLL": 4})
-extra("decode-gate_up-pairs-split4-asm", {"c_ptr": "*fp32"},
-      {"GATED": True, "A_GROUP": 0, "BLOCK_N": 32, "SPLIT_K": 4, "PAIR_BLOCKS": True})
-io = {}  # the fused_io kernels: plain sm_80 code, IEEE division in the quantizer
+        sig = dict(SIG, c_ptr="*i8" if gated else "*fp32")
+        consts = {"GATED": gated, "MUL_WEIGHT": not gated, "A_GROUP": 0 if gated else bn, "BLOCK_M": bm,
+                  "BLOCK_N": bn if gated else bn2, "DECODE_ASM": True, "SHIFT": shift and (gated or bn % 64 == 0)}
+        c = triton.compile(ASTSource(fn=k._w4a8_moe_kernel, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 80, 32), options={"num_warps": warps, "num_stages": stages})
+        ptx = c.asm["ptx"]
+        layouts = asm_layouts(c.asm["ttgir"])
+        out[f"{name}-{'gate_up' if gated else 'down'}"] = {
+            "sm80": ".target sm_80" in ptx,
+            "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
+            "prmt": "0xF4F8FAFC" in ptx,  # the negative table of the per-group decoder (every kernel has that loop)
+            "prmt_shift": "0x7F7F7F7F" in ptx,  # the shift decoder's sign mask
+            # the decoders' words must be 4 consecutive k of one column: the INT8 MMA B operand layout
+            "asm_in_mma_b_layout": bool(layouts) and all("dot_op<{opIdx = 1" in l for l in layouts),
+            "fp8": "e4m3" in ptx or "e5m2" in ptx}
+io = {}  # the activation-side kernels: plain sm_80 code, IEEE division in the quantizer
 for fn, sig, consts in (
-        (k._quantize_rows_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "q_ptr": "*i8", "s_ptr": "*fp32", "cols": "i32",
-                                   "groups": "i32", "GCOLS": "constexpr", "BLOCK": "constexpr"},
-         {"GCOLS": 4096, "BLOCK": 4096}),
-        (k._sum_pairs_kernel, {"y_ptr": "*fp32", "out_ptr": "*bf16", "h": "i32", "scale": "fp32",
-                               "TOP_K": "constexpr", "BLOCK": "constexpr"}, {"TOP_K": 6, "BLOCK": 1024}),
-        (k._glu_finish_kernel, {"part_ptr": "*fp32", "q_ptr": "*i8", "s_ptr": "*fp32", "pairs": "i32", "N": "i32",
-                                "groups": "i32", "limit": "fp32", "SPLIT_K": "constexpr", "BLOCK_R": "constexpr",
-                                "BLOCK_N": "constexpr"}, {"SPLIT_K": 4, "BLOCK_R": 16, "BLOCK_N": 32})):
+        (kio._quantize_rows_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "q_ptr": "*i8", "s_ptr": "*fp32",
+                                               "cols": "i32", "BLOCK": "constexpr"}, {"BLOCK": 4096}),
+        (kio._sum_pairs_kernel, {"y_ptr": "*fp32", "out_ptr": "*bf16", "h": "i32", "scale": "fp32",
+                                           "TOP_K": "constexpr", "BLOCK": "constexpr"}, {"TOP_K": 6, "BLOCK": 1024}),
+        (kio._glu_finish_kernel, {"part_ptr": "*fp32", "q_ptr": "*i8", "s_ptr": "*fp32", "pairs": "i32",
+                                            "N": "i32", "groups": "i32", "limit": "fp32", "SPLIT_K": "constexpr",
+                                            "BLOCK_R": "constexpr", "BLOCK_N": "constexpr"},
+         {"SPLIT_K": 8, "BLOCK_R": 16, "BLOCK_N": 32})):
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 80, 32),
                          options={"num_warps": 8}).asm["ptx"]
     io[fn.__name__] = {"sm80": ".target sm_80" in ptx, "fp8": "e4m3" in ptx or "e5m2" in ptx,
                        "div_rn": "div.rn.f32" in ptx}
-gemv = {}  # the CUDA-core pair-block kernel: gate-up in K shares (tile 128), gate-up with its GLU epilogue, down
+gemv = {}  # the CUDA-core kernel as the table runs it: gate-up in 8 K shares, down; and gate-up with its GLU (1 share)
 gsig = {"a_ptr": "*i8", "a_scale_ptr": "*fp32", "b_ptr": "*u8", "bs_ptr": "*u8", "c_ptr": "*fp32",
         "c_scale_ptr": "*fp32", "expert_ptr": "*i32", "topk_w_ptr": "*fp32", "N": "i32", "K": "i32",
         "num_pairs": "i32", "a_row_div": "i32", "a_scale_groups": "i32", "limit": "fp32", "stride_am": "i32",
         "stride_be": "i32", "stride_bn": "i32", "stride_bse": "i32", "stride_bsn": "i32", "stride_cm": "i32",
         "c_scale_groups": "i32", "GATED": "constexpr", "MUL_WEIGHT": "constexpr", "A_GROUP": "constexpr",
-        "BLOCK_N": "constexpr", "DECODE_ASM": "constexpr", "SPLIT_K": "constexpr", "PREFETCH": "constexpr"}
-for name, c_ptr, consts, warps in (("gate_up-split4", "*fp32", {"GATED": True, "BLOCK_N": 128, "SPLIT_K": 4}, 4),
-                                   ("gate_up-split8-prefetch2", "*fp32", {"GATED": True, "BLOCK_N": 128, "SPLIT_K": 8,
-                                                                          "PREFETCH": 2}, 4),
-                                   ("down-prefetch1", "*fp32", {"GATED": False, "MUL_WEIGHT": True, "A_GROUP": 32,
-                                                                "BLOCK_N": 64, "PREFETCH": 1}, 2),
+        "BLOCK_N": "constexpr", "DECODE_ASM": "constexpr", "SPLIT_K": "constexpr"}
+for name, c_ptr, consts, warps in (("gate_up-split8", "*fp32", {"GATED": True, "BLOCK_N": 128, "SPLIT_K": 8}, 4),
                                    ("gate_up-glu", "*i8", {"GATED": True, "BLOCK_N": 32, "SPLIT_K": 1}, 1),
                                    ("down", "*fp32", {"GATED": False, "MUL_WEIGHT": True, "A_GROUP": 32,
-                                                      "BLOCK_N": 64, "SPLIT_K": 1}, 2)):
-    consts = dict({"MUL_WEIGHT": False, "A_GROUP": 0, "DECODE_ASM": True, "SPLIT_K": 1, "PREFETCH": 0}, **consts)
+                                                      "BLOCK_N": 128, "SPLIT_K": 1}, 4)):
+    consts = dict({"MUL_WEIGHT": False, "A_GROUP": 0, "DECODE_ASM": True}, **consts)
     ptx = triton.compile(ASTSource(fn=k._w4a8_gemv_kernel, signature=dict(gsig, c_ptr=c_ptr), constexprs=consts),
                          target=GPUTarget("cuda", 80, 32), options={"num_warps": warps, "num_stages": 3}).asm["ptx"]
     gemv[name] = {"sm80": ".target sm_80" in ptx, "dp4a": "dp4a.s32.s32" in ptx, "prmt": "0xF4F8FAFC" in ptx,
                   "fp8": "e4m3" in ptx or "e5m2" in ptx}
-expanded = {}  # config expand: the decode into the INT8 workspace (PRMT shift decoder) and the plain INT8 GEMMs
+expanded = {}  # the expanded kernel: the decode into the INT8 workspace (PRMT shift decoder) and the plain INT8 GEMMs
 esig = {"b_ptr": "*u8", "bs_ptr": "*u8", "eref_ptr": "*u8", "w8_ptr": "*i8", "ok_ptr": "*u8", "K": "i32",
         "expert_lo": "i32", "stride_be": "i32", "stride_bn": "i32", "stride_bse": "i32", "stride_bsn": "i32",
         "stride_ere": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_oke": "i32", "BLOCK_N": "constexpr",
@@ -410,17 +397,17 @@ wsig = {"a_ptr": "*i8", "a_scale_ptr": "*fp32", "w8_ptr": "*i8", "ok_ptr": "*u8"
         "stride_we": "i32", "stride_wn": "i32", "stride_oke": "i32", "stride_cm": "i32", "c_scale_groups": "i32",
         "GATED": "constexpr", "MUL_WEIGHT": "constexpr", "A_GROUP": "constexpr", "BLOCK_M": "constexpr",
         "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
-for name, c_ptr, consts, warps in (("gate_up-64x128x128", "*i8", {"GATED": True, "MUL_WEIGHT": False, "A_GROUP": 0,
-                                                                   "BLOCK_M": 64, "BLOCK_K": 128}, 4),
-                                   ("down-128x128x128", "*fp32", {"GATED": False, "MUL_WEIGHT": True, "A_GROUP": 128,
-                                                                  "BLOCK_M": 128, "BLOCK_K": 128}, 8)):
+for name, c_ptr, consts in (("gate_up-64x128x128", "*i8", {"GATED": True, "MUL_WEIGHT": False, "A_GROUP": 0,
+                                                          "BLOCK_K": 128}),
+                            ("down-64x128x128", "*fp32", {"GATED": False, "MUL_WEIGHT": True, "A_GROUP": 128,
+                                                         "BLOCK_K": 128})):
     # the divisibility the real JIT derives (pointers, N, K, strides multiples of 16): what vectorized, pipelined
     # operand loads need
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(wsig)
              if wsig[p].startswith("*") or p in ("N", "K") or p.startswith("stride_")}
     c = triton.compile(ASTSource(fn=k._w8_moe_kernel, signature=dict(wsig, c_ptr=c_ptr),
-                                 constexprs=dict(consts, BLOCK_N=128), attrs=attrs), target=GPUTarget("cuda", 80, 32),
-                       options={"num_warps": warps, "num_stages": 3})
+                                 constexprs=dict(consts, BLOCK_M=64, BLOCK_N=128), attrs=attrs),
+                       target=GPUTarget("cuda", 80, 32), options={"num_warps": 4, "num_stages": 3})
     ptx = c.asm["ptx"]
     expanded[name] = {"sm80": ".target sm_80" in ptx, "fp8": "e4m3" in ptx or "e5m2" in ptx,
                       "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]\S+[.]s32[.]s8[.]s8[.]s32", ptx)),
@@ -430,34 +417,28 @@ print(json.dumps({"gemm": out, "io": io, "gemv": gemv, "expanded": expanded}))
 
 
 def test_compiles_for_sm80_with_int8_mma():
-    """Both kernels, both tile configurations, per-group and int32-merged spans, the shift path (with its
-    per-group fallback), PRMT and ALU code decoding, compiled for sm_80 without a GPU (in a process where
-    Triton's interpreter is off): INT8 tensor-core MMA, the PRMT decoders where selected, running in the
-    MMA B-operand layout (what their word layout assumes), no FP8 type anywhere; and the CUDA-core gemv kernel
-    (split-K gate-up, with its loads prefetched 2 steps ahead, the GLU epilogue, the down launch plain and
-    prefetched 1 step ahead) with DP4A and the PRMT decoder."""
+    """The table's kernels at its tiles, compiled for sm_80 without a GPU (in a process where Triton's interpreter is
+    off): the MMA kernel's three tiles (gate-up and down; the shift tiles hold both loops) on INT8 tensor-core MMA
+    with the PRMT decoders running in the MMA B-operand layout (what their word layout assumes); the activation-side
+    launches with IEEE division in the quantizer; gemv with DP4A and the PRMT decoder; the expanded kernel's decode
+    (the shift decoder) and its GEMMs on INT8 MMA fed by cp.async; no FP8 type anywhere."""
     from conftest import last_json, run_python
 
-    code = COMPILE.replace("CONFIGS", repr({"decode": DECODE, "decode2": DECODE2, "prefill": PREFILL}))
-    res = last_json(run_python(code, TRITON_INTERPRET="0"))
-    out = res["gemm"]
-    assert len(out) == 36  # decode tiles' down has only span 32 (block_n 32); shift: 2 per kernel and config;
-    # plus the split-K gate-up, the pair-block unrolled gate-up and down, the pair-block gate-up in 4 K shares
-    # (the default at one token)
-    for name, r in out.items():
-        asm = name.endswith("-asm")
-        assert r == {"sm80": True, "int8_mma": True, "prmt": asm, "prmt_shift": asm and "-shift-" in name,
-                     "asm_in_mma_b_layout": asm, "fp8": False}, (name, r)
+    tiles = {n: (c.block_m, c.block_n, c.block_n2, c.warps, c.stages, c.shift)
+             for n, c in (("mma16", MMA16), ("mma32", MMA32), ("mma64", MMA64))}
+    res = last_json(run_python(COMPILE.replace("TILES", repr(tiles)), TRITON_INTERPRET="0"))
+    assert len(res["gemm"]) == 6
+    for name, r in res["gemm"].items():
+        assert r == {"sm80": True, "int8_mma": True, "prmt": True, "prmt_shift": not name.startswith("mma16"),
+                     "asm_in_mma_b_layout": True, "fp8": False}, (name, r)
     assert res["io"]["_quantize_rows_kernel"] == {"sm80": True, "fp8": False, "div_rn": True}, res["io"]
+    for name in ("_sum_pairs_kernel", "_glu_finish_kernel"):
+        assert res["io"][name]["sm80"] and not res["io"][name]["fp8"], res["io"]
     assert res["gemv"] == {n: {"sm80": True, "dp4a": True, "prmt": True, "fp8": False}
-                           for n in ("gate_up-split4", "gate_up-split8-prefetch2", "down-prefetch1", "gate_up-glu",
-                                     "down")}, res["gemv"]
-    assert res["io"]["_sum_pairs_kernel"]["sm80"] and not res["io"]["_sum_pairs_kernel"]["fp8"], res["io"]
-    assert res["io"]["_glu_finish_kernel"]["sm80"] and not res["io"]["_glu_finish_kernel"]["fp8"], res["io"]
-    # the expanded path: the shift decoder into the workspace; GEMMs on INT8 MMA fed by asynchronous copies (pipelined)
+                           for n in ("gate_up-split8", "gate_up-glu", "down")}, res["gemv"]
     assert res["expanded"] == {"expand": {"sm80": True, "prmt_shift": True, "fp8": False},
                                **{n: {"sm80": True, "fp8": False, "int8_mma": True, "cp_async": True}
-                                  for n in ("gate_up-64x128x128", "down-128x128x128")}}, res["expanded"]
+                                  for n in ("gate_up-64x128x128", "down-64x128x128")}}, res["expanded"]
 
 
 E2M1X2 = [0, 1, 2, 3, 4, 6, 8, 12]
@@ -477,7 +458,7 @@ def _prmt(a, b, c):
 
 
 def _decode_word(x):
-    """kernels/w4a8_moe.py _DECODE_ASM, instruction by instruction, on one 32-bit word: (lo, hi)."""
+    """w4a8_moe_layout.PTX_DECODE, instruction by instruction, on one 32-bit word: (lo, hi)."""
     sel = x & 0x77777777
     selh = sel >> 16
     sx = (x << 4) & 0xFFFFFFFF
@@ -491,7 +472,7 @@ def _decode_word(x):
 
 
 def _decode_word_shift(x, mb):
-    """_DECODE_SHIFT_ASM instruction by instruction: x the codes, mb the operand register (4 identical
+    """PTX_DECODE_SHIFT instruction by instruction: x the codes, mb the operand register (4 identical
     bytes m0 | m1 << 4, m = 2^s). Also checks the no-carry reasoning: the 32-bit multiply-add equals the
     bytewise one (no byte of P * m + M exceeds 255)."""
     sel = x & 0x77777777
@@ -531,14 +512,14 @@ def test_swar_decode_algorithm():
     codes; the shift decoder's multiply-add and sign flip), emulated instruction by instruction over
     many words and every multiplier pair, against the E2M1 table. The kernel's PTX text is checked to be
     these instructions with these constants; a GPU run checks the compiled kernel against the reference."""
-    from dsv4_sm80.kernels import w4a8_moe as mod
+    from dsv4_sm80.kernels import w4a8_moe_layout as mod
 
     for const in ("0x77777777", "0x9D8C", "0xBFAE", "0x03020100", "0x0C080604", "0xFDFEFF00", "0xF4F8FAFC",
                   "0xD8", "shr.b32 selh, sel, 16", "shl.b32 sx, $2, 4"):
-        assert const in mod._DECODE_ASM, const
+        assert const in mod.PTX_DECODE, const
     for const in ("0x77777777", "0x9D8C", "0xBFAE", "0x03020100", "0x0C080604", "0x7F7F7F7F",
                   "and.b32 m0, $3, 15", "bfe.u32 m1, $3, 4, 4", "mad.lo.u32 v, pos, m0, sg", "xor.b32 $0, v, sg"):
-        assert const in mod._DECODE_SHIFT_ASM, const
+        assert const in mod.PTX_DECODE_SHIFT, const
     bytes_of = lambda w: [(w >> (8 * i)) & 0xFF for i in range(4)]  # noqa: E731
     for x in _words():
         lo, hi = _decode_word(x)
@@ -549,24 +530,6 @@ def test_swar_decode_algorithm():
             for x in _words()[::7]:
                 lo, hi = _decode_word_shift(x, mb)
                 assert bytes_of(lo) == _want(x, 0, 1 << s0) and bytes_of(hi) == _want(x, 1, 1 << s1), (hex(x), s0, s1)
-
-
-def test_span_merge_exact_up_to_13_binades_and_bounded_beyond(k):
-    """Scale groups merged over a 128-deep span in int32 are exact while a span's exponents stay within
-    13 binades (the tests above use 12); beyond, a group more than 13 below the span's largest is
-    dropped (each of its products is below 2^-13 of the largest group's scale), a perturbation the INT8
-    re-quantization of the intermediate can turn into a rounding flip: bounded, measured here with
-    exponents drawn over 30 binades (real checkpoints: a few binades per 128 columns)."""
-    x, w13, s13, w2, s2, tw, ids = case(t=4, seed=41, exp_lo=100, exp_hi=131)  # spreads up to 30 binades
-    merged = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(PREFILL, merge=True))
-    per_group = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(PREFILL, merge=False))
-    err = rel(merged, per_group)
-    print(f"span merge with exponent spreads up to 30 binades: max relative difference {err:.1e}")
-    assert 0 < err < 1e-2
-    x, w13, s13, w2, s2, tw, ids = case(t=4, seed=42, exp_lo=118, exp_hi=132)  # spreads up to 13
-    merged = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(PREFILL, merge=True))
-    per_group = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(PREFILL, merge=False))
-    assert rel(merged, per_group) < 1e-6
 
 
 def column_scales(e, n, kdim, seed, spread, bad_every=0):
@@ -625,61 +588,40 @@ def run_shift(k, x, w13, s13, w2, s2, tw, ids, erefs=None, **kw):
     return k.w4a8_moe(*dev(x, a, s13, b, s2, tw, ids), out=out, w13_eref=dev(e13), w2_eref=dev(e2), **kw).cpu()
 
 
-DECODE64 = dict(DECODE, block_n=64)  # the down kernel's activation group a multiple of 64: shift there too
-
-
 @pytest.mark.parametrize("spread,bad_every", [(3, 0), (4, 3), (3, 7)])  # all, none, some columns shiftable
-@pytest.mark.parametrize("cfg,t,top_k,input_group", [(DECODE, 4, 3, 0), (DECODE64, 2, 2, 0), (PREFILL, 11, 6, 0),
-                                                      (PREFILL, 6, 2, 64)])
-def test_shift_path_equals_int8_emulation(k, spread, bad_every, cfg, t, top_k, input_group):
-    """The shift path (int32 accumulation over K, one conversion per activation-scale change) against the
+@pytest.mark.parametrize("name,t,top_k", [("mma32", 4, 3), ("mma32", 2, 2), ("mma64", 11, 6)])
+def test_shift_path_equals_int8_emulation(k, spread, bad_every, name, t, top_k):
+    """The shift tiles (int32 accumulation over K, one conversion per activation-scale change) against the
     reference written from the math, with the same tolerance rule as test_kernel_equals_int8_emulation:
     all columns shiftable (spread <= 3), none (a group 4..6 binades up in every 3rd column: every tile
     falls back), and mixed columns within a tile (every 7th: fallback for those tiles only)."""
+    cfg = KERNELS[name]
     x, w13, s13, w2, s2, tw, ids = shift_case(spread, bad_every, t=t, top_k=top_k, seed=60 + t)
-    got = run_shift(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=input_group,
-                    config=dict(cfg, shift=True)).float()
-    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"],
-                                 input_group=input_group).float()
-    per_token = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
-    off = per_token > 1e-5
-    assert int(off.sum()) <= max(1, t // 4) and float(per_token.max()) < 1e-2, per_token.tolist()
+    got = run_shift(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, kernel=cfg).float()
+    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg.group).float()
+    err = per_token(got, want)
+    assert int((err > 1e-5).sum()) <= max(1, t // 4) and float(err.max()) < 1e-2, err.tolist()
     frac = float((k.shift_refs(s13) > 0).float().mean())
     assert (frac == 1.0) if not bad_every else (frac < 1.0)
 
 
-def test_shift_only_is_the_shift_loop_and_an_unshiftable_column_is_loud(k):
-    """config shift_only compiles the shift loop alone: with every column shiftable it is the shift path's result
-    bit for bit; with a map that marks columns unshiftable (zeros; the per-tile fallback would take them) the
-    output is NaN, not a number; asked where a launch has no shift path, it is refused by name."""
-    cfg = dict(PREFILL, split_k=1, shift=True)
-    x, w13, s13, w2, s2, tw, ids = shift_case(2, 0, t=5, top_k=2, seed=71)
-    e13, e2 = k.shift_refs(s13), k.shift_refs(s2)
-    shifted = run_shift(k, x, w13, s13, w2, s2, tw, ids, config=cfg)
-    assert torch.equal(run_shift(k, x, w13, s13, w2, s2, tw, ids, config=dict(cfg, shift_only=True)), shifted)
-    for zeros in ((torch.zeros_like(e13), e2), (e13, torch.zeros_like(e2))):
-        got = run_shift(k, x, w13, s13, w2, s2, tw, ids, erefs=zeros, config=dict(cfg, shift_only=True))
-        assert bool(torch.isnan(got).all()), got
-    for bad in (dict(cfg, shift=False, shift_only=True), dict(cfg, block_n=32, shift_only=True)):
-        with pytest.raises(ValueError, match="shift_only needs the shift path in both launches"):
-            run_shift(k, x, w13, s13, w2, s2, tw, ids, config=bad)
+def expand_of(tile, **kw):
+    from dsv4_sm80.kernels.w4a8_moe import Expand
+
+    return Expand(tile=tile, **kw)
 
 
-EXPAND = dict(PREFILL, block_n=64, split_k=1, shift=True)  # block_n: the down launch's K step, a multiple of 64
-
-
-@pytest.mark.parametrize("extra,t,top_k,input_group", [({}, 9, 3, 0), ({"expand_mb": 0}, 5, 2, 0),
-                                                        ({"block_k": 64, "num_warps": 2}, 4, 2, 0), ({}, 4, 2, 64)])
-def test_expanded_weights_equal_the_shift_loop_bit_for_bit(k, extra, t, top_k, input_group):
-    """config expand (codes decoded once per call into an INT8 workspace, then plain INT8 GEMMs) computes the shift
-    path's int32 sums and fp32 steps: with every column shiftable, the shift loop's result (shift_only) bit for bit,
-    whether the workspace holds every expert or one at a time (expand_mb 0), whatever its K step."""
+@pytest.mark.parametrize("extra,t,top_k", [({}, 9, 3), ({"workspace_mb": 0}, 5, 2), ({"block_k": 64}, 4, 2)])
+def test_expanded_weights_equal_the_shift_loop_bit_for_bit(k, extra, t, top_k):
+    """The expanded kernel (codes decoded once per call into an INT8 workspace, then plain INT8 GEMMs) computes the
+    shift loop's int32 sums and fp32 steps: with every column shiftable, the shift tile's result bit for bit,
+    whether the workspace holds every expert or one at a time (workspace_mb 0), whatever its K step."""
     x, w13, s13, w2, s2, tw, ids = shift_case(2, 0, t=t, top_k=top_k, seed=80 + t)
-    kw = dict(routed_scaling_factor=1.5, input_group=input_group)
-    want = run_shift(k, x, w13, s13, w2, s2, tw, ids, config=dict(EXPAND, shift_only=True), **kw)
-    got = run_shift(k, x, w13, s13, w2, s2, tw, ids, config=dict(EXPAND, expand=True, **extra), **kw)
+    tile = k.TABLE[-1].kernel  # the prefill tile the expanded row shares
+    want = run_shift(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, kernel=tile)
+    got = run_shift(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, kernel=expand_of(tile, **extra))
     assert torch.isfinite(want).all() and torch.equal(got, want)
-    emulated = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=64, input_group=input_group)
+    emulated = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=tile.group)
     assert rel(got, emulated.float()) < 1e-2
 
 
@@ -695,7 +637,7 @@ def test_expand_kernel_writes_each_weight_as_its_shifted_integer(k):
     w8 = dev(torch.full((e - 2, n, 2 * half_k), 77, dtype=torch.int8))
     ok = dev(torch.full((e - 2, n), 255, dtype=torch.uint8))
     sb, erd = dev(s13), dev(er)
-    k.expand_experts(packed, sb, erd, w8, ok, 2, e - 2, bool(w8.is_cuda and not k._INTERPRETED))
+    k.expand_experts(packed, sb, erd, w8, ok, 2, e - 2, bool(w8.is_cuda and not k.INTERPRETED))
     w8, ok = w8.cpu(), ok.cpu()
     assert torch.equal(ok, er[2:]) and bool((er == 0).any())
     want = ref.dequant_mxfp4(w13, s13).double()[2:] * 2 / torch.exp2(er[2:].double() - 127)[..., None]
@@ -705,47 +647,45 @@ def test_expand_kernel_writes_each_weight_as_its_shifted_integer(k):
 
 def test_expanded_weights_refuse_loudly(k):
     """An unshiftable column (the map's 0) or a map of other scales gives NaN through the expanded GEMMs, never a
-    number; configurations the expanded path cannot run are refused by name."""
+    number; tiles the expanded kernel cannot run, and a call without both shift maps, are refused by name."""
+    from dataclasses import replace
+
+    cfg = expand_of(MMA32)
     x, w13, s13, w2, s2, tw, ids = shift_case(3, 7, t=5, top_k=2, seed=90)  # every 7th column unshiftable
-    e13, e2 = k.shift_refs(s13), k.shift_refs(s2)
-    cfg = dict(EXPAND, expand=True)
-    got = run_shift(k, x, w13, s13, w2, s2, tw, ids, config=cfg)
+    got = run_shift(k, x, w13, s13, w2, s2, tw, ids, kernel=cfg)
     assert bool(torch.isnan(got).any())
     xa, w13a, s13a, w2a, s2a, twa, idsa = shift_case(2, 0, t=3, top_k=2, seed=91)
     e13a, e2a = k.shift_refs(s13a), k.shift_refs(s2a)
     for wrong in ((e13a + 1, e2a), (e13a, e2a + 1)):
-        got = run_shift(k, xa, w13a, s13a, w2a, s2a, twa, idsa, erefs=wrong, config=cfg)
+        got = run_shift(k, xa, w13a, s13a, w2a, s2a, twa, idsa, erefs=wrong, kernel=cfg)
         assert bool(torch.isnan(got).all()), got
-    for bad, why in ((dict(cfg, block_n=32), "block_n a multiple of 64"), (dict(cfg, split_k=2), "split_k 1"),
-                     (dict(cfg, block_k=96), "block_k / input_group a multiple of 64"),
-                     (dict(cfg, pair_blocks=True), "pair_blocks off")):
+    for bad, why in ((expand_of(MMA16), "block_n a multiple of 64"),
+                     (replace(cfg, block_k=96), "block_k a multiple of 64")):
         with pytest.raises(ValueError, match=why):
-            run_shift(k, xa, w13a, s13a, w2a, s2a, twa, idsa, config=bad)
+            run_shift(k, xa, w13a, s13a, w2a, s2a, twa, idsa, kernel=bad)
     with pytest.raises(ValueError, match="both shift maps given"):
-        run_kernel(k, xa, w13a, s13a, w2a, s2a, twa, idsa, config=cfg)
+        run_kernel(k, xa, w13a, s13a, w2a, s2a, twa, idsa, kernel=cfg)
 
 
-@pytest.mark.parametrize("cfg", [DECODE64, PREFILL])
-def test_shift_path_is_taken_and_a_wrong_map_is_loud(k, cfg):
+@pytest.mark.parametrize("name", ["mma32", "mma64"])
+def test_shift_path_is_taken_and_a_wrong_map_is_loud(k, name):
     """With every column shiftable, a map off by one binade (shifts -1..2) must give NaN, not a number:
     this shows the shift loop ran for those tiles (the per-group loop ignores the map) and that a map
-    of other scales cannot pass silently. A map of zeros (nothing shiftable) gives the per-group result.
-    (Unsplit throughout: the shift path runs the whole K in one program, and default_config splits the
-    gate-up K of small batches in 4, another summation order.)"""
-    cfg = dict(cfg, split_k=1)
+    of other scales cannot pass silently. A map of zeros (nothing shiftable) gives the per-group result,
+    as does the tile without maps."""
+    cfg = KERNELS[name]
     x, w13, s13, w2, s2, tw, ids = shift_case(2, 0, t=3, top_k=2, seed=70)
     e13, e2 = k.shift_refs(s13), k.shift_refs(s2)
     assert bool((e13 > 0).all()) and bool((e2 > 0).all())
     for wrong in ((e13 + 1, e2), (e13, e2 + 1)):
-        got = run_shift(k, x, w13, s13, w2, s2, tw, ids, erefs=wrong, config=dict(cfg, shift=True))
+        got = run_shift(k, x, w13, s13, w2, s2, tw, ids, erefs=wrong, kernel=cfg)
         assert bool(torch.isnan(got).all()), got
     fallback = run_shift(k, x, w13, s13, w2, s2, tw, ids, erefs=(torch.zeros_like(e13), torch.zeros_like(e2)),
-                         config=dict(cfg, shift=True))
-    per_group = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=cfg)
+                         kernel=cfg)
+    per_group = run_kernel(k, x, w13, s13, w2, s2, tw, ids, kernel=cfg)
     assert torch.equal(fallback, per_group)
-    shifted = run_shift(k, x, w13, s13, w2, s2, tw, ids, config=dict(cfg, shift=True))
-    off = run_shift(k, x, w13, s13, w2, s2, tw, ids, config=dict(cfg, shift=False))
-    assert torch.equal(off, per_group) and rel(shifted, per_group) < 1e-2
+    shifted = run_shift(k, x, w13, s13, w2, s2, tw, ids, kernel=cfg)
+    assert rel(shifted, per_group) < 1e-2
 
 
 CENSUS = r"""
@@ -754,7 +694,7 @@ sys.path.insert(0, "bench")
 import sass_census as sc
 out = {}
 for name, shift in (("shift", True), ("per_group", False)):
-    consts = {"GATED": True, "MUL_WEIGHT": False, "A_GROUP": 0, "BLOCK_M": 64, "BLOCK_N": 128, "SPAN": 32,
+    consts = {"GATED": True, "MUL_WEIGHT": False, "A_GROUP": 0, "BLOCK_M": 64, "BLOCK_N": 128,
               "DECODE_ASM": True, "SHIFT": shift}
     loops = sc.loops(sc.sass(consts, 4))["loops"]
     out[name] = [{"IMMA": c["IMMA"], "I2F": c["I2F"]} for c in loops]
@@ -776,244 +716,77 @@ def test_shift_loop_has_no_per_group_conversion_in_sm80_sass():
     assert shift_loops, res  # the kernel holds both loops; one of them has no conversion at all
 
 
-@pytest.mark.parametrize("cfg", [DECODE, PREFILL, dict(PREFILL, fused_io=False), dict(DECODE, fused_io=True),
-                                 dict(DECODE, pair_blocks=True)])
-def test_no_tokens_gives_an_empty_output(k, cfg):
-    """An empty batch (a rank with no tokens this step) returns [0, H], with either activation quantizer (the
-    torch one failed its 0-row view before session 14)."""
-    x, w13, s13, w2, s2, tw, ids = case(t=3, top_k=3, seed=1)
+@pytest.mark.parametrize("name", ["wide", "gemv", "mma16", "expand"])
+def test_no_tokens_gives_an_empty_output(k, name):
+    """An empty batch (a rank with no tokens this step) returns [0, H] from every kernel family."""
+    x, w13, s13, w2, s2, tw, ids = shift_case(2, 0, t=3, top_k=3, seed=1)
+    cfg = expand_of(MMA32) if name == "expand" else KERNELS[name]
+    cfg = cfg.for_hidden(x.shape[1]) if name == "gemv" else cfg
     a, b = k.repack_mxfp4_for_w4a8(dev(w13.clone())), k.repack_mxfp4_for_w4a8(dev(w2.clone()))
-    got = k.w4a8_moe(*dev(x[:0], a, s13, b, s2, tw[:0], ids[:0]), routed_scaling_factor=1.5, config=cfg)
+    got = k.w4a8_moe(*dev(x[:0], a, s13, b, s2, tw[:0], ids[:0]), routed_scaling_factor=1.5, kernel=cfg,
+                     w13_eref=dev(k.shift_refs(s13)), w2_eref=dev(k.shift_refs(s2)))
     assert got.shape == (0, x.shape[1]) and got.dtype == x.dtype
 
 
-@pytest.mark.parametrize("t,extra", [(1, {"fused_io": True}), (4, {"fused_io": False, "split_k": 2})])
-def test_pair_blocks_equal_the_aligned_kernel_bit_for_bit(k, t, extra):
-    """pair_blocks (no sorting by expert: each pair its own M block, for tiny decode batches) computes each pair
-    with the same operations as the aligned launch, so the output is bit-equal to it, and held to the INT8
-    emulation reference written from the math as the aligned kernel is; 4 tokens over 8 experts at top-3
-    repeat experts across tokens (each pair reads its expert itself)."""
-    x, w13, s13, w2, s2, tw, ids = case(t=t, top_k=3, h=256, seed=61 + t)
-    if t > 1:
-        assert len(set(ids.flatten().tolist())) < ids.numel()  # a repeated expert
-    cfg = dict(DECODE, **extra)  # (default_config takes pair blocks up to 24 pairs: the aligned run says no)
-    aligned = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=dict(cfg, pair_blocks=False))
-    paired = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=dict(cfg, pair_blocks=True))
-    assert torch.equal(paired, aligned)
-    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"]).float()
-    per_token = (paired.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
-    assert float(per_token.max()) < 1e-2, per_token.tolist()
-
-
-def test_unrolled_k_steps_equal_the_plain_loop_bit_for_bit(k):
-    """config unroll: several 64-deep K steps per loop iteration (more weight loads in flight), the same
-    operations in the same order: bit-equal to unroll 1, also where K is not a multiple of the unrolled span
-    (hidden 192 = 3 steps, unroll 2 and 4: the missing steps add nothing) and with split-K and pair blocks."""
-    x, w13, s13, w2, s2, tw, ids = case(t=2, top_k=3, h=192, inter=64, seed=67)
-    plain = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=DECODE)
-    for extra in ({"unroll": 2}, {"unroll": 4, "pair_blocks": True, "fused_io": True}):
-        got = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=dict(DECODE, **extra))
-        assert torch.equal(got, plain), extra
-    x, w13, s13, w2, s2, tw, ids = case(t=1, top_k=3, h=256, inter=64, seed=68)
-    split = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=2))
-    assert torch.equal(run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, split_k=2, unroll=2)), split)
-    with pytest.raises(ValueError, match="unroll"):
-        run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, unroll=2, merge=True, split_k=1))
-
-
-def test_default_config_takes_gemv_from_2_to_32_tokens(k):
-    """default_config at top-6 (session 19's H200 sweeps): the 16-row MMA tile with pair blocks at one token, gemv
-    (pair blocks, gate-up K in 8 shares) from 2 to 32 tokens at TP4's intermediate (512 per rank; to 16 tokens
-    at a wider one), the aligned MMA tiles beyond; w4a8_moe
-    lets an MMA-loop option asked for (merge, shift, unroll, aligned blocks) override the default's gemv,
-    as it does its split-K; asked for together with gemv, they are refused. The default's output at 4 tokens equals
-    the gemv config's and holds to the INT8 emulation reference written from the math."""
-    kinds = {t: (k.default_config(6 * t).get("gemv", False), k.default_config(6 * t).get("pair_blocks", False))
-             for t in (1, 2, 4, 16, 32, 33, 64)}
-    assert kinds == {1: (False, True), 2: (True, True), 4: (True, True), 16: (True, True), 32: (True, True),
-                     33: (False, False), 64: (False, False)}, kinds
-    for pairs in (12, 192):  # session 20: the loads one K step ahead, the 128-wide down tile
-        assert {n: k.default_config(pairs)[n] for n in ("split_k", "block_n2", "gemv_prefetch")} == {
-            "split_k": 8, "block_n2": 128, "gemv_prefetch": 1}
-    # at a wider intermediate (TP1 full width, 2048 per rank) the aligned MMA tile takes over above 16 tokens
-    assert k.default_config(96, 2048)["gemv"] and not k.default_config(97, 2048).get("gemv", False)
-    x, w13, s13, w2, s2, tw, ids = case(t=4, top_k=3, h=512, inter=64, seed=83)
-    default = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5)
-    gemv = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5,
-                      config=dict(k.default_config(12), gemv=True))
-    assert torch.equal(default, gemv)
-    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=32).float()
-    err = (default.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
-    assert float(err.max()) < 1e-2, err.tolist()
-    mma = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config={"unroll": 2})
-    assert torch.equal(mma, run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5,
-                                       config={"unroll": 2, "gemv": False}))
-    with pytest.raises(ValueError, match="gemv"):
-        run_kernel(k, x, w13, s13, w2, s2, tw, ids, config={"unroll": 2, "gemv": True})
-
-
-def test_unknown_config_options_are_refused(k):
-    """A config option w4a8_moe does not read (misspelt, or retired like session 18's `prefetch`) is refused by
-    name, not ignored: a bench variant or test carrying it would otherwise run the default in its place; every key
-    default_config sets and every bench variant uses is one it knows."""
-    x, w13, s13, w2, s2, tw, ids = case(t=1, top_k=2, h=128, inter=64, seed=5)
-    with pytest.raises(ValueError, match=r"unknown option\(s\) \['prefetch'\]"):
-        run_kernel(k, x, w13, s13, w2, s2, tw, ids, config={"prefetch": 1})
-    for pairs in (6, 12, 300, 1000, 9000):
-        assert set(k.default_config(pairs)) <= k.CONFIG_KEYS
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_moe_keys", os.path.join(os.path.dirname(__file__), "..",
-                                                                               "bench", "moe.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    for name, cfg in bench.VARIANTS.items():
-        assert set(cfg) - {"_eref0"} <= k.CONFIG_KEYS, name
-
-
-def test_gemv_equals_the_pair_block_mma_bit_for_bit(k):
-    """config gemv: each pair's one row on CUDA cores (the codes decoded once, multiplied by DP4A on the GPU,
-    elementwise here) instead of the 16-row INT8 MMA tile: the same exact int32 group dots and the same fp32
-    steps, so bit-equal to the pair-block MMA kernel (in the interpreter; compiled, within fp32 rounding: FMA
-    contraction may differ): with split-K partials and with the in-kernel GLU epilogue
-    (split 1), per-token and per-32 input scales, a 64-wide gate-up tile, BF16 pair outputs, hidden 192 (three K
-    steps); held to the INT8 emulation reference written from the math; its loads prefetched 1 or 2 K steps ahead
-    (gemv_prefetch, past the end of K too) bit-equal to the plain loop; refused without pair blocks."""
-    # (each input-scale form on two of the four cases: per-token with split-K 4 and with BF16 pair outputs, per-32 with
-    # split 1 and 2; the interpreter takes ~10 s per kernel run here)
-    for t, h, extra, groups in ((1, 256, {"split_k": 4}, (0,)), (3, 192, {"split_k": 1}, (32,)),
-                                (2, 256, {"split_k": 2, "block_n": 64}, (32,)),
-                                (4, 256, {"split_k": 1, "pair_bf16": True, "block_n2": 128}, (0,))):
-        x, w13, s13, w2, s2, tw, ids = case(t=t, top_k=3, h=h, inter=128, seed=80 + t)
-        for group in groups:
-            cfg = dict(DECODE, pair_blocks=True, fused_io=True, **extra)
-            mma = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=group, config=cfg)
-            gemv = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=group,
-                              config=dict(cfg, gemv=True))
-            if k._INTERPRETED:
-                assert torch.equal(gemv, mma), (t, h, extra, group)
-            else:  # compiled, the two kernels' fp32 scaling may contract into FMAs differently (an fp32 rounding, which
-                # can flip a BF16 pair output's or the intermediate's INT8 rounding); a wrong decode would be O(1)
-                rel = float((gemv.float() - mma.float()).norm() / mma.float().norm().clamp_min(1e-30))
-                assert rel < 1e-3, (t, h, extra, group, rel)
-        want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"],
-                                     input_group=group).float()
-        err = (gemv.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
-        assert float(err.max()) < 1e-2, (t, extra, err.tolist())
-    for t, h, extra in ((2, 192, {"split_k": 1}), (1, 256, {"split_k": 2})):  # gemv_prefetch: 3 steps, 2 shares of 2
-        x, w13, s13, w2, s2, tw, ids = case(t=t, top_k=3, h=h, inter=128, seed=90 + t)
-        cfg = dict(DECODE, pair_blocks=True, fused_io=True, gemv=True, **extra)
-        plain = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=32, config=cfg)
-        for pf in (1, 2):
-            got = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=32,
-                             config=dict(cfg, gemv_prefetch=pf))
-            if k._INTERPRETED:
-                assert torch.equal(got, plain), (t, h, pf)
-            else:  # (FMA contraction may differ between the two loops' compiled code: an fp32 rounding)
-                assert float((got.float() - plain.float()).norm() / plain.float().norm()) < 1e-3, (t, h, pf)
-            want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["block_n"],
-                                         input_group=32).float()
-            err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
-            assert float(err.max()) < 1e-2, (t, h, pf, err.tolist())
-    with pytest.raises(ValueError, match="gemv_prefetch=3"):
-        run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(cfg, gemv_prefetch=3))
-    # a prefetch depth asked for where the MMA kernel runs would time or test the MMA kernel under gemv's name
-    not_asked = {n: v for n, v in cfg.items() if n != "gemv"}  # gemv left to default_config (and merge asked)
-    for mma in (dict(cfg, gemv=False), dict(not_asked, merge=True, split_k=1)):
-        with pytest.raises(ValueError, match="gemv_prefetch=1 asked for, but this call runs the MMA kernel"):
-            run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(mma, gemv_prefetch=1))
-    run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(cfg, gemv=False, gemv_prefetch=0))  # 0: nothing asked
-    with pytest.raises(ValueError, match="gemv"):
-        run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, gemv=True, pair_blocks=False))
-    with pytest.raises(ValueError, match="gemv"):
-        run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, gemv=True, pair_blocks=True, unroll=2))
-
-
-WIDE = {"wide": True, "wide_n": 16, "wide_n2": 16, "wide_warps": 8, "wide_warps2": 8}
-
-
 def test_wide_equals_int8_emulation(k):
-    """config wide (the one-token path: a gate-up program holds a pair's whole K for wide_n columns, a down program
-    all of a token's pairs for wide_n2 output columns): held to the INT8 emulation reference written from the math,
-    the intermediate rounded per wide_n columns; per-token and per-group input scales (32, 64); a hidden size whose
-    K/64 chunks are not a power of two (192: the padded chunk reads valid memory and adds 0); 16- and 32-wide tiles;
-    more than one token."""
-    for t, h, inter, top_k, group, extra in ((1, 256, 128, 3, 0, {}), (1, 192, 128, 2, 32, {"wide_n2": 32}),
-                                             (3, 256, 64, 3, 64, {"wide_n": 32}), (2, 128, 128, 4, 0,
-                                                                                   {"wide_n": 32, "wide_n2": 64})):
+    """The one-token kernel (a gate-up program holds a pair's whole K for n columns, rounding the token's row to
+    INT8 itself; a down program all of a token's pairs for n2 output columns): held to the INT8 emulation reference
+    written from the math, the intermediate rounded per n columns; a hidden size whose K/64 chunks are not a power
+    of two (192: the padded chunk reads valid memory and adds 0); other widths; more than one token. The 16x32 MMA
+    tile (the same rounding points) agrees to fp32 rounding of the group sums (an INT8 rounding of the intermediate
+    may flip: ~1e-3 on a token)."""
+    from dataclasses import replace
+
+    for t, h, inter, top_k, extra in ((1, 256, 128, 3, {}), (1, 192, 128, 2, {"n2": 32}), (3, 256, 64, 3, {}),
+                                      (2, 128, 128, 4, {"n2": 64, "warps2": 4})):
         x, w13, s13, w2, s2, tw, ids = case(t=t, top_k=top_k, h=h, inter=inter, seed=120 + t + h)
-        cfg = dict(WIDE, **extra)
-        got = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=group,
-                         config=cfg).float()
-        want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg["wide_n"],
-                                     input_group=group).float()
-        per_token = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
-        assert float(per_token.max()) < 1e-2 and int((per_token > 1e-5).sum()) <= max(1, t // 4), \
-            (t, h, group, extra, per_token.tolist())
-        # the default path at the same rounding points (block_n = wide_n's group where it can be) agrees to fp32
-        # rounding of the group sums (an INT8 rounding of the intermediate may flip: ~1e-3 on a token)
-        if cfg["wide_n"] % 32 == 0:
-            other = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, input_group=group,
-                               config=dict(DECODE, block_n=cfg["wide_n"], pair_blocks=True, fused_io=True))
-            assert float(((got - other.float()).norm(dim=-1) / other.float().norm(dim=-1)).max()) < 1e-2
+        cfg = replace(KERNELS["wide"], **extra)
+        got = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, kernel=cfg).float()
+        want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw, ids, scaling=1.5, group=cfg.group).float()
+        err = per_token(got, want)
+        assert float(err.max()) < 1e-2 and int((err > 1e-5).sum()) <= max(1, t // 4), (t, h, extra, err.tolist())
+        other = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, kernel=MMA16)
+        assert float(per_token(got, other).max()) < 1e-2
 
 
-def test_wide_quant_is_the_quantizer_launch_inside_the_gate_up(k):
-    """wide_quant: each gate-up program rounds its token's row to INT8 itself, with the quantizer launch's operations:
-    bit-equal to the quantizer launch, padded K included; refused with a per-group input scale."""
-    for t, h in ((1, 256), (2, 192)):
-        x, w13, s13, w2, s2, tw, ids = case(t=t, top_k=3, h=h, inter=64, seed=160 + t)
-        on = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(WIDE, wide_quant=True))
-        off = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=WIDE)
-        assert torch.equal(on, off), (t, h)
-    with pytest.raises(ValueError, match="wide_quant"):
-        run_kernel(k, x, w13, s13, w2, s2, tw, ids, input_group=32, config=dict(WIDE, wide_quant=True))
+def test_one_token_defaults_to_wide(k):
+    """The table at one token (up to 6 pairs): the wide kernel, 32-column gate-up programs of 16 warps (the
+    intermediate group 32 of every other decode kernel) and 16-column down programs of 8 warps. The default's
+    output is that kernel's."""
+    from dsv4_sm80.kernels.w4a8_moe import Wide
 
-
-def test_one_token_defaults_to_wide_and_yields_to_other_kernels_options(k):
-    """default_config at one token (up to 6 pairs): the wide path with the input's rounding inside the gate-up launch,
-    32-column gate-up programs (the intermediate group 32 of every other decode config) and 16-column down programs
-    (session 29's H200 bench). The default's output is that config's; a per-group input scale takes the quantizer
-    launch instead (no refusal); an MMA tile or loop option asked for runs that kernel (bit-equal to asking wide off)."""
-    cfg = k.default_config(6)
-    assert {n: cfg[n] for n in ("wide", "wide_n", "wide_warps", "wide_n2", "wide_warps2", "wide_quant")} == {
-        "wide": True, "wide_n": 32, "wide_warps": 16, "wide_n2": 16, "wide_warps2": 8, "wide_quant": True}
-    assert not k.default_config(7).get("wide", False)
+    assert k.choose(6, 4096, 512, False) == Wide(n=32, warps=16, n2=16, warps2=8)
+    assert not isinstance(k.choose(7, 4096, 512, False), Wide)
     x, w13, s13, w2, s2, tw, ids = case(t=1, top_k=3, h=256, inter=64, seed=170)
-    wide = {n: v for n, v in cfg.items() if n in k.WIDE_OWN}
     default = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5)
-    assert torch.equal(default, run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5, config=wide))
-    grouped = run_kernel(k, x, w13, s13, w2, s2, tw, ids, input_group=64)
-    assert torch.equal(grouped, run_kernel(k, x, w13, s13, w2, s2, tw, ids, input_group=64,
-                                           config=dict(wide, wide_quant=False)))
-    mma = run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=DECODE)
-    assert torch.equal(mma, run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(DECODE, wide=False)))
+    assert torch.equal(default, run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.5,
+                                           kernel=KERNELS["wide"]))
 
 
 def test_wide_routed_scaling_once_and_a_missing_expert_adds_nothing(k):
     """The routed scaling multiplies the sum once; a pair of expert -1 (no expert) contributes nothing: the output
     equals the reference with that pair's router weight 0."""
+    wide = KERNELS["wide"]
     x, w13, s13, w2, s2, tw, ids = case(t=2, top_k=3, h=128, inter=64, seed=140)
-    one = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.0, config=WIDE).float()
-    two = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=2.0, config=WIDE).float()
+    one = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=1.0, kernel=wide).float()
+    two = run_kernel(k, x, w13, s13, w2, s2, tw, ids, routed_scaling_factor=2.0, kernel=wide).float()
     assert torch.allclose(two, 2 * one, rtol=1e-6, atol=0)
     ids_gap, tw_gap = ids.clone(), tw.clone()
     ids_gap[1, 2] = -1
     tw_gap[1, 2] = 0.0
-    got = run_kernel(k, x, w13, s13, w2, s2, tw, ids_gap, config=WIDE).float()
-    ids_ref = ids_gap.clamp_min(0)
-    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw_gap, ids_ref, group=16).float()
+    got = run_kernel(k, x, w13, s13, w2, s2, tw, ids_gap, kernel=wide).float()
+    want = ref.moe_int8_emulated(x, w13, s13, w2, s2, tw_gap, ids_gap.clamp_min(0), group=wide.group).float()
     assert rel(got, want) < 1e-2, rel(got, want)
 
 
 def test_wide_refuses_what_it_cannot_do(k):
-    """Widths that do not tile the layer, and another kernel's options asked for beside wide, are refused loudly (left
-    to the default, wide yields instead: test_one_token_defaults_to_wide_and_yields_to_other_kernels_options)."""
+    """Widths that do not tile the layer are refused loudly, naming the width."""
+    from dataclasses import replace
+
     x, w13, s13, w2, s2, tw, ids = case(t=1, top_k=2, h=128, inter=64, seed=150)
-    for bad, match in (({"wide_n": 48}, "wide_n=48"), ({"wide_n2": 256}, "wide_n2=256"),
-                       ({"split_k": 2}, "split_k"), ({"gemv": True}, "gemv")):
+    for bad, match in (({"n": 48}, "n=48"), ({"n": 16}, "n=16"), ({"n2": 256}, "n2=256")):
         with pytest.raises(ValueError, match=match):
-            run_kernel(k, x, w13, s13, w2, s2, tw, ids, config=dict(WIDE, **bad))
+            run_kernel(k, x, w13, s13, w2, s2, tw, ids, kernel=replace(KERNELS["wide"], **bad))
 
 
 WIDE_COMPILE = r"""
@@ -1021,20 +794,18 @@ import json, os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from dsv4_sm80.kernels import w4a8_moe as k
+from dsv4_sm80.kernels import w4a8_moe_wide as k
 common = {"b_ptr": "*u8", "bs_ptr": "*u8", "expert_ptr": "*i32", "N": "i32", "stride_be": "i32", "stride_bse": "i32",
-          "stride_bsn": "i32", "K": "constexpr", "C": "constexpr", "A_GROUP": "constexpr", "BLOCK_N": "constexpr",
-          "DECODE_ASM": "constexpr"}
-up = dict(common, a_ptr="*i8", a_scale_ptr="*fp32", q_ptr="*i8", q_scale_ptr="*fp32", a_row_div="i32",
-          a_scale_groups="i32", limit="fp32", stride_am="i32", stride_qm="i32", q_groups="i32", QUANT="constexpr",
-          xq_ptr="*i8")
-up_bf16 = dict(up, a_ptr="*bf16")
+          "stride_bsn": "i32", "K": "constexpr", "C": "constexpr", "BLOCK_N": "constexpr", "DECODE_ASM": "constexpr"}
+up = dict(common, x_ptr="*bf16", q_ptr="*i8", q_scale_ptr="*fp32", xq_ptr="*i8", a_row_div="i32", limit="fp32",
+          stride_xm="i32", stride_qm="i32", q_groups="i32")
 down = dict(common, h_ptr="*i8", h_scale_ptr="*fp32", out_ptr="*bf16", topk_w_ptr="*fp32", h_groups="i32",
-            scale="fp32", stride_hm="i32", stride_om="i32", TOP_K="constexpr", TOP_K_P="constexpr")
+            scale="fp32", stride_hm="i32", stride_om="i32", TOP_K="constexpr", TOP_K_P="constexpr",
+            A_GROUP="constexpr")
 # the divisibility the real JIT derives at TP4 shapes (pointers, and the integer arguments that are multiples of 16)
 attrs = lambda sig: {(i,): [["tt.divisibility", 16]] for i, p in enumerate(sig)
                      if sig[p].startswith("*") or p.startswith("stride_") or p == "N"}
-sigs = {"up": up, "up_bf16": up_bf16, "down": down}
+sigs = {"up": up, "down": down}
 out = {}
 for name, fn, sig, consts, warps in WIDE_BUILDS:
     fn = getattr(k, fn)
@@ -1054,21 +825,10 @@ for name, fn, sig, consts, warps in WIDE_BUILDS:
     out[name] = r
 print(json.dumps(out))
 """
-WIDE_BUILDS = [  # TP4 per-rank shapes (hidden 4096, intermediate 512)
-    ("gate_up-16x8w", "_wide_gate_up_kernel", "up",
-     {"K": 4096, "C": 64, "A_GROUP": 0, "BLOCK_N": 16, "DECODE_ASM": True}, 8),
-    ("gate_up-32x16w", "_wide_gate_up_kernel", "up",
-     {"K": 4096, "C": 64, "A_GROUP": 0, "BLOCK_N": 32, "DECODE_ASM": True}, 16),
-    ("gate_up-32x16w-quant", "_wide_gate_up_kernel", "up_bf16",  # the default's
-     {"K": 4096, "C": 64, "A_GROUP": 0, "BLOCK_N": 32, "DECODE_ASM": True, "QUANT": True}, 16),
-    ("gate_up-16x8w-quant", "_wide_gate_up_kernel", "up_bf16",
-     {"K": 4096, "C": 64, "A_GROUP": 0, "BLOCK_N": 16, "DECODE_ASM": True, "QUANT": True}, 8),
-    ("down-16x8w", "_wide_down_kernel", "down",  # the default's (the intermediate group 32)
+WIDE_BUILDS = [  # the table's one-token kernel at TP4 per-rank shapes (hidden 4096, intermediate 512)
+    ("gate_up-32x16w", "_wide_gate_up_kernel", "up", {"K": 4096, "C": 64, "BLOCK_N": 32, "DECODE_ASM": True}, 16),
+    ("down-16x8w", "_wide_down_kernel", "down",
      {"K": 512, "C": 8, "A_GROUP": 32, "BLOCK_N": 16, "DECODE_ASM": True, "TOP_K": 6, "TOP_K_P": 8}, 8),
-    ("down-16x8w-group16", "_wide_down_kernel", "down",
-     {"K": 512, "C": 8, "A_GROUP": 16, "BLOCK_N": 16, "DECODE_ASM": True, "TOP_K": 6, "TOP_K_P": 8}, 8),
-    ("down-32x8w-group32", "_wide_down_kernel", "down",
-     {"K": 512, "C": 8, "A_GROUP": 32, "BLOCK_N": 32, "DECODE_ASM": True, "TOP_K": 6, "TOP_K_P": 8}, 8),
 ]
 
 

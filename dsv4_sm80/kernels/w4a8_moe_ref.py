@@ -4,10 +4,9 @@ checkpoint's MXFP4 bytes ([N, K/2], low nibble = even k) and E8M0 scale bytes ([
 
 - `moe_exact`: float64 dequantized weights, float64 activations: what a lossless W4A16 path (SGLang's
   MXFP4 Marlin) approximates up to BF16 rounding of its activations.
-- `moe_int8_emulated`: the same, with the activations rounded to INT8 exactly where the W4A8 kernel
-  rounds them (per token and `input_group` columns for the layer input, 0 = per token; per pair and
-  `group` columns for the intermediate). The
-  W4A8 kernel must match it up to fp32 accumulation order: the weight side is exact.
+- `moe_int8_emulated`: the same, with the activations rounded to INT8 exactly where the W4A8 kernels
+  round them (per token for the layer input; per pair and `group` columns for the intermediate). The
+  W4A8 kernels must match it up to fp32 accumulation order: the weight side is exact.
 """
 
 from __future__ import annotations
@@ -48,10 +47,10 @@ def int8_round_trip(x: torch.Tensor, group: int | None = None) -> torch.Tensor:
     return (q * s).reshape(shape)
 
 
-def _moe(x, w13, s13, w2, s2, topk_weights, topk_ids, limit, scaling, quant_group, input_group=None):
+def _moe(x, w13, s13, w2, s2, topk_weights, topk_ids, limit, scaling, quant_group):
     x = x.to(torch.float64)
     if quant_group is not None:  # the kernel quantizes in fp32
-        x = int8_round_trip(x.float(), input_group or None).to(torch.float64)
+        x = int8_round_trip(x.float()).to(torch.float64)
     w13f, w2f = dequant_mxfp4(w13, s13), dequant_mxfp4(w2, s2)
     inter = w13f.shape[1] // 2
     out = torch.zeros(x.shape[0], w2f.shape[1], dtype=torch.float64, device=x.device)
@@ -70,6 +69,5 @@ def moe_exact(x, w13, s13, w2, s2, topk_weights, topk_ids, *, limit=10.0, scalin
     return _moe(x, w13, s13, w2, s2, topk_weights, topk_ids, limit, scaling, None)
 
 
-def moe_int8_emulated(x, w13, s13, w2, s2, topk_weights, topk_ids, *, limit=10.0, scaling=1.0, group=64,
-                      input_group=0):
-    return _moe(x, w13, s13, w2, s2, topk_weights, topk_ids, limit, scaling, group, input_group)
+def moe_int8_emulated(x, w13, s13, w2, s2, topk_weights, topk_ids, *, limit=10.0, scaling=1.0, group=64):
+    return _moe(x, w13, s13, w2, s2, topk_weights, topk_ids, limit, scaling, group)
