@@ -15,7 +15,7 @@ device-to-device copy), and the ratio to native_fp8. Then the load-time conversi
     python bench/dense_linear.py --out dense_linear.json
 
 Run it with ENABLE_SGLANG_DSV4_A100_PATCH=0 (or unset) so SGLang's native method is the native one;
-the SM80 methods are built directly from dsv4_sm80.linear. On an H200 these are H200 numbers.
+the SM80 methods are built directly from dsv4_sm80.stages.dense. On an H200 these are H200 numbers.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def build_layer(method_name, n, k, weight, scale):
     from sglang.srt.layers.linear import ReplicatedLinear
     from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
 
-    from dsv4_sm80 import linear
+    from dsv4_sm80.stages import dense as linear
 
     qc = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[128, 128])
     with torch.device("cuda"):
@@ -111,7 +111,7 @@ def build_layer(method_name, n, k, weight, scale):
         method = linear.sm80_bf16_method(qc)
     else:
         method = Fp8LinearMethod(qc)
-        if method_name == "fp8_marlin":  # as dsv4_sm80.linear.select_quant_method sets it up
+        if method_name == "fp8_marlin":  # as dsv4_sm80.stages.dense.select_quant_method sets it up
             method.use_marlin, method.w8a8_block_fp8_linear = True, None
     layer.quant_method = method
     layer.weight.data.copy_(weight)
@@ -153,8 +153,8 @@ def time_graph(torch, fn_list, reps: int):
 
 
 def bench_conversion(torch, gen):
-    """Load-time FP8-block -> BF16 conversion on the GPU (dsv4_sm80.linear.to_bf16_blocks)."""
-    from dsv4_sm80.linear import to_bf16_blocks
+    """Load-time FP8-block -> BF16 conversion on the GPU (dsv4_sm80.stages.dense.to_bf16_blocks)."""
+    from dsv4_sm80.stages.dense import to_bf16_blocks
 
     rows = []
     for n, k in ((8192, 1024), (4096, 2048), (32768, 4096)):

@@ -93,7 +93,7 @@ SEAMS: tuple[Seam, ...] = (
         name="moe.launch_args",
         target="sglang.srt.entrypoints.engine:Engine._launch_subprocesses",
         kind="before",
-        replacement="dsv4_sm80.moe:route_experts_at_launch",
+        replacement="dsv4_sm80.stages.moe:route_experts_at_launch",
         reason=(
             "Both SM80 expert backends build on SGLang's MXFP4 parameter layout, which only the marlin "
             "MoE runner backend selects (auto would pick the Triton FP8 path that cannot run on SM80); "
@@ -126,7 +126,7 @@ SEAMS: tuple[Seam, ...] = (
         name="requests.input_ids_range",
         target="sglang.srt.managers.tokenizer_manager:TokenizerManager._validate_one_request",
         kind="around",
-        replacement="dsv4_sm80.request_checks:validate_one_request",
+        replacement="dsv4_sm80.stages.requests:validate_one_request",
         reason=("Caller-supplied input_ids outside [0, vocab) reach DSV4's embedding and hash-layer table "
                 "unchecked in 0.5.16 and a device-side assert kills the server; they are answered 400 naming "
                 "input_ids.range instead."),
@@ -136,7 +136,7 @@ SEAMS: tuple[Seam, ...] = (
         name="moe.quant_method",
         target="sglang.srt.layers.quantization.fp8:Fp8Config.get_quant_method",
         kind="around",
-        replacement="dsv4_sm80.moe:select_moe_method",
+        replacement="dsv4_sm80.stages.moe:select_moe_method",
         reason=(
             "With SGLANG_DSV4_MXFP4_MOE_BACKEND=mxfp4_int8 the FP4 experts get the W4A8 method (INT8 "
             "tensor cores, 4-bit resident) instead of SGLang's MXFP4 Marlin method."
@@ -147,7 +147,7 @@ SEAMS: tuple[Seam, ...] = (
         name="moe.marlin_sm80",
         target="sglang.srt.layers.quantization.mxfp4_marlin_moe:is_sm90_supported",
         kind="value",
-        replacement="dsv4_sm80.moe:marlin_on_sm80",
+        replacement="dsv4_sm80.stages.moe:marlin_on_sm80",
         reason=(
             "SGLang's MXFP4 Marlin MoE is SM80-legal code refused by one Python check "
             "(mxfp4_marlin_moe.py:118); the marlin backend needs it lifted. Only that module's global "
@@ -159,7 +159,7 @@ SEAMS: tuple[Seam, ...] = (
         name="moe.footprint",
         target="sglang.srt.model_loader.loader:DefaultModelLoader.load_weights_and_postprocess",
         kind="after",
-        replacement="dsv4_sm80.moe:log_expert_footprint",
+        replacement="dsv4_sm80.stages.moe:log_expert_footprint",
         reason="A start-up line per GPU: expert bytes resident, which must be 4 bits + E8M0 per 32.",
         upstream="srt/model_loader/loader.py:804-849",
     ),
@@ -168,7 +168,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.kv_dtype",
         target="sglang.srt.entrypoints.engine:Engine._launch_subprocesses",
         kind="before",
-        replacement="dsv4_sm80.attention:bf16_kv_at_launch",
+        replacement="dsv4_sm80.stages.attention:bf16_kv_at_launch",
         reason=("DSV4's KV cache dtype defaults to FP8 e4m3 (arg_groups/overrides.py:1463, registered at import, "
                 "so not patchable there); SM80 keeps it BF16."),
         upstream="srt/entrypoints/engine.py:765-790",
@@ -177,7 +177,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.pool_bytes_per_token",
         target="sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4SingleKVPool.get_bytes_per_token",
         kind="replace",
-        replacement="dsv4_sm80.attention:bf16_bytes_per_token",
+        replacement="dsv4_sm80.stages.attention:bf16_bytes_per_token",
         reason="A KV row is 512 BF16 values (1024 bytes), not the 584-byte FP8 FlashMLA layout.",
         upstream="srt/mem_cache/deepseek_v4_memory_pool.py:98-105",
     ),
@@ -185,7 +185,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.pool_create_buffer",
         target="sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4SingleKVPool.create_buffer",
         kind="replace",
-        replacement="dsv4_sm80.attention:bf16_create_buffer",
+        replacement="dsv4_sm80.stages.attention:bf16_create_buffer",
         reason=("The SWA/C4/C128 pools (target and draft) become BF16 [pages, page_size*512]: row = flat slot id, "
                 "the id space of all metadata; the original asserts the FP8 layout."),
         upstream="srt/mem_cache/deepseek_v4_memory_pool.py:107-124",
@@ -194,7 +194,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.pool_set_key_buffer",
         target="sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4SingleKVPool.set_key_buffer",
         kind="replace",
-        replacement="dsv4_sm80.attention:bf16_set_key_buffer",
+        replacement="dsv4_sm80.stages.attention:bf16_set_key_buffer",
         reason="The FP8 pack writer (Triton float8e4nv) cannot run on SM80; rows are BF16 here.",
         upstream="srt/mem_cache/deepseek_v4_memory_pool.py:126-137",
     ),
@@ -202,7 +202,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.pool_set_key_buffer_fused",
         target="sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4SingleKVPool.set_key_buffer_fused",
         kind="replace",
-        replacement="dsv4_sm80.attention:bf16_set_key_buffer_fused",
+        replacement="dsv4_sm80.stages.attention:bf16_set_key_buffer_fused",
         reason="The JIT FP8 FlashMLA store becomes a BF16 row scatter that skips slot < 0.",
         upstream="srt/mem_cache/deepseek_v4_memory_pool.py:139-150",
     ),
@@ -210,7 +210,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.swa_norm_rope_store",
         target="sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope",
         kind="replace",
-        replacement="dsv4_sm80.attention:bf16_swa_norm_rope_store",
+        replacement="dsv4_sm80.stages.attention:bf16_swa_norm_rope_store",
         reason="The main K writer (RMSNorm + RoPE + FP8 FlashMLA page store) becomes RMSNorm + RoPE + BF16 row store.",
         upstream="srt/mem_cache/deepseek_v4_memory_pool.py:1177-1196",
     ),
@@ -218,7 +218,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.pool_sizing",
         target="sglang.srt.model_executor.pool_configurator:DSV4PoolConfigurator._get_bytes_per_full_token",
         kind="around",
-        replacement="dsv4_sm80.attention:bf16_bytes_per_full_token",
+        replacement="dsv4_sm80.stages.attention:bf16_bytes_per_full_token",
         reason="The configurator hard-codes the 584-byte FP8 row; max_total_num_tokens must be sized for 1024.",
         upstream="srt/model_executor/pool_configurator.py:672-712",
     ),
@@ -226,7 +226,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.compress_store",
         target="sglang.srt.layers.attention.dsv4.compressor_v2:compress_norm_rope_store",
         kind="around",
-        replacement="dsv4_sm80.attention:compress_store",
+        replacement="dsv4_sm80.stages.attention:compress_store",
         reason=("Compressed entries: the main store through the JIT's own bf16_store mode into BF16 rows; the "
                 "indexer store (FP8 in 0.5.16, no BF16/INT8 mode) through the INT8 epilogue+store."),
         upstream="srt/layers/attention/dsv4/compressor_v2.py:11",
@@ -235,7 +235,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.indexer_q",
         target="sglang.srt.layers.attention.dsv4.indexer:fused_q_indexer_rope_hadamard_quant",
         kind="around",
-        replacement="dsv4_sm80.attention:indexer_q_int8",
+        replacement="dsv4_sm80.stages.attention:indexer_q_int8",
         reason="Indexer Q: RoPE + Hadamard + INT8 (the JIT quantizes to FP8 for DeepGEMM).",
         upstream="srt/layers/attention/dsv4/indexer.py:11",
     ),
@@ -243,7 +243,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.indexer_logits",
         target="sglang.srt.layers.attention.dsv4.indexer:fp8_paged_mqa_logits_torch",
         kind="around",
-        replacement="dsv4_sm80.attention:indexer_logits_int8",
+        replacement="dsv4_sm80.stages.attention:indexer_logits_int8",
         reason=("The paged weighted-ReLU MQA logits (DeepGEMM, SM90+) on INT8 tensor cores; SGLang calls this "
                 "module global when SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 (an import-time default of the patch)."),
         upstream="srt/layers/attention/dsv4/indexer.py:55-118",
@@ -252,7 +252,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.no_flashmla_metadata",
         target="sglang.srt.layers.attention.deepseek_v4_backend:_create_flashmla_metadata",
         kind="replace",
-        replacement="dsv4_sm80.attention:no_flashmla_metadata",
+        replacement="dsv4_sm80.stages.attention:no_flashmla_metadata",
         reason="FlashMLA's scheduler metadata is read only by the FlashMLA call the SM80 forward replaces.",
         upstream="srt/layers/attention/deepseek_v4_backend.py:136-141",
     ),
@@ -260,7 +260,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.forward",
         target="sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend.forward",
         kind="replace",
-        replacement="dsv4_sm80.attention:sm80_forward",
+        replacement="dsv4_sm80.stages.attention:sm80_forward",
         reason=("FlashMLA sparse decode/prefill ship sm_90a/100a code only; one Triton kernel over the BF16 caches "
                 "serves every mode from the backend's own per-query metadata (multi-step, DSPARK and NextN "
                 "backends are instances of this class)."),
@@ -270,7 +270,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.no_sparse_prefill",
         target="sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend._forward_prefill_sparse",
         kind="replace",
-        replacement="dsv4_sm80.attention:refuse_sparse_prefill",
+        replacement="dsv4_sm80.stages.attention:refuse_sparse_prefill",
         reason="FlashMLA sparse prefill over an FP8 workspace; unreachable with the SM80 forward, and kept so.",
         upstream="srt/layers/attention/deepseek_v4_backend.py:1757-1862",
     ),
@@ -279,7 +279,7 @@ SEAMS: tuple[Seam, ...] = (
         name="mhc.hc_prenorm_gemm",
         target="sglang.srt.layers.deep_gemm_wrapper.entrypoint:tf32_hc_prenorm_gemm",
         kind="replace",
-        replacement="dsv4_sm80.mhc:hc_prenorm_gemm",
+        replacement="dsv4_sm80.stages.mhc:hc_prenorm_gemm",
         reason=("mhc_pre (every layer, and the load-time prewarm) calls DeepGEMM's TF32 hc pre-norm GEMM, built for "
                 "SM90/SM100 only (SGLANG_OPT_DEEPGEMM_HC_PRENORM defaults on): a Triton GEMM on SM80's TF32 "
                 "tensor cores with the same contract; its callers import this attribute when they run."),
@@ -453,7 +453,7 @@ SEAMS: tuple[Seam, ...] = (
         name="dense.quant_method",
         target="sglang.srt.layers.quantization.fp8:Fp8Config.get_quant_method",
         kind="around",
-        replacement="dsv4_sm80.linear:select_quant_method",
+        replacement="dsv4_sm80.stages.dense:select_quant_method",
         reason=(
             "SM80 has no FP8 tensor cores: every FP8 block linear DSV4 builds gets the SM80 method "
             "(exact BF16 at load, BF16 GEMM) or, with SGLANG_DSV4_A100_DENSE=fp8_marlin, SGLang's own "
@@ -465,7 +465,7 @@ SEAMS: tuple[Seam, ...] = (
         name="dense.weight_loader_v2",
         target="sglang.srt.layers.linear:WEIGHT_LOADER_V2_SUPPORTED",
         kind="value",
-        replacement="dsv4_sm80.linear:with_sm80_loader_name",
+        replacement="dsv4_sm80.stages.dense:with_sm80_loader_name",
         reason=(
             "Linear layers pick their weight loader by the quant method's class name (linear.py:367, "
             ":1449); the SM80 method loads the checkpoint's FP8 weight and block scale exactly as "
@@ -478,7 +478,7 @@ SEAMS: tuple[Seam, ...] = (
         name="dense.marlin_fp32_reduce",
         target="sglang.srt.layers.quantization.marlin_utils_fp8:should_use_atomic_add_reduce",
         kind="value",
-        replacement="dsv4_sm80.linear:marlin_reduce_as_sm80",
+        replacement="dsv4_sm80.stages.dense:marlin_reduce_as_sm80",
         reason=(
             "FP8-Marlin sums split-K partials with BF16 atomicAdd on SM90+ only (marlin_utils.py:479); "
             "a lab run on an H200 must reduce in fp32 as an A800 does, or it tests another datapath."
@@ -501,7 +501,7 @@ SEAMS: tuple[Seam, ...] = (
         name="dense.wo_a_fp8_param",
         target="sglang.srt.models.deepseek_v4:MqaAttentionBase.__init__",
         kind="around",
-        replacement="dsv4_sm80.linear:build_wo_a_from_checkpoint",
+        replacement="dsv4_sm80.stages.dense:build_wo_a_from_checkpoint",
         reason=(
             "wo_a is dequantized on the CPU, whole and unsharded, in every rank when the FP8 wo_a GEMM "
             "(DeepGEMM, SM90+) is off; building it with the FP8 quant config lets each rank load its "
@@ -513,7 +513,7 @@ SEAMS: tuple[Seam, ...] = (
         name="dense.wo_a_no_cpu_dequant",
         target="sglang.srt.models.deepseek_v4:_dequant_fp8_wo_a",
         kind="replace",
-        replacement="dsv4_sm80.linear:keep_wo_a_fp8_for_gpu",
+        replacement="dsv4_sm80.stages.dense:keep_wo_a_fp8_for_gpu",
         reason=(
             "With wo_a built as an FP8 parameter pair (dense.wo_a_fp8_param) its weight and scale must "
             "reach the loader unchanged; the DSPARK draft binds this same function by name."
@@ -524,7 +524,7 @@ SEAMS: tuple[Seam, ...] = (
         name="dense.load_summary",
         target="sglang.srt.model_loader.loader:DefaultModelLoader.load_weights_and_postprocess",
         kind="after",
-        replacement="dsv4_sm80.linear:log_load_summary",
+        replacement="dsv4_sm80.stages.dense:log_load_summary",
         reason="One line per GPU after loading: tensors converted, bytes before/after, seconds.",
         upstream="srt/model_loader/loader.py:804-849",
     ),

@@ -175,7 +175,7 @@ def _frame(filename, line, name):
 TORCH = _frame("/venv/lib/python3.12/site-packages/torch/utils/_device.py", 104, "__torch_function__")
 RADIX = _frame("/sgl/python/sglang/srt/mem_cache/radix_cache.py", 321, "insert")
 SCHED = _frame("/venv/lib/python3.12/site-packages/sglang/srt/managers/scheduler.py", 900, "run_batch")
-OURS = _frame("/work/dsv4_sm80/attention.py", 77, "init_forward_metadata")
+OURS = _frame("/work/dsv4_sm80/stages/attention.py", 77, "init_forward_metadata")
 
 
 def test_allocation_sites_name_the_code_outside_torch():
@@ -183,7 +183,7 @@ def test_allocation_sites_name_the_code_outside_torch():
 
     assert lab_memlog.site_of([TORCH, RADIX, SCHED]) == (
         "sglang/srt/mem_cache/radix_cache.py:321 insert < sglang/srt/managers/scheduler.py:900 run_batch")
-    assert lab_memlog.site_of([TORCH, OURS], depth=1) == "dsv4_sm80/attention.py:77 init_forward_metadata"
+    assert lab_memlog.site_of([TORCH, OURS], depth=1) == "dsv4_sm80/stages/attention.py:77 init_forward_metadata"
     assert lab_memlog.site_of([TORCH]).startswith("torch/utils/_device.py:104")  # nothing else: torch's own
     snap = _snapshot([
         {"size": 512, "state": "active_allocated", "frames": []},  # before the recording: untracked
@@ -195,7 +195,7 @@ def test_allocation_sites_name_the_code_outside_torch():
     got = lab_memlog.sites(snap)  # the snapshot's own device only
     radix = "sglang/srt/mem_cache/radix_cache.py:321 insert < sglang/srt/managers/scheduler.py:900 run_batch"
     assert got == {"untracked": {"bytes": 512, "blocks": 1}, radix: {"bytes": 3072, "blocks": 2},
-                   "dsv4_sm80/attention.py:77 init_forward_metadata": {"bytes": 8192, "blocks": 1}}
+                   "dsv4_sm80/stages/attention.py:77 init_forward_metadata": {"bytes": 8192, "blocks": 1}}
     later = {**got, radix: {"bytes": 3072 + 5 * lab_memlog.MIB, "blocks": 40}, "untracked": {"bytes": 0, "blocks": 0}}
     rows = lab_memlog.sites_growth(got, later)
     assert rows[0] == (radix, 5.0, 38) and rows[-1] == ("untracked", 0.0, -1)
@@ -234,7 +234,7 @@ def test_site_requests_are_answered_once_per_process_and_tag(tmp_path, monkeypat
     key = f"{os.getpid()} sitetest"
     assert set(before) == set(after) == set(plain) == {key}
     assert lab_memlog.sites_growth(before[key]["sites"], after[key]["sites"]) == [
-        ("dsv4_sm80/attention.py:77 init_forward_metadata", 3.0, 1)]
+        ("dsv4_sm80/stages/attention.py:77 init_forward_metadata", 3.0, 1)]
     assert len(collected) == 2 and after[key]["gc_unreachable"] == 5 and "gc_unreachable" not in plain[key]
     assert after[key]["allocated"] == after[key]["allocated_before_gc"] == 1 and plain[key]["allocated"] == 1
     time.sleep(0.3)

@@ -103,7 +103,7 @@ def test_hooks_round_what_the_sm80_pool_stores(monkeypatch):
     from types import SimpleNamespace as NS
 
     from conftest import dev
-    from dsv4_sm80 import attention
+    from dsv4_sm80.stages import attention
 
     g = torch.Generator().manual_seed(2)
     n = 5
@@ -217,7 +217,7 @@ def test_activation_rounding_linear_and_the_bf16_method(monkeypatch):
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; the method class subclasses SGLang's")
     from types import SimpleNamespace as NS
 
-    from dsv4_sm80.linear import _method_class
+    from dsv4_sm80.stages.dense import _method_class
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
@@ -244,7 +244,7 @@ def test_gemm_keeps_the_fp8_weight_and_runs_natives_block_linear_on_it(monkeypat
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; the method class subclasses SGLang's")
     from types import SimpleNamespace as NS
 
-    from dsv4_sm80.linear import _method_class
+    from dsv4_sm80.stages.dense import _method_class
 
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "kv,gemm,idx")
     lab_rounding._items.cache_clear()
@@ -301,7 +301,7 @@ def test_fp8_paged_logits_against_the_float64_reference(monkeypatch):
 def test_idx_replay_routes_the_indexer_to_sglangs_fp8_kernels(monkeypatch):
     """With idx the query and the index store are SGLang's own (the `original` the seams pass), the main
     (512-wide) store stays the BF16 one; without it the INT8 path runs and the originals are not called."""
-    from dsv4_sm80 import attention
+    from dsv4_sm80.stages import attention
 
     calls = []
 
@@ -342,7 +342,7 @@ def test_gemm_sends_the_mhc_prenorm_gemm_to_deepgemm(monkeypatch):
     rows: nothing to do, as upstream). DeepGEMM needs an SM90 GPU, so here a recorder stands in for that one
     function of the real deep_gemm module, and the SM80 Triton GEMM must not run."""
     deep_gemm = pytest.importorskip("deep_gemm", reason="SGLang's DeepGEMM package")
-    from dsv4_sm80 import mhc
+    from dsv4_sm80.stages import mhc
     from dsv4_sm80.kernels import hc_prenorm
 
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "gemm")

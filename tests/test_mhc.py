@@ -1,4 +1,4 @@
-"""The mHC stage on SM80 (dsv4_sm80/mhc.py): the TF32 hc pre-norm GEMM that replaces DeepGEMM's
+"""The mHC stage on SM80 (dsv4_sm80/stages/mhc.py): the TF32 hc pre-norm GEMM that replaces DeepGEMM's
 (kernels/hc_prenorm.py) against its plain-PyTorch reference in the Triton interpreter, its contract checks,
 its seam, its sm_80 build (TF32 mma.sync); and every other mHC kernel SGLang 0.5.16's DSV4 forward runs on
 this path — TileLang's fused pre-mix (+ norm) and post-mix, the Triton hc_head — built for sm_80 without a
@@ -166,7 +166,7 @@ print(json.dumps({"module": f.__module__, "name": f.__name__}))
 """
 
 
-@pytest.mark.parametrize("patch,module", [("1", "dsv4_sm80.mhc"), ("0", "sglang.srt.layers.deep_gemm_wrapper.entrypoint")])
+@pytest.mark.parametrize("patch,module", [("1", "dsv4_sm80.stages.mhc"), ("0", "sglang.srt.layers.deep_gemm_wrapper.entrypoint")])
 def test_seam_routes_mhc_pre_to_the_sm80_gemm(patch, module):
     pytest.importorskip("sglang")
     out = last_json(run_python(SEAM, ENABLE_SGLANG_DSV4_A100_PATCH=patch))

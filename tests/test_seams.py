@@ -234,7 +234,7 @@ print(json.dumps(out))
     proc = run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_TRIPWIRE="1")
     on = last_json(proc)
     assert "DeepGEMM entry points armed" in proc.stderr and "tf32_hc_prenorm_gemm among them: True" in proc.stderr
-    assert on["wrapper"] == "dsv4_sm80.mhc", on
+    assert on["wrapper"] == "dsv4_sm80.stages.mhc", on
     assert [on[n] for n in ("tf32_hc_prenorm_gemm", "fp8_paged_mqa_logits", "get_paged_mqa_logits_metadata",
                             "fp8_einsum", "fp8_mega_moe")] == [True] * 5, on
     assert not on["get_num_sms"] and not on["per_token_cast_to_fp8"], on
@@ -242,5 +242,5 @@ print(json.dumps(out))
     proc = run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1")
     off = last_json(proc)
     assert "armed" not in proc.stderr
-    assert off["wrapper"] == "dsv4_sm80.mhc" and not any(v is True for v in off.values()), off
+    assert off["wrapper"] == "dsv4_sm80.stages.mhc" and not any(v is True for v in off.values()), off
     assert not off["call"].startswith("TripwireError"), off

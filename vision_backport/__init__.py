@@ -14,7 +14,7 @@ Installed into SGLang only with the experimental switch DSV4_SM80_VISION=1 (the 
 `dsv4_sm80/seams.py`, replacements in `install.py`): model registry, processor mapping, `is_multimodal`,
 `input_embeds` + image mask in the text model, bias_vl at SGLang's TopK / HashTopK, and the bidirectional
 image window (the VL forward records each extend's image blocks, `extend_image_spans`; the SM80 attention
-widens those queries' SWA lists to the whole block, `dsv4_sm80.attention.visible_swa_lists`; checked against
+widens those queries' SWA lists to the whole block, `dsv4_sm80.stages.attention.visible_swa_lists`; checked against
 a brute-force window on SGLang's own causal lists), and prefill chunks cut only at image-block edges
 (`scheduling.py`, at `Req.set_extend_range`; a split block still reaching the forward is refused with a
 message, not attended wrongly). With ENABLE_SGLANG_DSV4_A100_PATCH=0 the overlay runs alone on native

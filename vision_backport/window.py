@@ -1,6 +1,6 @@
 """The Vision-Exp bidirectional image window on SGLang's native DSV4 attention (patch off, for A/B).
 
-With the SM80 patch on, `dsv4_sm80.attention.sm80_forward` widens the SWA lists of image-block queries
+With the SM80 patch on, `dsv4_sm80.stages.attention.sm80_forward` widens the SWA lists of image-block queries
 itself (`visible_swa_lists`) before its Triton kernel. With the patch off and DSV4_SM80_VISION=1, the seam
 `vision.native_window` wraps `DeepseekV4AttnBackend.forward` (deepseek_v4_backend.py:1600) and hands the
 same widened lists to FlashMLA: for a prefill whose extend holds image blocks (recorded by the VL forward
@@ -31,7 +31,7 @@ def native_forward_with_window(original, self, q, k, v, layer, forward_batch, co
     from sglang.srt.environ import envs
     from sglang.srt.layers.attention import deepseek_v4_backend as backend
 
-    from dsv4_sm80.attention import _match_rows, visible_swa_lists
+    from dsv4_sm80.stages.attention import _match_rows, visible_swa_lists
 
     core = self.forward_metadata.core_attn_metadata
     if not isinstance(core, backend.DSV4AttnMetadata):

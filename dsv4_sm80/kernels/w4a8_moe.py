@@ -1256,7 +1256,7 @@ def default_config(pairs: int, inter: int = 512, expand_ok: bool = False) -> dic
     against the 32x128 / 64x128 tiles without them, 893 / 2,063 / - / 6,870 (Marlin 687 / 2,091 / 3,687 / 6,958; the
     16x32 tile 777 at 1,024): at prefill sizes the torch quantizer and the fp32 [pairs, H] buffer's top-k sum cost
     ~2 ms of 6.9 at 16K tokens. Above 8192 tokens (49,152 pairs) and
-    expand_ok (the caller's word that every column of both shift maps is shiftable; `dsv4_sm80/moe.py` reads it from
+    expand_ok (the caller's word that every column of both shift maps is shiftable; `dsv4_sm80/stages/moe.py` reads it from
     the maps at load), config expand (the experts decoded once per call into an INT8 workspace, then plain INT8
     GEMMs): 4,110 us at 16K tokens (0.59x Marlin's time), but 1,933 at 4,096 against 1,521 (the decode of every
     expert, ~1.2 ms, is a fixed cost; the two lines cross near 8,900 tokens by those two points; 8,192 untimed).

@@ -99,7 +99,8 @@ def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from dsv4_sm80 import env, linear
+    from dsv4_sm80 import env
+    from dsv4_sm80.stages import dense as linear
     from reference import dequant_fp8_bf16, load_raw
 
     from dsv4_sm80.tiny.generate import ensure, head_scale_for

@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     import torch
 
     from dense_check import build_runner
-    from dsv4_sm80 import env, moe
+    from dsv4_sm80 import env
+    from dsv4_sm80.stages import moe
     from dsv4_sm80.kernels import w4a8_moe_ref as ref
     from reference import load_raw
 

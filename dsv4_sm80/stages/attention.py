@@ -25,8 +25,8 @@ import sys
 
 import torch
 
-from . import lab_rounding
-from .launch_gate import refusal
+from .. import lab_rounding
+from ..launch_gate import refusal
 
 HEAD_DIM = 512
 
@@ -76,7 +76,7 @@ def bf16_create_buffer(self, *, num_pages: int):
 
 def bf16_set_key_buffer_fused(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
     """DeepSeekV4SingleKVPool.set_key_buffer_fused: BF16 rows to their slots, slot < 0 skipped."""
-    from .kernels.kv_store import scatter_rows
+    from ..kernels.kv_store import scatter_rows
 
     if cache_k.dtype != torch.bfloat16:
         raise TypeError(f"dsv4-sm80 attention: the BF16 KV pool takes bfloat16 rows, got {cache_k.dtype}")
@@ -96,11 +96,11 @@ def bf16_set_key_buffer(self, layer_id: int, loc: torch.Tensor, cache_k) -> None
 
 def bf16_swa_norm_rope_store(self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions) -> None:
     """DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope: RMSNorm + RoPE + BF16 store."""
-    from .kernels.kv_store import k_norm_rope_store
+    from ..kernels.kv_store import k_norm_rope_store
 
     buf = self.swa_kv_pool.kv_buffer[self._swa_local_layer_id(layer_id)]
     if lab_rounding.kv_enabled():  # lab replay: native quantizes these rows from fp32, not from their BF16 rounding
-        from .kernels.kv_store import scatter_rows
+        from ..kernels.kv_store import scatter_rows
 
         scatter_rows(lab_rounding.swa_rows(kv, kv_weight, eps, freqs_cis, positions), swa_loc, buf)
         return
@@ -138,7 +138,7 @@ def compress_store(original, kv, plan, *, norm_weight, norm_eps, freq_cis, out_l
     if lab_rounding.idx_enabled():  # lab replay: SGLang's own FP8 store into the same 132-byte pages (SM90)
         return original(kv, plan, norm_weight=norm_weight, norm_eps=norm_eps, freq_cis=freq_cis, out_loc=out_loc,
                         kvcache=kvcache, page_size=page_size, use_fp4=False, bf16_store=False)
-    from .kernels.indexer_int8 import compress_store_index_k_int8
+    from ..kernels.indexer_int8 import compress_store_index_k_int8
 
     compress_store_index_k_int8(kv, plan[1], bool(plan.is_decode), out_loc, norm_weight, norm_eps, freq_cis,
                                 kvcache, ratio=int(plan.compress_ratio))
@@ -152,7 +152,7 @@ def indexer_q_int8(original, q, weight, weight_scale, freqs_cis, positions):
     (DSV4_SM80_LAB_NATIVE_ROUNDING with idx): SGLang's own FP8 kernel instead (SM90 only)."""
     if lab_rounding.idx_enabled():
         return original(q, weight, weight_scale, freqs_cis, positions)
-    from .kernels.indexer_int8 import q_rope_hadamard_int8
+    from ..kernels.indexer_int8 import q_rope_hadamard_int8
 
     return q_rope_hadamard_int8(q, weight, weight_scale, freqs_cis, positions)
 
@@ -165,7 +165,7 @@ def indexer_logits_int8(original, q, kv_cache, weights, seq_lens, page_table, de
     token's whole cache at once and would not fit a long prefill)."""
     if lab_rounding.idx_enabled():
         return lab_rounding.fp8_paged_logits(q, kv_cache, weights, seq_lens, page_table, int(max_seq_len))
-    from .kernels.indexer_int8 import paged_mqa_logits_int8
+    from ..kernels.indexer_int8 import paged_mqa_logits_int8
 
     return paged_mqa_logits_int8(q, kv_cache, weights, seq_lens, page_table, int(max_seq_len))
 
@@ -236,7 +236,7 @@ def sm80_forward(self, q, k, v, layer, forward_batch, compress_ratio, save_kv_ca
     [T, Hpad, 512] BF16 tensor, as the original does."""
     from sglang.srt.layers.attention import deepseek_v4_backend as backend
 
-    from .kernels.sparse_attn import sparse_attn
+    from ..kernels.sparse_attn import sparse_attn
 
     if self.mtp_enabled and forward_batch.forward_mode.is_idle():
         return q.new_empty(q.shape[0], q.shape[1], layer.v_head_dim)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import env, lab_rounding
+from .. import env, lab_rounding
 
 BLOCK = 128
 ALWAYS_BF16_SUFFIXES = ("wo_a", "main_proj")

@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from . import env
-from .launch_gate import refusal
+from .. import env
+from ..launch_gate import refusal
 
 
 # --- launch: runner backend and expert parallelism ----------------------------------------------
@@ -75,7 +75,7 @@ def marlin_on_sm80(is_sm90_supported):
 def _method_class():
     from sglang.srt.layers.quantization.mxfp4_marlin_moe import Mxfp4MarlinMoEMethod
 
-    from .kernels import w4a8_moe
+    from ..kernels import w4a8_moe
 
     class Sm80W4A8MoEMethod:
         """MXFP4 experts, W4A8 on INT8 tensor cores. Parameters are created exactly as SGLang's

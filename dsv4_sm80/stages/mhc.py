@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from . import lab_rounding
+from .. import lab_rounding
 
 
 def hc_prenorm_gemm(x: torch.Tensor, fn: torch.Tensor, out: torch.Tensor, sqrsum: torch.Tensor,
@@ -37,6 +37,6 @@ def hc_prenorm_gemm(x: torch.Tensor, fn: torch.Tensor, out: torch.Tensor, sqrsum
 
             deep_gemm.tf32_hc_prenorm_gemm(x, fn, out, sqrsum, num_splits=num_splits)
         return
-    from .kernels.hc_prenorm import hc_prenorm
+    from ..kernels.hc_prenorm import hc_prenorm
 
     hc_prenorm(x, fn, out, sqrsum, num_splits)
