@@ -71,11 +71,6 @@ LOAD_REPORT = Knob(
     "rank and model: module, method, dtype, bytes) to this file.",
 )
 
-TRIPWIRE = Knob(
-    "DSV4_SM80_TRIPWIRE", "0", ("0", "1"),
-    "Lab: every SM90/SM100-only entry point the SM80 datapath must not reach raises instead (dsv4_sm80/tripwire.py).",
-)
-
 ALLOW_OPEN_BIND = Knob(
     "DSV4_SM80_ALLOW_OPEN_BIND", "0", ("0", "1"),
     "1: let the patched server bind a non-loopback address without --api-key (logged at every start). "
@@ -90,52 +85,16 @@ VISION = Knob(
     "0: not installed.",
 )
 
-LAB_POISON = Knob(
-    "DSV4_SM80_LAB_POISON", "0", ("0", "1"),
-    "Lab (page hygiene): 1 overwrites every byte of the KV pools (KV rows, INT8 indexer pages, compressor "
-    "state; target and draft) with 0xFF after each successful cache flush, so a request that reads bytes it "
-    "did not write sees NaN (dsv4_sm80/hygiene.py). Never for serving.",
+# The lab switch: 1 lets the laboratory (the separate `dsv4_lab` package, never in the image) add its seams after
+# the product's; product code learns of the lab only through it (`apply.lab_seams`).
+LAB = Knob(
+    "DSV4_SM80_LAB", "0", ("0", "1"),
+    "Lab only: 1 applies the lab's seams (dsv4_lab/seams.py: native-rounding replay, tripwire, page poisoning, "
+    "memory log, route trace) after the product's; needs the dsv4_lab package on the path. Never for serving.",
 )
 
-LAB_ROUTE_TRACE = Knob(
-    "DSV4_SM80_LAB_ROUTE_TRACE", "", (),
-    "Lab (vision): append one JSON line per MoE top-k call that routes image rows to this file: rows, image "
-    "rows, image rows whose experts are top-k of scores + bias_vl, image rows where that differs from the text "
-    "rule, text rows changed (vision_backport/routing.py). Costs a device sync per layer; never for serving.",
-)
-
-LAB_NATIVE_ROUNDING = Knob(
-    "DSV4_SM80_LAB_NATIVE_ROUNDING", "0",
-    ("0", "kv", "act", "gemm", "idx", "kv,act", "kv,gemm", "kv,idx", "act,idx", "gemm,idx", "kv,act,idx",
-     "kv,gemm,idx"),
-    "Lab (parity): replay native SGLang's FP8 roundings on the SM80 path (dsv4_sm80/lab_rounding.py), to "
-    "separate those precision choices from errors in an end-to-end comparison with native: kv = every stored "
-    "key row's nope part as FP8 e4m3 with a power-of-two scale per 64 values; act = the input of every BF16 "
-    "block linear as FP8 per token and 128 columns with an fp32 scale; gemm = instead of act, every such "
-    "linear through native's own FP8 block linear (SGLang's DeepGEMM dispatch on the checkpoint's FP8 weight), "
-    "and the mHC pre-norm GEMM through DeepGEMM's own (SM90: H200 only, tripwire off); idx = the indexer "
-    "through SGLang's own "
-    "FP8 query and store kernels (SM90: H200 only) and fp32 logits. Comma-joined in that order. Eager runs "
-    "only; never for serving.",
-)
-
-LAB_MEMLOG = Knob(
-    "DSV4_SM80_LAB_MEMLOG", "", (),
-    "Lab (soak): append one JSON line every 10 s per model runner to this file, from the end of start-up: GPU "
-    "bytes in use, PyTorch's allocator reserved and allocated, segments, retries (dsv4_sm80/lab_memlog.py), to "
-    "tell allocator growth from growth outside it. Never for serving.",
-)
-
-LAB_MEMSITES = Knob(
-    "DSV4_SM80_LAB_MEMSITES", "0", ("0", "1"),
-    "Lab (soak), with DSV4_SM80_LAB_MEMLOG: record the Python stack of every GPU block allocated after start-up "
-    "(PyTorch's memory history, live blocks only) and answer the soak's requests with the live bytes per "
-    "allocating site, so memory that grows under load names the code holding it (dsv4_sm80/lab_memlog.py). "
-    "Slows every allocation; never for serving.",
-)
-
-KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC, LOAD_REPORT, TRIPWIRE,
-         ALLOW_OPEN_BIND, VISION, LAB_POISON, LAB_ROUTE_TRACE, LAB_NATIVE_ROUNDING, LAB_MEMLOG, LAB_MEMSITES)
+KNOBS = (PATCH, INT8_INDEXER, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC, LOAD_REPORT, ALLOW_OPEN_BIND,
+         VISION, LAB)
 
 
 def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:
@@ -152,6 +111,23 @@ def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:
 
 def patch_enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
     return get(PATCH, environ) == "1"
+
+
+def lab_enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
+    return get(LAB, environ) == "1"
+
+
+_lab_knobs: tuple[Knob, ...] = ()
+
+
+def lab_knobs() -> tuple[Knob, ...]:
+    """The lab's knobs, once the applier has taken the lab's seam table (`apply.lab_seams`); () otherwise."""
+    return _lab_knobs
+
+
+def use_lab_knobs(knobs) -> None:
+    global _lab_knobs
+    _lab_knobs = tuple(knobs)
 
 
 def lab_overrides(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:

@@ -300,10 +300,4 @@ def log_startup(result, runner, *args, **kwargs):
     except Exception as e:  # diagnostics only
         line = f"dsv4-sm80 footprint: not available ({type(e).__name__}: {e})"
     print(line, file=sys.stderr, flush=True)
-    try:  # lab: the memory log over time (DSV4_SM80_LAB_MEMLOG; dsv4_sm80/lab_memlog.py), from here on
-        from dsv4_sm80 import lab_memlog
-
-        lab_memlog.maybe_start(runner)
-    except Exception as e:
-        print(f"dsv4-sm80 memlog: not started ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     return None

@@ -9,7 +9,7 @@ start took 222 s, session 24). `python -m dsv4_sm80 prebuild-jit` builds this pa
 (the names, template arguments and source hashes SGLang's first call asks for) inside
 `jit_kernel.utils.arch.override_jit_cuda_arch`, in a fresh process, so PDL (sm_90+) is resolved for the target arch.
 
-The list is the modules a patched forward calls (tests/gpu/jit_sm80.py's list until it called this, from reading the
+The list is the modules a patched forward calls (dsv4_lab/beds/jit_sm80.py's list until it called this, from reading the
 forward): the DSV4 compressors and their BF16 main store, RoPE and norms, top-k v1, the attention metadata, the router's
 gate and hash top-k, the shared expert's SiLU clamp, the decode positions' clamp, the TP4 all-reduce, and per mode the
 Marlin modules (jitcache.FIRST_FORWARD_MODULES: built at the first forward, not at load). Session 28's H200 seed (a host

@@ -14,10 +14,12 @@ Kinds:
   value    the attribute becomes `replacement(original)` (module constants captured at import time);
            the replacement must be idempotent (applied exactly once is checked by equality)
 
-Toggles: every seam needs ENABLE_SGLANG_DSV4_A100_PATCH=1; `when` adds conditions on other knobs
-of `dsv4_sm80.env` ("KNOB=value"), e.g. a MoE seam used only by one backend.
+Toggles: an "sm80" seam needs ENABLE_SGLANG_DSV4_A100_PATCH=1, a "vision" seam its own switch in `when`, a
+"lab" seam DSV4_SM80_LAB=1; `when` adds conditions on other knobs of `dsv4_sm80.env` (or, for a lab seam, of
+the lab's knob list) as "KNOB=value", e.g. a MoE seam used only by one backend.
 
-Later stages only add entries here, one block per datapath stage file.
+One block per datapath stage file (`dsv4_sm80/stages/`). Seams on one target apply in table order, each
+wrapping the one before; the lab's seams (`dsv4_lab/seams.py`) come after all of these.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Mapping, Optional
 from . import env
 
 KINDS = ("before", "after", "around", "replace", "value")
+OVERLAYS = ("sm80", "vision", "lab")
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class Seam:
     when: tuple[str, ...] = field(default=())
     # "sm80": part of the SM80 patch, only with ENABLE_SGLANG_DSV4_A100_PATCH=1. "vision": the separate
     # Vision-Exp overlay, toggled by its own knob (in `when`) with the patch on or off, so the VL model can
-    # also run on native SGLang for A/B.
+    # also run on native SGLang for A/B. "lab": the laboratory's (dsv4_lab/seams.py), only with DSV4_SM80_LAB=1.
     overlay: str = "sm80"
 
     @property
@@ -59,18 +62,14 @@ class Seam:
     def enabled(self, environ: Optional[Mapping[str, str]] = None) -> bool:
         if self.overlay == "sm80" and not env.patch_enabled(environ):
             return False
-        knobs = {k.name: k for k in env.KNOBS}
+        if self.overlay == "lab" and not env.lab_enabled(environ):
+            return False
+        knobs = {k.name: k for k in (*env.KNOBS, *env.lab_knobs())}
         for cond in self.when:
             name, value = cond.split("=", 1)
             if env.get(knobs[name], environ) != value:
                 return False
         return True
-
-
-def _tripwire(name: str, target: str, reason: str, upstream: str, *when: str) -> Seam:
-    """A lab tripwire seam: `target` is replaced by dsv4_sm80.tripwire:`name`, a function that raises."""
-    return Seam(name=f"tripwire.{name}", target=target, kind="replace", replacement=f"dsv4_sm80.tripwire:{name}",
-                reason=reason, upstream=upstream, when=("DSV4_SM80_TRIPWIRE=1", *when))
 
 
 SEAMS: tuple[Seam, ...] = (
@@ -101,16 +100,6 @@ SEAMS: tuple[Seam, ...] = (
             "deep inside FusedMoE (reference 01 §4)."
         ),
         upstream="srt/entrypoints/engine.py:765-790",
-    ),
-    Seam(
-        name="lab.poison_on_flush",
-        target="sglang.srt.managers.scheduler:Scheduler.flush_cache",
-        kind="after",
-        replacement="dsv4_sm80.hygiene:poison_after_flush",
-        reason=("Page hygiene (lab): after a flush, when every page is free, the pools are overwritten with "
-                "0xFF (NaN) so a later request that reads bytes it did not write shows it."),
-        upstream="srt/managers/scheduler.py:3846-3873",
-        when=("DSV4_SM80_LAB_POISON=1",),
     ),
     Seam(
         name="jit.disk_full",
@@ -285,39 +274,6 @@ SEAMS: tuple[Seam, ...] = (
                 "tensor cores with the same contract; its callers import this attribute when they run."),
         upstream="srt/layers/deep_gemm_wrapper/entrypoint.py:214-223",
     ),
-    # --- tripwire (lab): SM90/SM100-only entry points raise (tripwire.py; only with DSV4_SM80_TRIPWIRE=1) --
-    _tripwire("fp8_k_pack", "sglang.srt.layers.attention.deepseek_v4_backend:quant_to_nope_fp8_rope_bf16_pack_triton",
-              "Triton float8e4nv K packer of the FP8 store path; never on the SM80 path.",
-              "srt/layers/attention/deepseek_v4_backend.py:29"),
-    _tripwire("fp8_k_dequant", "sglang.srt.layers.attention.deepseek_v4_backend:dequantize_k_cache_paged",
-              "Triton float8e4nv dequantization feeding FlashMLA sparse prefill.",
-              "srt/layers/attention/deepseek_v4_backend.py:23"),
-    _tripwire("topk_v2", "sglang.srt.layers.attention.dsv4.indexer:topk_transform_512_v2",
-              "The cluster top-k (sm_90+); SGLANG_OPT_USE_TOPK_V2=0 keeps v1.",
-              "srt/layers/attention/dsv4/indexer.py:13"),
-    _tripwire("deepgemm_linear", "sglang.srt.layers.quantization.fp8_utils:deepgemm_w8a8_block_fp8_linear_with_fallback",
-              "DeepGEMM FP8 block GEMM (native dense path on SM90).",
-              "srt/layers/quantization/fp8_utils.py:787"),
-    _tripwire("cutlass_linear", "sglang.srt.layers.quantization.fp8_utils:cutlass_w8a8_block_fp8_linear_with_fallback",
-              "CUTLASS FP8 block GEMM.",
-              "srt/layers/quantization/fp8_utils.py:747"),
-    _tripwire("triton_fp8_linear", "sglang.srt.layers.quantization.fp8_utils:triton_w8a8_block_fp8_linear",
-              "Triton FP8 W8A8 block GEMM (float8e4nv).",
-              "srt/layers/quantization/fp8_utils.py:972"),
-    _tripwire("mxfp4_marlin_prepare", "sglang.srt.layers.quantization.mxfp4_marlin_moe:Mxfp4MarlinMoEMethod.process_weights_after_loading",
-              "Under mxfp4_int8 no expert layer may take SGLang's MXFP4 Marlin path or its SM check.",
-              "srt/layers/quantization/mxfp4_marlin_moe.py:103", "SGLANG_DSV4_MXFP4_MOE_BACKEND=mxfp4_int8"),
-    Seam(
-        name="tripwire.deep_gemm",
-        target="sglang.srt.layers.deep_gemm_wrapper.configurer:ENABLE_JIT_DEEPGEMM",
-        kind="value",
-        replacement="dsv4_sm80.tripwire:arm_deep_gemm",
-        reason=("Every DeepGEMM kernel entry point (the deep_gemm package's own functions) raises, not only the "
-                "FP8 linear: a lab run once reached tf32_hc_prenorm_gemm with no wire on it. The flag is "
-                "returned unchanged; arming happens as SGLang first decides on DeepGEMM."),
-        upstream="srt/layers/deep_gemm_wrapper/configurer.py:35",
-        when=("DSV4_SM80_TRIPWIRE=1",),
-    ),
     # --- vision (vision_backport/), experimental: only with DSV4_SM80_VISION=1 ---------------------------
     Seam(
         name="vision.model_class",
@@ -438,12 +394,23 @@ SEAMS: tuple[Seam, ...] = (
         overlay="vision",
     ),
     Seam(
+        name="vision.sm80_window",
+        target="sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend.forward",
+        kind="around",
+        replacement="vision_backport.window:sm80_forward_with_window",
+        reason=("Image-block queries of a prefill attend to their whole block both ways (the Vision-Exp window): "
+                "the SM80 forward (attention.forward, declared before this) reads the widened SWA lists."),
+        upstream="srt/layers/attention/deepseek_v4_backend.py:1600-1755",
+        when=("DSV4_SM80_VISION=1", "ENABLE_SGLANG_DSV4_A100_PATCH=1"),
+        overlay="vision",
+    ),
+    Seam(
         name="vision.native_window",
         target="sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend.forward",
         kind="around",
         replacement="vision_backport.window:native_forward_with_window",
         reason=("Native A/B (patch off): image-block queries of a prefill get the bidirectional window in "
-                "FlashMLA's SWA index lists (the SM80 forward builds the same lists for its Triton kernel)."),
+                "FlashMLA's SWA index lists (vision.sm80_window gives the SM80 forward the same lists)."),
         upstream="srt/layers/attention/deepseek_v4_backend.py:1600-1755",
         when=("DSV4_SM80_VISION=1", "ENABLE_SGLANG_DSV4_A100_PATCH=0"),
         overlay="vision",
@@ -538,12 +505,14 @@ def by_module(seams=SEAMS) -> dict[str, list[Seam]]:
     return out
 
 
-def validate_table(seams=SEAMS, fingerprints=None) -> list[str]:
-    """Problems with the declarations themselves (not with the installed SGLang)."""
+def validate_table(seams=SEAMS, fingerprints=None, lab_knobs=()) -> list[str]:
+    """Problems with the declarations themselves (not with the installed SGLang). A lab seam's toggles may name
+    the lab's knobs (`lab_knobs`, dsv4_lab.knobs.LAB_KNOBS; those the applier took from the lab by default)."""
     from .upstream import FINGERPRINTS, module_relpath
 
     fingerprints = FINGERPRINTS if fingerprints is None else fingerprints
-    knob_names = {k.name for k in env.KNOBS}
+    product_knobs = {k.name for k in env.KNOBS}
+    lab_knob_names = product_knobs | {k.name for k in (*env.lab_knobs(), *lab_knobs)}
     problems, names = [], set()
     for s in seams:
         if s.name in names:
@@ -562,10 +531,11 @@ def validate_table(seams=SEAMS, fingerprints=None) -> list[str]:
             problems.append(f"{s.name}: replacement {s.replacement} is shared (it carries the seam's mark)")
         if not s.reason.strip():
             problems.append(f"{s.name}: no reason")
-        if s.overlay not in ("sm80", "vision"):
-            problems.append(f"{s.name}: overlay {s.overlay!r} is not sm80 or vision")
+        if s.overlay not in OVERLAYS:
+            problems.append(f"{s.name}: overlay {s.overlay!r} is not one of {', '.join(OVERLAYS)}")
         for cond in s.when:
             name, _, value = cond.partition("=")
-            if name not in knob_names or not value:
-                problems.append(f"{s.name}: toggle {cond!r} is not KNOB=value of dsv4_sm80.env")
+            if name not in (lab_knob_names if s.overlay == "lab" else product_knobs) or not value:
+                problems.append(f"{s.name}: toggle {cond!r} is not KNOB=value of dsv4_sm80.env"
+                                + (" or the lab's knobs" if s.overlay == "lab" else ""))
     return problems

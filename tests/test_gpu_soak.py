@@ -1,4 +1,4 @@
-"""tests/gpu/soak.py's memory accounting, on the CPU: the server's own processes (a GPU shared with other jobs
+"""dsv4_lab/beds/soak.py's memory accounting, on the CPU: the server's own processes (a GPU shared with other jobs
 must not count them) and the stability rule."""
 
 import os
@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dsv4_lab", "beds"))
 import soak  # noqa: E402
 
 
@@ -75,7 +75,7 @@ def test_growth_over_the_second_half_catches_a_steady_climb():
 
 def test_memlog_lines_and_what_grew(tmp_path):
     sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from dsv4_sm80 import lab_memlog
+    from dsv4_lab import memlog as lab_memlog
 
     path = str(tmp_path / "m.jsonl")
     state = {"n": 0}
@@ -113,7 +113,7 @@ def test_the_memory_log_says_whether_the_flush_gave_the_growth_back():
     """Session 13's shape (native and patched both +25 MiB/min, inside the allocator's live tensors):
     summarize's `released` compares the live tensors at the first line after the flush with the run's start."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from dsv4_sm80 import lab_memlog
+    from dsv4_lab import memlog as lab_memlog
 
     M = lab_memlog.MIB
 
@@ -153,7 +153,7 @@ def test_leak_check_holds_live_tensors_after_a_collection_to_before_the_load():
 
 def test_memlog_caught_up_waits_for_every_process_and_role():
     sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from dsv4_sm80 import lab_memlog
+    from dsv4_lab import memlog as lab_memlog
 
     target = [{"t": t, "pid": 1, "role": "target"} for t in (0, 10, 20)]
     draft = [{"t": t, "pid": 1, "role": "draft"} for t in (5, 15)]
@@ -179,7 +179,7 @@ OURS = _frame("/work/dsv4_sm80/stages/attention.py", 77, "init_forward_metadata"
 
 
 def test_allocation_sites_name_the_code_outside_torch():
-    from dsv4_sm80 import lab_memlog
+    from dsv4_lab import memlog as lab_memlog
 
     assert lab_memlog.site_of([TORCH, RADIX, SCHED]) == (
         "sglang/srt/mem_cache/radix_cache.py:321 insert < sglang/srt/managers/scheduler.py:900 run_batch")
@@ -203,7 +203,7 @@ def test_allocation_sites_name_the_code_outside_torch():
 
 
 def test_site_requests_are_answered_once_per_process_and_tag(tmp_path, monkeypatch):
-    from dsv4_sm80 import lab_memlog
+    from dsv4_lab import memlog as lab_memlog
 
     path = str(tmp_path / "m.jsonl")
     blocks = [{"size": 1024, "state": "active_allocated", "frames": [RADIX]}]
@@ -244,7 +244,7 @@ def test_site_requests_are_answered_once_per_process_and_tag(tmp_path, monkeypat
 def test_memlog_runs_when_the_sites_cannot_be_recorded(tmp_path, monkeypatch, capsys):
     """DSV4_SM80_LAB_MEMSITES=1 where PyTorch's memory history cannot start (here: it raises): the memory log
     still runs and says why there are no sites."""
-    from dsv4_sm80 import lab_memlog
+    from dsv4_lab import memlog as lab_memlog
 
     path = str(tmp_path / "m.jsonl")
     monkeypatch.setenv("DSV4_SM80_LAB_MEMLOG", path)

@@ -1,4 +1,4 @@
-"""tests/gpu/steps.sh on the CPU: each step run with `python` replaced by a recorder, so the argument lists its
+"""dsv4_lab/beds/steps.sh on the CPU: each step run with `python` replaced by a recorder, so the argument lists its
 scripts would get are checked here and not after minutes of device time. steps.sh's `run` evals its command:
 a quoted argument with a space or a `|` must survive as one argument (session 11: `--only "fused io|pair bf16"`
 would have become a shell pipe). Every `--flag` a step passes must be an option its script defines."""
@@ -37,7 +37,7 @@ def run_step(tmp_path, step, env=None, files=()):
              ORACLE=str(out / "native.json"), SHIM_LOG=str(log), WIDE=str(tmp_path / "wide"),
              PREV=str(tmp_path / "prev.json"))
     e.update(env or {})
-    res = subprocess.run(["bash", "tests/gpu/steps.sh", step], cwd=REPO, env=e, capture_output=True, text=True,
+    res = subprocess.run(["bash", "dsv4_lab/beds/steps.sh", step], cwd=REPO, env=e, capture_output=True, text=True,
                          timeout=120)
     assert "unknown step" not in res.stdout, res.stdout
     return [json.loads(x) for x in log.read_text().splitlines() if x.strip()], res.stdout
@@ -59,7 +59,7 @@ STEPS = {  # step: files it expects from earlier steps
 
 def test_graphs_self_makes_its_own_teacher_then_runs_graphs_on_it(tmp_path):
     calls, _ = run_step(tmp_path, "graphs-self")
-    beds = [a for a in calls if a[0] == "tests/gpu/engine_bed.py"]
+    beds = [a for a in calls if a[0] == "dsv4_lab/beds/engine_bed.py"]
     assert len(beds) == 3 and "--teacher-from" not in beds[0], beds
     made = beds[0][beds[0].index("--out") + 1]
     assert os.path.basename(made) == "self.json"
@@ -86,7 +86,7 @@ def test_every_flag_a_step_passes_is_its_scripts(tmp_path, step):
     assert calls, stdout
     for argv in calls:
         argv = [a for a in argv if a != "-u"]  # unbuffered output: an interpreter option
-        if argv[0] == "-m":  # python -m pytest / dsv4_sm80.lab_trace: checked below where it matters
+        if argv[0] == "-m":  # python -m pytest / dsv4_lab.trace: checked below where it matters
             continue
         script = argv[0]
         assert os.path.isfile(os.path.join(REPO, script)), (step, argv)
@@ -110,11 +110,11 @@ def test_quoted_arguments_survive_runs_eval(tmp_path):
 
 def test_trace_compares_against_the_pinned_run_with_the_perturbed_floor(tmp_path):
     calls, _ = run_step(tmp_path, "trace")
-    traced = [a for a in calls if a[0] == "tests/gpu/layer_trace.py"]
+    traced = [a for a in calls if a[0] == "dsv4_lab/beds/layer_trace.py"]
     assert [os.path.basename(a[a.index("--out-dir") + 1]) for a in traced] == [
         "trace-native", "trace-pinned", "trace-perturbed", "trace-patched", "trace-replay"]
     assert traced[2][-2:] == ["--perturb", "1e-4"]
-    compares = [[os.path.basename(x) for x in a[2:]] for a in calls if a[:2] == ["-m", "dsv4_sm80.lab_trace"]]
+    compares = [[os.path.basename(x) for x in a[2:]] for a in calls if a[:2] == ["-m", "dsv4_lab.trace"]]
     assert ["trace-pinned", "trace-patched", "--floor", "trace-perturbed"] in compares
     assert ["trace-pinned", "trace-perturbed"] in compares
 
@@ -123,10 +123,10 @@ def test_trace_runs_picks_runs_and_compares_only_what_it_has(tmp_path):
     """TRACE_RUNS="pinned perturbed replay gemm": those four traced, the replay and the gemm replay each against
     the pinned run with the perturbed floor; no compare names a run that was neither made nor found."""
     calls, _ = run_step(tmp_path, "trace", env={"TRACE_RUNS": "pinned perturbed replay gemm"})
-    traced = [a for a in calls if a[0] == "tests/gpu/layer_trace.py"]
+    traced = [a for a in calls if a[0] == "dsv4_lab/beds/layer_trace.py"]
     assert [os.path.basename(a[a.index("--out-dir") + 1]) for a in traced] == [
         "trace-pinned", "trace-perturbed", "trace-replay", "trace-gemm"]
-    compares = [[os.path.basename(x) for x in a[2:]] for a in calls if a[:2] == ["-m", "dsv4_sm80.lab_trace"]]
+    compares = [[os.path.basename(x) for x in a[2:]] for a in calls if a[:2] == ["-m", "dsv4_lab.trace"]]
     pairs = [c for c in compares if "--linears" not in c]
     assert ["trace-pinned", "trace-replay", "--floor", "trace-perturbed"] in pairs
     assert ["trace-pinned", "trace-gemm", "--floor", "trace-perturbed"] in pairs
@@ -135,10 +135,10 @@ def test_trace_runs_picks_runs_and_compares_only_what_it_has(tmp_path):
 
 def test_e2e_gemm_runs_natives_linears_without_the_tripwire_beside_each_floor(tmp_path):
     calls, _ = run_step(tmp_path, "e2e-gemm", files=("native-alone.json", "native-perturb-1e-4.json"))
-    (bed,) = [a for a in calls if a[0] == "tests/gpu/engine_bed.py"]
-    floors = [a[a.index("--floor") + 1] for a in calls if a[0] == "tests/gpu/compare.py"]
+    (bed,) = [a for a in calls if a[0] == "dsv4_lab/beds/engine_bed.py"]
+    floors = [a[a.index("--floor") + 1] for a in calls if a[0] == "dsv4_lab/beds/compare.py"]
     assert [os.path.basename(f) for f in floors] == ["native-alone.json", "native-perturb-1e-4.json"]
-    src = open(os.path.join(REPO, "tests/gpu/steps.sh")).read()
+    src = open(os.path.join(REPO, "dsv4_lab/beds/steps.sh")).read()
     block = src[src.index("  e2e-gemm)"):src.index(";;", src.index("  e2e-gemm)"))]
     assert "DSV4_SM80_LAB_NATIVE_ROUNDING=kv,gemm,idx" in block and "TRIPWIRE" not in block.split("run e2e-gemm")[1]
 
@@ -155,18 +155,18 @@ def test_moe_onetoken_is_moe_sweep_at_the_default_configs_switch_points(tmp_path
 
 def test_trace_linears_traces_native_once_and_asks_for_sglangs_models(tmp_path):
     calls, _ = run_step(tmp_path, "trace-linears")
-    traced = [a for a in calls if a[0] == "tests/gpu/layer_trace.py"]
+    traced = [a for a in calls if a[0] == "dsv4_lab/beds/layer_trace.py"]
     assert [os.path.basename(a[a.index("--out-dir") + 1]) for a in traced] == ["trace-native"]
-    (check,) = [a for a in calls if a[:2] == ["-m", "dsv4_sm80.lab_trace"]]
+    (check,) = [a for a in calls if a[:2] == ["-m", "dsv4_lab.trace"]]
     assert os.path.basename(check[2]) == "trace-native" and check[3:] == ["--linears", "--sglang-models"]
 
 
 def test_machines_holds_the_patched_run_to_both_floors(tmp_path):
     calls, _ = run_step(tmp_path, "machines")
-    beds = [a for a in calls if a[0] == "tests/gpu/engine_bed.py"]
+    beds = [a for a in calls if a[0] == "dsv4_lab/beds/engine_bed.py"]
     prev = str(tmp_path / "prev.json")
     assert all(a[a.index("--teacher-from") + 1] == prev for a in beds) and len(beds) == 3
-    compares = [a for a in calls if a[0] == "tests/gpu/compare.py"]
+    compares = [a for a in calls if a[0] == "dsv4_lab/beds/compare.py"]
     (vs_prev,) = [a for a in compares if a[1] == prev and "--floor" in a]
     floors = [vs_prev[i + 1] for i, x in enumerate(vs_prev) if x == "--floor"]
     assert [os.path.basename(f) for f in floors] == ["native-here.json", "native-here-alone.json"]
@@ -206,9 +206,9 @@ def test_moe_ncu_profiles_the_second_call_of_each_variant(tmp_path):
 
 def test_e2e_replay_runs_marlin_experts_with_every_rounding_replayed_against_the_batch_floor(tmp_path):
     calls, out = run_step(tmp_path, "e2e-replay", files=("native-alone.json",))
-    (bed,) = [a for a in calls if a[0] == "tests/gpu/engine_bed.py"]
+    (bed,) = [a for a in calls if a[0] == "dsv4_lab/beds/engine_bed.py"]
     assert os.path.basename(bed[bed.index("--out") + 1]) == "engine-e2e-replay.json" and "--teacher-from" in bed
-    (cmp,) = [a for a in calls if a[0] == "tests/gpu/compare.py"]
+    (cmp,) = [a for a in calls if a[0] == "dsv4_lab/beds/compare.py"]
     assert [os.path.basename(x) for x in cmp[2:]] == ["engine-e2e-replay.json", "--floor", "native-alone.json"]
 
 
@@ -223,16 +223,16 @@ def test_seed_builds_the_committed_seed_when_there_is_one(tmp_path):
     calls, _ = run_step(tmp_path / "again", "seed", env=seeds)
     assert [argv[argv.index("--seed") + 1] for argv in calls] == [str(seed), str(fi)]
     for argv in calls:
-        assert argv[:2] == ["tests/gpu/jit_seed.py", "build"]
+        assert argv[:2] == ["dsv4_lab/beds/jit_seed.py", "build"]
         flags = {a for a in argv if a.startswith("--")}
-        assert flags <= options_of("tests/gpu/jit_seed.py"), flags
+        assert flags <= options_of("dsv4_lab/beds/jit_seed.py"), flags
 
 
 def test_teacher_sequences_wait_for_a_record_made_beside_them(tmp_path):
     # par with PAR_SAME_GPU: e2e's engine compiles while the oracle it teacher-forces is still being made
     import threading
 
-    bed, path = load_script("tests/gpu/engine_bed.py", "engine_bed"), tmp_path / "native.json"
+    bed, path = load_script("dsv4_lab/beds/engine_bed.py", "engine_bed"), tmp_path / "native.json"
     threading.Timer(0.3, lambda: path.write_text(json.dumps({"teacher": [{"sequence": [5, 6]}, {"sequence": [7]}]}))).start()
     assert bed.teacher_sequences(str(path), wait_s=30, poll_s=0.05) == [[5, 6], [7]]
     with pytest.raises(SystemExit, match=r"teacher record .*absent.* after waiting 0 s"):
@@ -241,9 +241,9 @@ def test_teacher_sequences_wait_for_a_record_made_beside_them(tmp_path):
 
 def test_steps_waiting_for_a_teacher_get_the_wait_added_to_their_limit(tmp_path):
     calls, stdout = run_step(tmp_path, "e2e", env={"DSV4_BED_TEACHER_WAIT": "1500"})
-    (bed,) = [a for a in calls if a[0] == "tests/gpu/engine_bed.py"]
-    assert "--teacher-from" in bed and "timeout 1900 python tests/gpu/engine_bed.py" in stdout, stdout
-    src = open(os.path.join(REPO, "tests/gpu/steps.sh")).read()
+    (bed,) = [a for a in calls if a[0] == "dsv4_lab/beds/engine_bed.py"]
+    assert "--teacher-from" in bed and "timeout 1900 python dsv4_lab/beds/engine_bed.py" in stdout, stdout
+    src = open(os.path.join(REPO, "dsv4_lab/beds/steps.sh")).read()
     assert "DSV4_BED_MAX_TOKENS=${DSV4_BED_MAX_TOKENS:-131072}" in src and "timeout $((400 + TW))" in src
 
 

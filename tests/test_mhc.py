@@ -3,7 +3,7 @@
 its seam, its sm_80 build (TF32 mma.sync); and every other mHC kernel SGLang 0.5.16's DSV4 forward runs on
 this path — TileLang's fused pre-mix (+ norm) and post-mix, the Triton hc_head — built for sm_80 without a
 GPU (TileLang through nvcc; skipped, loudly, where no nvcc is installed). Against DeepGEMM's own kernel on
-an H200: tests/gpu/mhc_check.py."""
+an H200: dsv4_lab/beds/mhc_check.py."""
 
 import os
 

@@ -204,7 +204,7 @@ def vl_model_class():
 
             # the ids before SGLang clamps them in place: image positions carry pad values >= vocab_size
             forward_batch.dsv4_routing_input_ids = input_ids.clone()
-            # the image blocks of this extend, for the bidirectional window (dsv4_sm80.stages.attention)
+            # the image blocks of this extend, for the bidirectional window (window.py)
             forward_batch.dsv4_image_spans = extend_image_spans(
                 forward_batch.mm_inputs, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu)
             hidden = general_mm_embed_routine(input_ids=input_ids, forward_batch=forward_batch,

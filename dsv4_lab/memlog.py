@@ -1,5 +1,5 @@
 """Lab (soak): GPU memory inside a serving process, over time. With DSV4_SM80_LAB_MEMLOG=FILE each model
-runner (after its CUDA graphs; footprint.log_startup starts it) appends one JSON line every INTERVAL seconds:
+runner (after its CUDA graphs: seam lab.memlog) appends one JSON line every INTERVAL seconds:
 
     {"t": unix time, "pid", "rank", "role", "used": bytes this process holds on its GPU (NVML's per-process
      figure; the device's whole use where NVML does not list the process, e.g. another PID namespace),
@@ -32,9 +32,8 @@ import sys
 import threading
 import time
 
-from . import env
+from . import knobs
 
-ENV = "DSV4_SM80_LAB_MEMLOG"
 MIB = 1 << 20
 _started = set()
 
@@ -102,15 +101,25 @@ def start(path: str, rank: int, role: str, interval: float = 10.0, sample=None,
     return t
 
 
+def start_after_graphs(result, runner, *args, **kwargs):
+    """After ModelRunner.init_cuda_graphs (seam lab.memlog): start this runner's log. Diagnostics: a failure is
+    printed, never raised."""
+    try:
+        maybe_start(runner)
+    except Exception as e:
+        print(f"dsv4-sm80 memlog: not started ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+    return None
+
+
 def maybe_start(runner) -> None:
-    """From footprint.log_startup: start the log for this runner when DSV4_SM80_LAB_MEMLOG names a file."""
-    path = os.environ.get(ENV, "").strip()
+    """Start the log for this runner when DSV4_SM80_LAB_MEMLOG names a file."""
+    path = knobs.get(knobs.LAB_MEMLOG).strip()
     if not path:
         return
     role = "draft" if getattr(runner, "is_draft_worker", False) else "target"
     rank = getattr(getattr(runner, "ps", None), "tp_rank", getattr(runner, "tp_rank", 0))
     snapshot = None
-    if env.get(env.LAB_MEMSITES) == "1":
+    if knobs.get(knobs.LAB_MEMSITES) == "1":
         try:
             snapshot = _record_sites()
         except Exception as e:  # the memory log itself still runs
@@ -134,7 +143,7 @@ def _record_sites():
 
 
 # frames of these files are where memory is allocated, not who holds it: a site is the first frame outside them
-_PLUMBING = ("/torch/", "/contextlib.py", "/functools.py", "/threading.py", "/dsv4_sm80/lab_memlog.py")
+_PLUMBING = ("/torch/", "/contextlib.py", "/functools.py", "/threading.py", "/dsv4_lab/memlog.py")
 
 
 def _short(filename: str) -> str:

@@ -8,7 +8,7 @@ this check also prints DeepGEMM's own distance from both models (products in flo
 hc_fn): the smaller one says what the H200's wgmma does with an fp32 operand. Session 11: at most 1.9e-6 from
 DeepGEMM, which sits 1.5e-7-2.4e-6 from the rounded products and 5e-6-1.2e-5 from the exact ones.
 
-    python tests/gpu/mhc_check.py [--out mhc_check.json]
+    python dsv4_lab/beds/mhc_check.py [--out mhc_check.json]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from . import env
+from . import knobs
 
 
 def kv_buffers(pool) -> list[tuple[str, torch.Tensor]]:
@@ -73,7 +73,7 @@ def _draft_pool(scheduler):
 def poison_after_flush(result, scheduler, *args, **kwargs):
     """After Scheduler.flush_cache (sglang/srt/managers/scheduler.py:3846): when it flushed (all pages
     free) and DSV4_SM80_LAB_POISON=1, poison the target's and the draft's pools."""
-    if not result or env.get(env.LAB_POISON) != "1":
+    if not result or knobs.get(knobs.LAB_POISON) != "1":
         return None
     target = scheduler.token_to_kv_pool_allocator.get_kvcache()
     draft = _draft_pool(scheduler)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 
-FACTORY = "dsv4_sm80.lab_perturb:factory"
+FACTORY = "dsv4_lab.perturb:factory"
 TARGET = "model.embed_tokens"
 
 
