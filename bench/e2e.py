@@ -38,7 +38,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAB = {"ENABLE_SGLANG_DSV4_A100_PATCH": "1", "DSV4_SM80_LAB_CC": "9.0",
+LAB = {"ENABLE_SGLANG_DSV4_A100_PATCH": "1", "DSV4_SM80_LAB_CC": "9.0", "DSV4_SM80_LAB": "1",
        "DSV4_SM80_TRIPWIRE": "1"}  # the patched path runs with every SM90-only entry point raising
 # each patched mode: the SM80 path with one stage switched to its other backend (README, environment)
 MODES = {"native": None, "patched": {},

@@ -22,7 +22,7 @@ def test_each_mode_switches_one_stage_and_native_turns_the_patch_off():
     nat = e2e.mode_env("native", 1, base)
     assert nat["ENABLE_SGLANG_DSV4_A100_PATCH"] == "0"
     pat = e2e.mode_env("patched", 1, base)
-    assert pat["ENABLE_SGLANG_DSV4_A100_PATCH"] == "1" and pat["DSV4_SM80_TRIPWIRE"] == "1"
+    assert pat["ENABLE_SGLANG_DSV4_A100_PATCH"] == "1" and pat["DSV4_SM80_TRIPWIRE"] == "1" and pat["DSV4_SM80_LAB"] == "1"
     assert pat["DSV4_SM80_LAB_GPU_COUNT"] == "1"  # --tp wins over an inherited override
     assert "DSV4_SM80_LAB_GPU_COUNT" not in e2e.mode_env("patched", 4, base)  # the gate's production count
     assert e2e.mode_env("patched-marlin", 1, {})["SGLANG_DSV4_MXFP4_MOE_BACKEND"] == "marlin"

@@ -11,7 +11,7 @@ it must equal them (logprobs within --tolerance, 1e-4), elsewhere it may differ 
 own difference (the first H200 run, without the floor, saw 0.15-0.31 at 3000 and 5000 ids only: the
 sparse-selection lengths).
 
-    ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_TRIPWIRE=1 \
+    ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_LAB=1 DSV4_SM80_TRIPWIRE=1 \
         python dsv4_lab/beds/hygiene.py --out hygiene.json [--dspark]
 
 --dspark runs the draft too (DSPARK in 0.5.16 returns no logprobs: tokens are compared).
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     runs = {}
     # clean twice (the floor: what a second process changes by itself), then poisoned
     for name, poison in (("clean", "0"), ("clean2", "0"), ("poisoned", "1")):
-        env = dict(os.environ, DSV4_SM80_LAB_POISON=poison,
+        env = dict(os.environ, DSV4_SM80_LAB="1", DSV4_SM80_LAB_POISON=poison,
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--out", args.out, "--ckpt", args.ckpt,
                "--lengths", args.lengths, "--max-new", str(args.max_new), "--mem-fraction", str(args.mem_fraction)]

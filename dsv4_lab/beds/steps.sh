@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The recorded GPU runs (docs/gpu-runs.md), in steps that each fit one device call.
-# On the GPU host, from the repository root, after `source .dev/c5/setup.sh`:
+# On a GPU host where SGLang 0.5.16 is importable, from the repository root:
 #   dsv4_lab/beds/steps.sh check       dense_check in both dense modes (in-process ModelRunner, module state;
 #                                  CHECK_MODES picks modes, CHECK_T the limit, 280 s: a cold Marlin build needs 540)
 #   dsv4_lab/beds/steps.sh engine      engine_bed patched (bf16, fp8_marlin) vs the native oracle
@@ -9,7 +9,7 @@
 #   dsv4_lab/beds/steps.sh moe         moe_check: native, patched marlin, patched mxfp4_int8 on the same inputs
 #   dsv4_lab/beds/steps.sh moe-engine  engine_bed patched with each MoE backend vs the native oracle
 #   dsv4_lab/beds/steps.sh moe-bench   bench/moe.py
-#   dsv4_lab/beds/steps.sh moe-close   the wide path's GPU tests, then bench/moe.py at every size of issue 4 with Marlin
+#   dsv4_lab/beds/steps.sh moe-close   the wide path's GPU tests, then bench/moe.py at every MoE size with Marlin
 #                                  beside the defaults (run it after `seed`: bg moe-close)
 #   dsv4_lab/beds/steps.sh moe-sweep   bench/moe.py at decode sizes (MOE_TOKENS, 1,4,16,64): the decode tile sweep
 #                                  (MOE_ONLY picks variants, decode-) and a per-kernel profile
@@ -27,7 +27,7 @@
 #   dsv4_lab/beds/steps.sh oracle      the native record $ORACLE (engine_bed, patch off), unless it exists
 #   dsv4_lab/beds/steps.sh e2e         engine_bed with the whole SM80 datapath (tripwire on) vs the native oracle
 #   dsv4_lab/beds/steps.sh e2e-floors  the floors for e2e's record: native again teacher-forcing the oracle's sequences
-#                                  one at a time (the issue's batch floor), and native with its embedding moved one
+#                                  one at a time (the batch floor), and native with its embedding moved one
 #                                  BF16 ulp in PERTURB (1e-4 1e-3) of its entries (lab_perturb: its sensitivity to
 #                                  a rounding-level input change); e2e against the oracle with each floor in turn;
 #                                  then each path against itself with that change (which one is the noisy one)
@@ -106,14 +106,14 @@
 #   dsv4_lab/beds/steps.sh seed        SGLang's JIT modules of $JIT_SEED built in parallel (bg runs it first; wait packs
 #                                  the host's modules into $OUT/jit-seed.json.xz: commit it as $JIT_SEED)
 #   dsv4_lab/beds/steps.sh kernels     the kernel tests, compiled on this GPU against their CPU references
-#                                  (needs pytest: carry .dev/pyt, made by `pip install --target .dev/pyt pytest`)
-# Results go to $OUT (default ./out). The native oracle is .dev/oracle/native.json (dsv4_lab/beds/engine_bed.py).
+#                                  (needs pytest importable)
+# Results go to $OUT (default ./out). The native oracle is $OUT/oracle/native.json (dsv4_lab/beds/engine_bed.py).
 set -u
 OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$OUT/oracle"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} SGLANG_JIT_DEEPGEMM_PRECOMPILE=0
-LAB="ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0"
-ORACLE=${ORACLE:-.dev/oracle/native.json}
+LAB="ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0"
+ORACLE=${ORACLE:-$OUT/oracle/native.json}
 JIT_SEED=${JIT_SEED:-$PWD/dsv4_lab/beds/jit-seed/tvm-ffi.json.xz}  # SGLang JIT module sources (dsv4_lab/beds/jit_seed.py)
 FI_SEED=${FI_SEED:-$PWD/dsv4_lab/beds/jit-seed/flashinfer.json.xz}  # FlashInfer's JIT modules, the same way
 TW=${DSV4_BED_TEACHER_WAIT:-0}  # engine_bed's wait for its teacher record (par with PAR_SAME_GPU): added to step limits
@@ -124,7 +124,7 @@ pins() {  # NAME=VALUE of every SGLang option the SM80 bootstrap pins at import 
   python -c "from dsv4_sm80.env import IMPORT_TIME_DEFAULTS as D; print(' '.join(f'{d.name}={d.value}' for d in D if not d.guard))"
 }
 native_pins() {  # pins() that native can run: SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 selects SGLang's torch
-  # fallback for the paged MQA logits, which asserts at batch 16 on native (session 7: fp8_paged_mqa_logits_torch
+  # fallback for the paged MQA logits, which asserts at batch 16 on native (fp8_paged_mqa_logits_torch
   # `assert seq_lens.shape == (batch_size,)`); with the patch on our INT8 indexer replaces that function anyway
   pins | tr ' ' '\n' | grep -v '^SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=' | tr '\n' ' '
 }
@@ -133,7 +133,7 @@ floors() {  # the floors a native16-based comparison is held to: batch compositi
   [ -f "$OUT/native16-prev.json" ] && echo "--floor $OUT/native16-prev.json"
 }
 lab_tp() {  # lab mode for a TP run on $1 GPUs: the gate's GPU count overridden unless it is the production 4
-  echo "ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_CC=9.0"
+  echo "ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB=1 DSV4_SM80_LAB_CC=9.0"
   [ "$1" = 4 ] || echo "DSV4_SM80_LAB_GPU_COUNT=$1"
 }
 need() {  # wait (up to 20 min) for a file another GPU lane writes, e.g. the floor's native16b.json
@@ -210,7 +210,7 @@ case ${1:?step} in
     run attention env $LAB DSV4_SM80_TRIPWIRE=1 timeout 500 python -u dsv4_lab/beds/attention_kit.py --out "$OUT/attention_kit.json" ;;
   e2e-replay)
     # the SM80 path with Marlin experts (native's own MoE kernel) and native's FP8 roundings replayed (kv,act,idx;
-    # act through SGLang's own quantizer on this GPU, session 15) against the oracle, beside e2e-floors' batch
+    # act through SGLang's own quantizer on this GPU) against the oracle, beside e2e-floors' batch
     # floor when it is there: does what is left of the gap fall within native's own noise?
     run e2e-replay env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=kv,act,idx \
       SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 400 python dsv4_lab/beds/engine_bed.py \
@@ -223,7 +223,7 @@ case ${1:?step} in
       python dsv4_lab/beds/engine_bed.py --out "$OUT/engine-e2e-gemm.json" --teacher-from "$ORACLE"
     vs_floors "$OUT/engine-e2e-gemm.json" "$OUT/e2e-gemm.log" ;;
   oracle)
-    # (a cold machine compiles for 8-10 minutes before native's first forward: session 10 lost it at 560 s)
+    # (a cold machine compiles for 8-10 minutes before native's first forward: ORACLE_T, 1200 s)
     # the native record e2e/engine/moe-engine compare against ($ORACLE), made here when this machine has none
     if [ -f "$ORACLE" ]; then echo "=== oracle: $ORACLE exists"; else
       mkdir -p "$(dirname "$ORACLE")"
@@ -235,7 +235,7 @@ case ${1:?step} in
     python dsv4_lab/beds/compare.py "$ORACLE" "$OUT/engine-e2e.json" | tee -a "$OUT/e2e.log" ;;
   cold)
     # every JIT cache under a fresh HOME (tvm-ffi, DeepGEMM, FlashInfer, Triton, TileLang resolve from it); the
-    # watchdog at SGLang's default: a first forward compiling past it kills the engine (session 11, native)
+    # watchdog at SGLang's default: a first forward compiling past it kills the engine
     rm -rf /tmp/coldhome && mkdir -p /tmp/coldhome
     run cold env HOME=/tmp/coldhome $LAB timeout ${COLD_T:-900} python dsv4_lab/beds/engine_bed.py --out "$OUT/cold.json" \
       --lengths 20,300 --watchdog-timeout 300
@@ -266,11 +266,10 @@ case ${1:?step} in
       done
     fi ;;
   machines)
-    # the floor across machines the end-to-end issue names beside batch composition: this machine's native teacher-
-    # forcing an earlier machine's native record ($PREV: same generated checkpoint, same sequences and batch), its
-    # one-at-a-time run, and the patched path on the same sequences; stage $PREV outside /tmp/stage (setup.sh
-    # empties that): carry [".dev/jit", ".dev/prev"], `mkdir -p /tmp/prev && cp .dev/prev/* /tmp/prev/`
-    PREV=${PREV:-/tmp/prev/native-s11.json}
+    # the floor across machines beside batch composition: this machine's native teacher-forcing an earlier
+    # machine's native record ($PREV: same generated checkpoint, same sequences and batch), its one-at-a-time run,
+    # and the patched path on the same sequences
+    PREV=${PREV:?machines needs PREV, the native engine_bed record of another machine}
     [ -s "$PREV" ] || { echo "=== machines: no $PREV (an earlier machine's native engine_bed record)"; exit 1; }
     run machines-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 300 python dsv4_lab/beds/engine_bed.py \
       --out "$OUT/native-here.json" --teacher-from "$PREV"
@@ -297,8 +296,8 @@ case ${1:?step} in
     # N16_FROM=an earlier machine's native16.json(.xz): this machine's native run teacher-forces its sequences in
     # the same batch, so that pair is the across-machines floor (kept as $OUT/native16-prev.json; floors() adds it)
     B16="--lengths 20,300,3000,20000 --batch 16"; TF=""
-    if [ -n "${N16_FROM:-}" ] && [ ! -s "$N16_FROM" ]; then  # session 8: staged into /tmp/stage, which setup.sh removes
-      echo "=== floor: N16_FROM=$N16_FROM is missing or empty: no across-machines floor (stage it outside /tmp/stage)"
+    if [ -n "${N16_FROM:-}" ] && [ ! -s "$N16_FROM" ]; then
+      echo "=== floor: N16_FROM=$N16_FROM is missing or empty: no across-machines floor"
       N16_FROM=""
     fi
     if [ -n "${N16_FROM:-}" ]; then
@@ -314,7 +313,7 @@ case ${1:?step} in
       --teacher-mode alone
     python dsv4_lab/beds/compare.py "$OUT/native16.json" "$OUT/native16b.json" | tee -a "$OUT/native16b.log" ;;
   parity)
-    N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}
+    N16=${N16:-$OUT/oracle/native16.json}; F16=${F16:-$OUT/oracle/native16b.json}
     for combo in bf16:marlin bf16:mxfp4_int8 fp8_marlin:marlin; do
       d=${combo%%:*}; b=${combo##*:}
       run "parity-$d-$b" env $LAB DSV4_SM80_TRIPWIRE=1 SGLANG_DSV4_A100_DENSE=$d SGLANG_DSV4_MXFP4_MOE_BACKEND=$b \
@@ -323,17 +322,17 @@ case ${1:?step} in
       python dsv4_lab/beds/compare.py "$N16" "$OUT/parity-$d-$b.json" $(floors) | tee -a "$OUT/parity-$d-$b.log"
     done ;;
   floor-ours)
-    # native itself with the SGLang options the SM80 bootstrap pins that native can run (native_pins(); session 6
-    # ran it with three of them spelled here), against default native: how far native's own options move it.
+    # native itself with the SGLang options the SM80 bootstrap pins that native can run (native_pins()),
+    # against default native: how far native's own options move it.
     # parity-pinned holds the SM80 path to this run.
-    N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}
+    N16=${N16:-$OUT/oracle/native16.json}; F16=${F16:-$OUT/oracle/native16b.json}
     run native16-ours env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(native_pins) timeout 280 python dsv4_lab/beds/engine_bed.py \
       --out "$OUT/native16-ours.json" --lengths 20,300,3000,20000 --batch 16 --teacher-from "$N16"
     python dsv4_lab/beds/compare.py "$N16" "$OUT/native16-ours.json" $(floors) | tee -a "$OUT/native16-ours.log" ;;
   floor-pins)
     # native with each SGLang option the SM80 bootstrap pins (dsv4_sm80/env.py IMPORT_TIME_DEFAULTS), one at a
     # time, against default native with the floor beside it: how far each of SGLang's own choices moves native
-    N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}; need "$F16"
+    N16=${N16:-$OUT/oracle/native16.json}; F16=${F16:-$OUT/oracle/native16b.json}; need "$F16"
     for kv in $(native_pins); do  # the torch paged-MQA fallback alone crashes native (native_pins)
       n=${kv%%=*}
       run "pin-$n" env ENABLE_SGLANG_DSV4_A100_PATCH=0 $kv timeout 280 python dsv4_lab/beds/engine_bed.py \
@@ -344,13 +343,13 @@ case ${1:?step} in
     # the oracle the SM80 path can be held to: native with every pin it can run (SGLang's own options an SM80 run must
     # take), its floor (one sequence at a time), then patched with marlin experts, as is and with native's
     # FP8 roundings replayed, against it
-    N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}; need "$F16"
+    N16=${N16:-$OUT/oracle/native16.json}; F16=${F16:-$OUT/oracle/native16b.json}; need "$F16"
     B16="--lengths 20,300,3000,20000 --batch 16"; P=$OUT/native16-ours.json
     [ -f "$P" ] || OUT=$OUT N16=$N16 F16=$F16 NO_JIT_TAR=1 "$0" floor-ours  # that run (with its figure against native)
     run native16-pinned-b env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(native_pins) timeout 280 python dsv4_lab/beds/engine_bed.py \
       --out "$OUT/native16-pinned-b.json" $B16 --teacher-from "$P" --teacher-mode alone
     python dsv4_lab/beds/compare.py "$P" "$OUT/native16-pinned-b.json" | tee -a "$OUT/native16-pinned-b.log"
-    # dense:experts:roundings; the issue's combination first, then the other backend and dense mode as is
+    # dense:experts:roundings; the default combination first, then the other backend and dense mode as is
     for c in ${PINNED_COMBOS:-bf16:marlin:0 bf16:marlin:act bf16:marlin:kv,act bf16:mxfp4_int8:0 fp8_marlin:marlin:0}; do
       IFS=: read -r d b nr <<< "$c"; n="parity-pinned-$d-$b-${nr//,/-}"
       run "$n" env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=$nr SGLANG_DSV4_A100_DENSE=$d \
@@ -360,7 +359,7 @@ case ${1:?step} in
     done ;;
   parity-replay)
     # native's FP8 roundings replayed on the SM80 path (dsv4_lab/rounding.py): does the gap fall to the floor?
-    N16=${N16:-.dev/oracle/native16.json}; F16=${F16:-.dev/oracle/native16b.json}
+    N16=${N16:-$OUT/oracle/native16.json}; F16=${F16:-$OUT/oracle/native16b.json}
     for nr in kv kv,act kv,act,idx; do
       run "parity-replay-${nr//,/-}" env $LAB DSV4_SM80_TRIPWIRE=1 DSV4_SM80_LAB_NATIVE_ROUNDING=$nr \
         SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 250 python dsv4_lab/beds/engine_bed.py \
@@ -416,7 +415,7 @@ case ${1:?step} in
     python dsv4_lab/beds/compare.py "$OUT/graphs-eager.json" "$OUT/graphs-graph.json" | tee -a "$OUT/graphs-graph.log" ;;
   graphs-self)
     # graphs without the native oracle (a cold native start compiles for minutes): a patched eager run makes the
-    # teacher sequences ($SELF, unless there; session 20's 250 s were not enough for its cold Triton compiles)
+    # teacher sequences ($SELF, unless there; SELF_T, 540 s, covers its cold Triton compiles)
     SELF=${SELF:-$OUT/self.json}
     [ -f "$SELF" ] || run graphs-self env $LAB DSV4_SM80_TRIPWIRE=1 timeout ${SELF_T:-540} python dsv4_lab/beds/engine_bed.py \
       --out "$SELF" --max-new 64
@@ -438,7 +437,7 @@ case ${1:?step} in
   wide)
     # $WIDE.ok once complete: the steps on it (another lane, or THEN) check for it, not for the folder
     rm -f "$WIDE.ok"
-    # the head scale: generate.PEAKED_HEAD_SCALE["wide"] (peaked outputs like the tiny bed's; session 12 ran at 1.0)
+    # the head scale: generate.PEAKED_HEAD_SCALE["wide"] (peaked outputs like the tiny bed's)
     run wide timeout 500 python -m dsv4_sm80 make-tiny "$WIDE" --preset wide --head-scale 4.243
     [ $rc = 0 ] && [ -f "$WIDE/config.json" ] && touch "$WIDE.ok" ;;
   wide-parity)
@@ -497,14 +496,13 @@ case ${1:?step} in
     # device calls then only wait on it (step wait), so GPU time is not lost between calls
     shift
     rm -rf /tmp/res /tmp/w && mkdir -p /tmp/res && cp -a . /tmp/w
-    # an earlier session's JIT caches, staged by their own device call (they do not fit beside .dev/c5 in one
-    # carry): `mkdir -p /tmp/jitstage && cp .dev/jit/jit.tar.xz /tmp/jitstage/` with carry [".dev/jit"]
-    if [ -f /tmp/jitstage/jit.tar.xz ] && [ ! -f ~/.dsv4-jit-restored ]; then
-      tar -C ~ -xJf /tmp/jitstage/jit.tar.xz && touch ~/.dsv4-jit-restored && echo "bg: JIT caches restored from /tmp/jitstage"
+    # JIT_TAR=an earlier run's jit.tar.xz: its caches restored once before the steps
+    if [ -f "${JIT_TAR:-}" ] && [ ! -f ~/.dsv4-jit-restored ]; then
+      tar -C ~ -xJf "$JIT_TAR" && touch ~/.dsv4-jit-restored && echo "bg: JIT caches restored from $JIT_TAR"
     fi
     # THEN="s1 s2": steps run after every group, one at a time, with all GPUs visible (e.g. tp4); first the JIT seed
     # beside the engines: this path's SGLang JIT modules for this GPU, every mode's (the seed holds what a host built
-    # before; the FP8-Marlin GEMM was in none of them, session 28), several at a time (PREBUILD=0: not)
+    # before; the FP8-Marlin GEMM was in none of them), several at a time (PREBUILD=0: not)
     setsid nohup bash -c 'cd /tmp/w && export OUT=/tmp/res NO_JIT_TAR=1; dsv4_lab/beds/steps.sh seed > /tmp/res/seed.out 2>&1
       [ "${PREBUILD:-1}" = 1 ] && (python -m dsv4_sm80 prebuild-jit --arch gpu --all-modes --jobs 8 \
         --out /tmp/res/prebuild.json > /tmp/res/prebuild.out 2>&1 &)
@@ -517,7 +515,7 @@ case ${1:?step} in
   jitpack) ;;  # only the JIT cache tarball below
   seed)
     # SGLang's JIT modules of the committed seed ($JIT_SEED) built on all cores before any engine starts (a cold
-    # native start builds them one at a time for 16+ minutes: session 26); `wait` packs this host's into $OUT
+    # native start builds them one at a time for 16+ minutes); `wait` packs this host's into $OUT
     # (and FlashInfer's, $FI_SEED, each into the cache it was packed from)
     if [ -f "$JIT_SEED" ]; then run jit-seed python dsv4_lab/beds/jit_seed.py build --seed "$JIT_SEED"
     else echo "=== seed: no $JIT_SEED (a run's \$OUT/jit-seed.json.xz, committed there, makes one)"; fi
@@ -544,7 +542,7 @@ case ${1:?step} in
     # JIT_NOW=1: the caches as they are now, even with bg still running (a budget that ends first loses them)
     [ -n "${JIT_NOW:-}" ] && [ ! -f /tmp/res/DONE ] && jit_tar
     # the native batch-16 record, compressed (~3 MB; as JSON it is over the 16 MiB a returned file may be): a
-    # later session's `floor` teacher-forces it (N16_FROM) for the across-machines floor
+    # later run's `floor` teacher-forces it (N16_FROM) for the across-machines floor
     [ -f /tmp/res/native16b.json ] && xz -T0 -6 -c /tmp/res/native16.json > "$OUT/native16.json.xz"
     exit 0 ;;
   http)
@@ -563,7 +561,7 @@ case ${1:?step} in
     # vision-ab's teacher-forced image prompts with native's FP8 roundings replayed on the patched server: is the
     # vision A/B's gap native's rounding, as the text one's? vision-replay: kv,act,idx (act through SGLang's own
     # quantizer), tripwire on. vision-gemm: kv,gemm,idx, native's own FP8 block linear (DeepGEMM) in place of the act
-    # model, Marlin experts, as e2e-gemm for text (session 18: 99.45 % against native's 99.55 %); DeepGEMM is what the
+    # model, Marlin experts, as e2e-gemm for text; DeepGEMM is what the
     # tripwire guards, so it is off there (vision-ab runs the shipped path with it on)
     [ -f "$OUT/http-vision-native.json" ] || run http-vision-native timeout 280 python -u dsv4_lab/beds/http_check.py \
       --vision --port 30223 --native --out "$OUT/http-vision-native.json"
@@ -605,38 +603,38 @@ case ${1:?step} in
     run jit env TVM_FFI_CACHE_DIR=/tmp/jit-sm80 timeout 560 python -u dsv4_lab/beds/jit_sm80.py --out "$OUT/jit_sm80.json" ;;
   kernels)
     # (not the every-bench-variant MoE test: ~90 Triton builds; the moe benches run those variants on the GPU)
-    run kernels env PYTHONPATH=$PWD/.dev/pyt:$PYTHONPATH timeout 400 python -m pytest -q -p no:cacheprovider \
+    run kernels timeout 400 python -m pytest -q -p no:cacheprovider \
       tests/test_w4a8_moe.py tests/test_sparse_attn.py tests/test_indexer_kv_store.py tests/test_mhc.py \
       -k "'not every_bench_variant_computes_the_moe'"  # run() evals: the inner quotes keep it one argument
     run mhc-check timeout 120 python dsv4_lab/beds/mhc_check.py --out "$OUT/mhc_check.json" ;;
   mhc-bench)
     run mhc-bench timeout 420 python bench/mhc.py --variants --out "$OUT/mhc.json" ;;
   moe-bench)
-    # every size, with the launches fused and the per-pair outputs in BF16 beside the default (session 11: fused io
-    # is the decode default now; prefill decides with these rows)
-    # (MMA=v3 lets Triton take wgmma on an H200; by default mma.sync only, an A800's instruction: session 22)
+    # every size, with the launches fused and the per-pair outputs in BF16 beside the default (fused io
+    # is the decode default; prefill decides with these rows)
+    # (MMA=v3 lets Triton take wgmma on an H200; by default mma.sync only, an A800's instruction)
     run moe-bench $MMA_ENV timeout 540 python bench/moe.py --variants --only "'fused io|pair bf16'" --out "$OUT/moe.json" ;;
   moe-close)
-    # issue 4's table in one run: the one-token wide path's kernel tests on this GPU at this commit, then every size of
-    # the issue (decode 1-64, prefill 512-16384) with the defaults and SGLang's Marlin in the same process (its JIT
+    # the MoE table in one run: the one-token wide path's kernel tests on this GPU at this commit, then every size
+    # (decode 1-64, prefill 512-16384) with the defaults and SGLang's Marlin in the same process (its JIT
     # Marlin MoE built by `seed` first: cold, ~5 minutes on its own, which a bench limit must not have to absorb)
-    run moe-close-tests env PYTHONPATH=$PWD/.dev/pyt:$PYTHONPATH timeout 400 python -m pytest -q -p no:cacheprovider \
+    run moe-close-tests timeout 400 python -m pytest -q -p no:cacheprovider \
       tests/test_w4a8_moe.py -k "'wide or one_token or gemv_equals or kernel_equals or routed_scaling'"
     run moe-close $MMA_ENV timeout ${MOE_T:-900} python bench/moe.py --out "$OUT/moe-close.json" ;;
   moe-wide)
     # the experts of bench/e2e.py's full-width checkpoint on one GPU (intermediate 2048, TP1): the decode tiles and
-    # each kernel's time against Marlin at the batch where e2e-bench's decode fell behind (16 tokens, session 12)
+    # each kernel's time against Marlin at the batch where e2e-bench's decode fell behind (16 tokens)
     run moe-wide timeout 540 python bench/moe.py --inter 2048 --tokens 1,16,64 --variants --only decode- --profile \
       --out "$OUT/moe-wide.json" ;;
   moe-onetoken)
-    # moe-sweep at the switch points of default_config (session 29: the wide path at one token; session 19: gemv from
+    # moe-sweep at the switch points of default_config (the wide path at one token; gemv from
     # 2 to 32 tokens, the aligned MMA tile beyond): the default against the MMA configs they replaced, the gemv tiles
     # and the wide tiles
     MOE_TOKENS=${MOE_TOKENS:-1,2,4,8,16,24,32,48,64} MOE_ONLY="mma|gemv, split_k 8|wide" \
       MOE_PROFILE_ONLY="gemv, split_k 8, block_n2 128|split_k 4, mma|wide 16x8w, down 16x8w, quant in" OUT=$OUT \
       NO_JIT_TAR=1 "$0" moe-sweep || rc=1 ;;
   moe-prefill)
-    # the prefill sweep (session 21: W4A8 at Marlin's time from 2048 tokens): bench/moe.py's prefill- variants at
+    # the prefill sweep: bench/moe.py's prefill- variants at
     # MOE_TOKENS (512,2048,8192,16384), Marlin beside the default where SGLang is importable, kernels profiled
     run moe-prefill $MMA_ENV timeout ${MOE_T:-540} python bench/moe.py --tokens ${MOE_TOKENS:-512,2048,8192,16384} --variants \
       --only "'${MOE_ONLY:-prefill-}'" --profile --out "$OUT/moe-prefill.json" ;;
@@ -656,7 +654,7 @@ case ${1:?step} in
       i=$((i + 1))
     done ;;
   moe-sweep)
-    # MOE_TOKENS: the sizes (e.g. 1,4: the batch-1 goal of issue 4 at TP4 shapes); MOE_ONLY: the variants
+    # MOE_TOKENS: the sizes (e.g. 1,4: batch-1 decode at TP4 shapes); MOE_ONLY: the variants
     run moe-sweep timeout 540 python bench/moe.py --tokens ${MOE_TOKENS:-1,4,16,64} --variants \
       --only "'${MOE_ONLY:-decode-}'" --profile --profile-only "'${MOE_PROFILE_ONLY:-}'" --out "$OUT/moe-sweep.json" ;;
   *) echo "unknown step $1"; exit 2 ;;
