@@ -29,7 +29,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
-# per-rank (out N, in K) at TP4 (reference 01 §2.1): attention TP = 4, shared expert TP, no DP-attention
+# per-rank (out N, in K) at TP4 (DeepSeek-V4-Flash's config.json split as SGLang 0.5.16 shards it): attention TP = 4, shared expert TP, no DP-attention
 SHAPES = (
     ("wqkv_a (replicated)", 1536, 4096),
     ("wq_b / indexer wq_b", 8192, 1024),
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     for c in record["conversion"]:
         print(f"load-time FP8->BF16 conversion {c['n']}x{c['k']}: {c['seconds'] * 1e3:.2f} ms, {c['gbps']:.0f} GB/s "
               f"({100 * c['gbps'] / peaks['copy_gbps']:.0f}% of copy)")
-    per_rank = 1.44e9  # FP8 dense parameters per rank at TP4 (reference 01 §2.7)
+    per_rank = 1.44e9  # FP8 dense parameters per rank at TP4 (`python -m dsv4_sm80 footprint --tp 4`)
     gbps = record["conversion"][-1]["gbps"]
     print(f"  -> the ~{per_rank / 1e9:.2f} B FP8 dense parameters of one TP4 rank convert in about "
           f"{per_rank * 3 / gbps / 1e9:.2f} s of GPU time")

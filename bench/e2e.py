@@ -307,8 +307,8 @@ def main(argv=None) -> int:
 
 
 def measured_all(results: dict, modes: list) -> bool:
-    """Every mode asked for has its rows (session 13's run exited 1 with every mode measured: the profile's
-    kernel table was stored among the modes' results and counted as one; it is kept beside them now)."""
+    """Every mode asked for has its rows (the profile's kernel table is kept beside the modes' results, not
+    among them, where it would count as a mode without rows)."""
     return all("rows" in results.get(m, {}) for m in modes)
 
 

@@ -2,7 +2,7 @@
 where the SM80 path and native part ways.
 
 Why: with native's FP8 roundings replayed (rounding kv,act,idx) the patched path still agrees with native
-on only 95-98 % of confident positions against native's 99 % with itself (docs/gpu-runs.md, sessions 6-8),
+on only 95-98 % of confident positions against native's 99 % with itself (docs/gpu-runs.md, 2026-11-30 and 2026-12-01),
 and the end-to-end logprobs cannot say which module adds the difference. Two traces of the same prompt (native,
 patched) compared module by module can: a module whose output differs much more than its input is where the
 arithmetic differs.
@@ -150,7 +150,7 @@ def factory(config: dict):
     `embed_tokens` receives `rows` token ids, each module's inputs are what its pre-hook saw, and the record is
     saved when `norm` (the model's last module) returns. Should the caller not hold the model, the first
     hook call finds it by one scan (that forward is not recorded); if that fails too, tracing is off and says
-    so (no scan per module call: session 10's traces hung doing exactly that)."""
+    so (no scan per module call: a trace that scanned per call hung)."""
     out_dir, rows = config["dir"], int(config["rows"])
     keep = int(config.get("forwards", 1))
     want_params = bool(config.get("params", False))
@@ -342,8 +342,8 @@ def linear_check(records: list, max_rows: int = 4096, device: str = "cpu", model
 
 def sglang_models() -> dict:
     """`linear_check` models from native SGLang's own FP8 code (an SM90 GPU with SGLang 0.5.16; lab only), for
-    FP8-weight linears: which part of native's FP8 linear the fp8-act model does not reproduce (session 15:
-    native's output is 2-3.5e-3 from that model on every FP8 linear, against 0 for the replay's own):
+    FP8-weight linears: which part of native's FP8 linear the fp8-act model does not reproduce (on the
+    H200, 2026-12-01: native's output is 2-3.5e-3 from that model on every FP8 linear, against 0 for the replay's own):
       sglang quant   SGLang's per-token-group activation quantizer (`sglang_per_token_group_quant_fp8`, group
                      128, the arguments deepgemm_w8a8_block_fp8_linear_with_fallback passes on SM90: fp32 scales),
                      dequantized, then the exact weight's fp32 product rounded once to BF16;

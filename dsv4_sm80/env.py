@@ -1,8 +1,8 @@
 """The environment contract of dsv4-sm80, in one place.
 
 Nothing here imports torch or sglang: `sitecustomize` reads this module in every Python process
-before SGLang is imported (reference 01 §6 #1: SGLang spawns its schedulers, so each one is a
-fresh interpreter that runs `sitecustomize` again).
+before SGLang is imported (SGLang spawns its schedulers, so each one is a fresh interpreter that
+runs `sitecustomize` again).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class ImportTimeDefault:
 
 
 # SGLang knobs that must hold before SGLang's modules are imported, set by `sitecustomize` only
-# where the user has not set them (reference 02 §8 S0.1). Lines are sglang 0.5.16's.
+# where the user has not set them. Lines are sglang 0.5.16's.
 IMPORT_TIME_DEFAULTS = (
     ImportTimeDefault(
         "SGLANG_OPT_FP8_WO_A_GEMM", "0",

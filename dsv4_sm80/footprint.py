@@ -7,7 +7,7 @@ row, and what is left for the KV pool on an 80 GB card: tokens and concurrent re
 
     python -m dsv4_sm80 footprint [--model-path DIR | --config config.json] [--tp 4] [--dense bf16] ...
 
-Sharding (SGLang 0.5.16, reference 04 §3.2): split across TP ranks are the embedding and LM head
+Sharding (SGLang 0.5.16): split across TP ranks are the embedding and LM head
 (vocab-parallel), `wq_b` and `wo_a` (column), `wo_b` (row), the attention sink (per head), shared experts
 and routed experts (the intermediate dimension); everything else is replicated (`wq_a`, `wkv`, the
 compressors, the indexer, the router incl. `tid2eid`, norms, `hc_*`, DSPARK `main_proj` and heads, vision).
@@ -18,7 +18,7 @@ Bytes per weight after loading, by mode:
   MXFP4 experts       0.5 + 1/32 (4-bit codes + E8M0 per 32; both MoE backends keep them 4-bit)
   everything else     as stored (`tid2eid` as int32)
 Not counted: activations, NCCL buffers, the CUDA graphs' private pool, allocator slack: those are the
-reserves of `plan` (defaults from the design notes' measured steady state, reference 04 §3.3). The W4A8 MoE's
+reserves of `plan` (defaults: a measured steady state, docs/footprint.md). The W4A8 MoE's
 expanded path (prefill forwards above 8192 tokens, i.e. `--chunked-prefill-size` raised above SGLang's 8192 for
 80 GB cards) adds a transient workspace of up to 512 MiB to a MoE call's activations; the start-up line names it
 and whether the server's chunked prefill size lets a forward reach it.

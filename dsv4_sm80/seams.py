@@ -97,7 +97,7 @@ SEAMS: tuple[Seam, ...] = (
             "Both SM80 expert backends build on SGLang's MXFP4 parameter layout, which only the marlin "
             "MoE runner backend selects (auto would pick the Triton FP8 path that cannot run on SM80); "
             "expert parallelism must be refused before model construction raises NotImplementedError "
-            "deep inside FusedMoE (reference 01 §4)."
+            "deep inside FusedMoE."
         ),
         upstream="srt/entrypoints/engine.py:765-790",
     ),
@@ -291,7 +291,7 @@ SEAMS: tuple[Seam, ...] = (
         target="sglang.srt.managers.multimodal_processor:PROCESSOR_MAPPING",
         kind="value",
         replacement="vision_backport.install:register_processor",
-        reason="Images of a request become each image's token block and patches (reference 03 §6).",
+        reason="Images of a request become each image's token block and patches.",
         upstream="srt/managers/multimodal_processor.py:13",
         when=("DSV4_SM80_VISION=1",),
         overlay="vision",
@@ -333,7 +333,7 @@ SEAMS: tuple[Seam, ...] = (
         target="sglang.srt.layers.moe.topk:TopK.forward_cuda",
         kind="around",
         replacement="vision_backport.routing:topk_with_vl",
-        reason="Image-block tokens choose experts with bias_vl, text tokens with the correction bias (§4.1).",
+        reason="Image-block tokens choose experts with bias_vl, text tokens with the correction bias.",
         upstream="srt/layers/moe/topk.py:484",
         when=("DSV4_SM80_VISION=1",),
         overlay="vision",

@@ -77,7 +77,7 @@ def test_start_profile_keywords_are_profilereq_fields():
 
 
 def test_step_bytes_from_the_checkpoint_arithmetic():
-    """Session 12's full-width checkpoint at TP1: the BF16 dense path reads more per step than native's FP8, the
+    """The full-width checkpoint (make-tiny --preset wide) at TP1: the BF16 dense path reads more per step than native's FP8, the
     routed experts' share grows with the batch as E * (1 - (1 - k/E)^b) of E, and FP8-Marlin sits between."""
     from dsv4_sm80.footprint import weights
     from dsv4_sm80.tiny.generate import PRESETS, tiny_config

@@ -51,26 +51,26 @@ def test_memory_stable_rule():
     assert not soak.memory_stable([], [1]) and not soak.memory_stable([1], [])
 
 
-# session 12's soak on the H200 (patched, 4 minutes): (seconds, MiB of the GPU) every 10 s; flat for 100 s,
+# a soak on the H200 (2026-12-01, `steps.sh soak`, patched, 4 minutes): (seconds, MiB of the GPU) every 10 s; flat for 100 s,
 # then a 74 MiB step and ~37 MiB/min. The first-vs-last-minute rule alone passed it.
-SESSION12 = [(0.3, 107614), (10.4, 107616), (20.4, 107616), (30.5, 107616), (40.5, 107616), (50.6, 107616),
+CLIMBING_SOAK = [(0.3, 107614), (10.4, 107616), (20.4, 107616), (30.5, 107616), (40.5, 107616), (50.6, 107616),
              (60.6, 107616), (70.7, 107616), (80.7, 107616), (90.8, 107616), (100.8, 107620), (110.9, 107694),
              (121.0, 107702), (131.1, 107708), (141.1, 107716), (151.1, 107720), (161.2, 107728), (171.3, 107732),
              (181.3, 107736), (191.4, 107744), (201.4, 107750), (211.5, 107756), (221.5, 107764), (231.6, 107770)]
 
 
 def test_growth_over_the_second_half_catches_a_steady_climb():
-    mib = [m for _, m in SESSION12]
+    mib = [m for _, m in CLIMBING_SOAK]
     assert soak.memory_stable(mib[:6], mib[-6:])  # the old rule: passed
-    slope = soak.growth_mib_per_min(SESSION12)
+    slope = soak.growth_mib_per_min(CLIMBING_SOAK)
     assert 30 < slope < 45, slope  # second half (116-232 s): 107702 -> 107770, ~37 MiB/min
     assert slope >= soak.GROWTH_LIMIT
-    flat = [(t, 107616 + (2 if i % 3 == 0 else 0)) for i, (t, _) in enumerate(SESSION12)]  # nvidia-smi's jitter
+    flat = [(t, 107616 + (2 if i % 3 == 0 else 0)) for i, (t, _) in enumerate(CLIMBING_SOAK)]  # nvidia-smi's jitter
     assert abs(soak.growth_mib_per_min(flat)) < soak.GROWTH_LIMIT
-    warmup = [(t, 100000 + min(t, 60) * 10) for t, _ in SESSION12]  # grows in the first minute, then flat
+    warmup = [(t, 100000 + min(t, 60) * 10) for t, _ in CLIMBING_SOAK]  # grows in the first minute, then flat
     assert soak.growth_mib_per_min(warmup) == 0.0
-    assert soak.growth_mib_per_min(SESSION12[:5]) is None  # too short a run to tell: not "stable"
-    assert soak.growth_mib_per_min([(t, None) for t, _ in SESSION12]) is None
+    assert soak.growth_mib_per_min(CLIMBING_SOAK[:5]) is None  # too short a run to tell: not "stable"
+    assert soak.growth_mib_per_min([(t, None) for t, _ in CLIMBING_SOAK]) is None
 
 
 def test_memlog_lines_and_what_grew(tmp_path):
@@ -110,7 +110,7 @@ def test_memlog_lines_and_what_grew(tmp_path):
 
 
 def test_the_memory_log_says_whether_the_flush_gave_the_growth_back():
-    """Session 13's shape (native and patched both +25 MiB/min, inside the allocator's live tensors):
+    """The H200 soaks' shape (2026-12-01: native and patched both +25 MiB/min, inside the allocator's live tensors):
     summarize's `released` compares the live tensors at the first line after the flush with the run's start."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
     from dsv4_lab import memlog as lab_memlog
@@ -135,7 +135,7 @@ def test_the_memory_log_says_whether_the_flush_gave_the_growth_back():
 
 
 def test_leak_check_holds_live_tensors_after_a_collection_to_before_the_load():
-    """Session 15: the growth sat in the flushed radix tree until a collection; the check compares the live
+    """On the H200 (2026-12-01) the growth sat in the flushed radix tree until a collection; the check compares the live
     bytes after a full GC before the load and after the flush, within LEAK_SLACK_MIB."""
     M = 1 << 20
     before = {"7 target": {"allocated": 1000 * M, "allocated_before_gc": 1000 * M}}

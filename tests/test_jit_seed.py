@@ -152,7 +152,7 @@ def test_build_defaults_to_the_cache_the_seed_came_from(packed, tmp_path):
 
 
 def test_pack_unfinished_keeps_a_module_still_building(packed):
-    # a run cut mid-build (session 27): its sources and build.ninja are there, its .so not yet
+    # a run cut mid-build: its sources and build.ninja are there, its .so not yet
     a, _ = packed
     seed = jit_seed.pack(a, unfinished=True)
     assert sorted(seed["modules"]) == ["cut__arch_test"] + [f"seedmod{k}__arch_test" for k in (1, 2, 3)]
@@ -160,7 +160,7 @@ def test_pack_unfinished_keeps_a_module_still_building(packed):
 
 
 def test_the_committed_seeds_are_this_tools():
-    # the defaults steps.sh builds on a fresh host: packed on the H200 host by `wait` (session 27)
+    # the defaults steps.sh builds on a fresh host: packed on the H200 host by `steps.sh wait`
     for name in ("tvm-ffi", "flashinfer"):
         seed = jit_seed.read_seed(Path(REPO, "dsv4_lab", "beds", "jit-seed", f"{name}.json.xz"))  # refuses another format
         assert seed["modules"], name

@@ -258,7 +258,7 @@ def _sglang_build_dir(module_fn, arch=(8, 0, "")):
 @pytest.mark.sglang
 def test_a_mode_whose_first_forward_builds_a_jit_module_is_a_cold_start(tmp_path, monkeypatch):
     """fp8_marlin dense and marlin experts call SGLang JIT modules (gptq_marlin, moe_wna16_marlin) that are built at
-    the first forward, not while loading (session 28: still building 3 minutes into it on the H200 host). A cache
+    the first forward, not while loading (on the H200 host, 2026-12-04: still building 3 minutes into it). A cache
     warm from another mode lacks them: the start is cold for the watchdog (serve raises it) and doctor says so. The
     module directories are the ones SGLang's own naming gives, the .so inside what makes them built."""
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16")

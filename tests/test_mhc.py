@@ -54,11 +54,11 @@ def test_hc_prenorm_against_reference(kern, m, k, splits):
     d, s = run(kern, a, b, splits)
     want_d, want_s = ref.hc_prenorm_ref(a, b)
     scale = a.double().abs() @ ref.tf32_round(b).double().abs().t()  # fp32 accumulation error is relative to this
-    # 1e-6: fp32 accumulation in another order (the H200 in session 10: 5.6e-7 at K 2048 in one split)
+    # 1e-6: fp32 accumulation in another order (the H200, 2026-12-01, dsv4_lab/beds/mhc_check.py: 5.6e-7 at K 2048 in one split)
     assert ((d - want_d).abs() / scale).max() < 1e-6
     assert ((s - want_s).abs() / want_s).max() < 1e-6
     # the reference's rounding of hc_fn to TF32 is visible at this tolerance (not a vacuous check): exact fp32
-    # products and truncated TF32 (this kernel before session 10) both miss it by 4x the tolerance or more
+    # products and truncated TF32 (what a truncating kernel gives) both miss it by 4x the tolerance or more
     for other in (b.double(), ref.tf32_truncate(b).double()):
         assert ((a.double() @ other.t() - want_d).abs() / scale).max() > 4e-6
 

@@ -29,7 +29,7 @@ def test_config_is_0731_with_widths_changed(unit_ckpt):
     assert cfg["dspark_target_layer_ids"] == [2, 3, 4]
     assert cfg["num_attention_heads"] == 64
     for absent in ("n_group", "topk_group", "first_k_dense_replace", "n_hash_layers"):
-        assert absent not in cfg  # their absence is a parsing path in SGLang (reference 04 §5.1)
+        assert absent not in cfg  # their absence is a parsing path in SGLang
 
 
 def test_vision_config_fields(unit_vision_ckpt):

@@ -1,5 +1,5 @@
 """bias_vl routing (vision_backport/routing.py) on mixed text/image batches against the model's gate,
-transcribed per token from reference 03 §4.1 (float64, one row at a time)."""
+transcribed per token from the routing rule (float64, one row at a time)."""
 
 import pytest
 import torch
@@ -79,8 +79,7 @@ from dsv4_lab.seams import LAB_SEAMS
 from dsv4_sm80 import apply
 from dsv4_sm80.seams import SEAMS
 
-def stacked(target, *hooks):
-    """target wrapped by the named seams' hooks in table order, as the applier stacks them."""
+def stacked(target, *hooks):  # target wrapped by the named seams' hooks in table order, as the applier stacks them
     fn = target
     for name, hook in hooks:
         fn = apply._wrap(next(s for s in (*SEAMS, *LAB_SEAMS) if s.name == name), fn, hook)

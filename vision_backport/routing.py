@@ -41,7 +41,7 @@ def vl_route(logits: torch.Tensor, image_mask: torch.Tensor, top_k: int, bias_vl
     return weights, ids.to(torch.int32)
 
 
-# --- the hooks for SGLang's TopK / HashTopK (reference 03 §4.2; installed with the VL class, not yet) -----
+# --- the hooks for SGLang's TopK / HashTopK (seams vision.topk, vision.hash_topk) -----------------------
 
 _IMAGE_MASK = None  # bool [T] of the batch being forwarded, or None: set by the VL text forward
 

@@ -26,8 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 # SGLang's scheduler watchdog (ServerArgs.watchdog_timeout, 300 s) kills the engine when one forward takes longer;
-# a cold machine's first forward compiles SGLang's JIT kernels for 7-9 minutes (session 11: trace-native SIGKILLed
-# by it at 7.5 minutes of compiling). The test beds allow that; serving keeps SGLang's default.
+# a cold machine's first forward compiles SGLang's JIT kernels for 7-9 minutes (on the H200, 2026-12-01: a native
+# trace SIGKILLed by it at 7.5 minutes of compiling). The test beds allow that; serving keeps SGLang's default.
 BED_WATCHDOG_S = 1800.0
 
 
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
         })
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     # written whole, then renamed: another GPU lane waiting for this file (steps.sh need) must never read it half
-    # written (session 8: a floor compare read the one-at-a-time record while it was being written)
+    # written (a floor compare once read the one-at-a-time record while it was being written)
     with open(args.out + ".tmp", "w") as f:
         json.dump(record, f)
     os.replace(args.out + ".tmp", args.out)

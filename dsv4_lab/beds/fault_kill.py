@@ -1,5 +1,5 @@
 """Fault: a TP worker (SGLang scheduler process) killed mid-request makes the patched server exit non-zero
-with a message, and the client's request ends (error or closed stream) instead of hanging (issue 9).
+with a message, and the client's request ends (error or closed stream) instead of hanging.
 
     ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 \
         python dsv4_lab/beds/fault_kill.py --out fault.json [--tp 2 --rank 1]

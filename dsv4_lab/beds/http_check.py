@@ -152,14 +152,14 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
-# launches the patch must refuse before any GPU work, naming the check (issue 9: "unsupported parameters with
-# the patch on (e.g. an EP or NextN flag at runtime)")
+# launches the patch must refuse before any GPU work, naming the check (unsupported parameters with
+# the patch on, e.g. an EP or NextN flag at runtime)
 REFUSED_STARTS = [
     ("expert parallelism", ["--ep-size", "2", "--tp-size", "2"], "moe.expert_parallel"),
     ("NextN speculative decoding", ["--speculative-algorithm", "NEXTN"], "speculative.draft"),
     ("another MoE runner", ["--moe-runner-backend", "triton"], "moe.runner_backend"),
-    ("HiSparse", ["--enable-hisparse"], "server.modes"),  # session 10; not yet run on a GPU
-    ("DP attention", ["--enable-dp-attention", "--tp-size", "2", "--dp-size", "2"], "server.modes"),  # session 10
+    ("HiSparse", ["--enable-hisparse"], "server.modes"),
+    ("DP attention", ["--enable-dp-attention", "--tp-size", "2", "--dp-size", "2"], "server.modes"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""Page hygiene on the GPU: stale KV bytes never reach a request (issue 9).
+"""Page hygiene on the GPU: stale KV bytes never reach a request.
 
 Three processes run the same request sequence on the patched path (lab mode, tripwire on): two clean (the
 floor: what another process changes by itself), the third with DSV4_SM80_LAB_POISON=1, so after every cache flush each byte of the target's and the draft's pools

@@ -9,7 +9,7 @@ output differs much more than its input: where the SM80 path and native part way
     python -m dsv4_lab.trace $OUT/trace-native $OUT/trace-patched
 
 Eager only (SGLang registers the hooks after graph capture, and graph replays run no Python hooks); a first
-request of 4 tokens arms the keyword-argument pre-hooks (lab_trace.factory), then the prompt runs once with one
+request of 4 tokens arms the keyword-argument pre-hooks (dsv4_lab.trace.factory), then the prompt runs once with one
 new token: its prefill is the traced forward.
 """
 
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-runner-backend", default="marlin")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
     ap.add_argument("--perturb", type=float, default=0.0,
-                    help="the embedding output moved one BF16 ulp in this share of entries (lab_perturb): the floor trace")
+                    help="the embedding output moved one BF16 ulp in this share of entries (dsv4_lab.perturb): the floor trace")
     args = ap.parse_args(argv)
 
     from engine_bed import BED_WATCHDOG_S, prompt_ids
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         model_path=args.ckpt, skip_tokenizer_init=True, moe_runner_backend=args.moe_runner_backend,
         disable_cuda_graph=True, mem_fraction_static=args.mem_fraction, random_seed=0, log_level="warning",
         watchdog_timeout=BED_WATCHDOG_S,
-        # weights too (lab_trace --linears); the perturbation first, so the trace records the moved embedding
+        # weights too (dsv4_lab.trace --linears); the perturbation first, so the trace records the moved embedding
         forward_hooks=((perturb_spec(args.perturb) if args.perturb else [])
                        + trace_spec(args.out_dir, rows=len(ids), params=True)),
     )

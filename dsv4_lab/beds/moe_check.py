@@ -11,7 +11,7 @@ bytes (dsv4_sm80/kernels/w4a8_moe_ref.py) and, with --compare, with another run'
         python dsv4_lab/beds/moe_check.py --out $OUT/moe-int8.pt --compare $OUT/moe-native.pt
 
 Outputs are compared after the routed scaling factor: SGLang's MXFP4 Marlin method leaves it to
-DeepseekV2MoE (reference 01 §3.6), the W4A8 method applies it itself, so the Marlin outputs are scaled
+DeepseekV2MoE (`maybe_fuse_routed_scale_and_shared_add`), the W4A8 method applies it itself, so the Marlin outputs are scaled
 here once for the comparison.
 """
 

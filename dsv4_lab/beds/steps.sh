@@ -28,7 +28,7 @@
 #   dsv4_lab/beds/steps.sh e2e         engine_bed with the whole SM80 datapath (tripwire on) vs the native oracle
 #   dsv4_lab/beds/steps.sh e2e-floors  the floors for e2e's record: native again teacher-forcing the oracle's sequences
 #                                  one at a time (the batch floor), and native with its embedding moved one
-#                                  BF16 ulp in PERTURB (1e-4 1e-3) of its entries (lab_perturb: its sensitivity to
+#                                  BF16 ulp in PERTURB (1e-4 1e-3) of its entries (dsv4_lab/perturb.py: its sensitivity to
 #                                  a rounding-level input change); e2e against the oracle with each floor in turn;
 #                                  then each path against itself with that change (which one is the noisy one)
 #   dsv4_lab/beds/steps.sh e2e-replay  e2e with Marlin experts and native's FP8 roundings replayed (kv,act,idx; act through
@@ -63,7 +63,7 @@
 #                                  (TRACE_RUNS picks runs: "pinned perturbed replay" is the replay against its floor;
 #                                  "gemm" adds the replay with native's own DeepGEMM linears and mHC GEMM)
 #   dsv4_lab/beds/steps.sh trace-linears  native's trace (made unless there) and its FP8 linears against native SGLang's
-#                                  own activation quantizer and FP8 linear on their recorded inputs (lab_trace
+#                                  own activation quantizer and FP8 linear on their recorded inputs (dsv4_lab.trace
 #                                  --sglang-models): what the replay's fp8-act model misses of native's linear
 #   dsv4_lab/beds/steps.sh graphs      patched with CUDA graphs vs patched eager (decode outputs)
 #   dsv4_lab/beds/steps.sh graphs-self graphs on the teacher sequences of a patched eager run made first (no oracle)
@@ -376,7 +376,7 @@ case ${1:?step} in
     R=" ${TRACE_RUNS:-native pinned perturbed patched replay} "  # which runs (a subset saves device time)
     [[ $R == *" native "* ]] && run trace-native env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 1200 $T-native  # a cold machine compiles ~9 min first
     [[ $R == *" pinned "* ]] && run trace-pinned env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(native_pins) timeout 200 $T-pinned
-    # the pinned run again with its embedding moved one ulp in 1e-4 of its entries (lab_perturb): per module, how
+    # the pinned run again with its embedding moved one ulp in 1e-4 of its entries (dsv4_lab/perturb.py): per module, how
     # far native itself moves for a rounding-level input change (the floor column of the compares below)
     [[ $R == *" perturbed "* ]] && run trace-perturbed env ENABLE_SGLANG_DSV4_A100_PATCH=0 $(native_pins) timeout 200 \
       $T-perturbed --perturb ${TRACE_PERTURB:-1e-4}
@@ -397,7 +397,7 @@ case ${1:?step} in
       python -m dsv4_lab.trace "$OUT/trace-$a" "$OUT/trace-$b" $F --all > "$OUT/trace-$b-all.txt" 2>&1
     done
     # each run's linears on their own recorded inputs against exact / bf16 / fp8-act models of their arithmetic:
-    # is native's FP8 linear what lab_rounding's act replay says, and how far is each path from exact
+    # is native's FP8 linear what dsv4_lab/rounding.py's act replay says, and how far is each path from exact
     for r in native pinned perturbed patched replay gemm; do
       [ -d "$OUT/trace-$r" ] && python -m dsv4_lab.trace "$OUT/trace-$r" --linears 2>&1 | tee "$OUT/trace-$r-linears.txt" | tail -1
     done ;;  # the traces themselves (*.pt, hundreds of MB) stay on the host; the per-module tables come back
