@@ -12,15 +12,15 @@ flat): `summarize` says which. The sampling thread makes no CUDA runtime call (N
 counters only): a draft model may be capturing CUDA graphs in global capture mode while it runs. Never for
 serving.
 
-With DSV4_SM80_LAB_MEMSITES=1 as well, PyTorch's allocator records the Python stack of every block allocated
-from the end of start-up on (`torch.cuda.memory._record_memory_history(enabled="state")`: live blocks only, no
-event trace), and the log's thread answers requests (`request_sites(path, tag)`, e.g. before a load and after
-it) with the live bytes per allocating site (`sites`): the growth between two tags names the code that holds it
-(`sites_growth`). A request is answered between samples; taking the snapshot reads the allocator's own tables.
-A request may ask for a full garbage collection first (`collect=True`), so that objects only reference cycles
-keep alive (SGLang's radix tree links parents and children both ways) do not count as held: the answer then
-carries the live bytes before and after `gc.collect()`. (On the H200, 2026-12-01, `steps.sh soak`: what a flush kept was the
-radix cache's GPU index tensors; the collection freed none of it, so cycles were not what kept it.)
+With DSV4_SM80_LAB_MEMSITES=1 as well, PyTorch's allocator records the Python stack of every block allocated from the
+end of start-up on (`torch.cuda.memory._record_memory_history(enabled="state")`: live blocks only, no event trace),
+and the log's thread answers requests (`request_sites(path, tag)`, e.g. before a load and after it) with the live
+bytes per allocating site (`sites`): the growth between two tags names the code that holds it (`sites_growth`). A
+request is answered between samples; taking the snapshot reads the allocator's own tables. A request may ask for a
+full garbage collection first (`collect=True`), so that objects only reference cycles keep alive (SGLang's radix tree
+links parents and children both ways) do not count as held: the answer then carries the live bytes before and after
+`gc.collect()`. (On the H200, 2026-12-01, `steps.sh soak`: what a flush kept was the radix cache's GPU index tensors;
+the collection freed none of it, so cycles were not what kept it.)
 """
 
 from __future__ import annotations

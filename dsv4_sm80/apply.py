@@ -17,11 +17,11 @@ The lab (`dsv4_lab`, a separate package never in the image) plugs in here too: w
 its seam table (`dsv4_lab.seams.LAB_SEAMS`) is appended to the product's, so on a shared target its
 seams wrap the product's. That switch and the guarded import in `lab_seams` are all the product knows of it.
 
-Why our own finder rather than SGLang 0.5.16's plugin entry points + HookRegistry: HookRegistry logs and continues when a hook fails (`hook_registry.py`, apply_hooks), it
-applies only when `load_plugins()` runs, after many sglang modules are imported (so import-time
-constants and `from X import Y` copies are already taken), it needs a `.dist-info` on the path,
-and `SGLANG_PLUGINS` can silently exclude it. Patching at import time, with a fingerprint check
-before the module runs, keeps the refuse-or-run promise.
+Why our own finder rather than SGLang 0.5.16's plugin entry points + HookRegistry: HookRegistry logs and continues
+when a hook fails (`hook_registry.py`, apply_hooks), it applies only when `load_plugins()` runs, after many sglang
+modules are imported (so import-time constants and `from X import Y` copies are already taken), it needs a
+`.dist-info` on the path, and `SGLANG_PLUGINS` can silently exclude it. Patching at import time, with a fingerprint
+check before the module runs, keeps the refuse-or-run promise.
 """
 
 from __future__ import annotations

@@ -9,12 +9,13 @@ native start on an H200 host was still building them 16 minutes after launch; th
 (the names, template arguments and source hashes SGLang's first call asks for) inside
 `jit_kernel.utils.arch.override_jit_cuda_arch`, in a fresh process, so PDL (sm_90+) is resolved for the target arch.
 
-The list is the modules a patched forward calls (from reading the forward): the DSV4 compressors and their BF16 main store, RoPE and norms, top-k v1, the attention metadata, the router's
-gate and hash top-k, the shared expert's SiLU clamp, the decode positions' clamp, the TP4 all-reduce, and per mode the
-Marlin modules (jitcache.FIRST_FORWARD_MODULES: built at the first forward, not at load). The committed H200 seed (dsv4_lab/beds/jit-seed/tvm-ffi.json.xz, from a host
-that ran native and patched engines, TP1) names most of them, with PDL on; not the TP4 all-reduce, moe_fused_gate or
-gptq_marlin, which no engine there called. A module SGLang asks for with other template arguments (another page size,
-say) is still built at its first call, as before.
+The list is the modules a patched forward calls (from reading the forward): the DSV4 compressors and their BF16 main
+store, RoPE and norms, top-k v1, the attention metadata, the router's gate and hash top-k, the shared expert's SiLU
+clamp, the decode positions' clamp, the TP4 all-reduce, and per mode the Marlin modules
+(jitcache.FIRST_FORWARD_MODULES: built at the first forward, not at load). The committed H200 seed
+(dsv4_lab/beds/jit-seed/tvm-ffi.json.xz, from a host that ran native and patched engines, TP1) names most of them,
+with PDL on; not the TP4 all-reduce, moe_fused_gate or gptq_marlin, which no engine there called. A module SGLang asks
+for with other template arguments (another page size, say) is still built at its first call, as before.
 """
 
 from __future__ import annotations

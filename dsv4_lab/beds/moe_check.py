@@ -10,9 +10,9 @@ bytes (dsv4_sm80/kernels/w4a8_moe_ref.py) and, with --compare, with another run'
     ENABLE_SGLANG_DSV4_A100_PATCH=1 SGLANG_DSV4_MXFP4_MOE_BACKEND=mxfp4_int8 \
         python dsv4_lab/beds/moe_check.py --out $OUT/moe-int8.pt --compare $OUT/moe-native.pt
 
-Outputs are compared after the routed scaling factor: SGLang's MXFP4 Marlin method leaves it to
-DeepseekV2MoE (`maybe_fuse_routed_scale_and_shared_add`), the W4A8 method applies it itself, so the Marlin outputs are scaled
-here once for the comparison.
+Outputs are compared after the routed scaling factor: SGLang's MXFP4 Marlin method leaves it to DeepseekV2MoE
+(`maybe_fuse_routed_scale_and_shared_add`), the W4A8 method applies it itself, so the Marlin outputs are scaled here
+once for the comparison.
 """
 
 from __future__ import annotations
