@@ -137,13 +137,15 @@ def lab_overrides(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]
 
 def lab_banner(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     overrides = lab_overrides(environ)
-    if not overrides:
+    switch = (environ if environ is not None else os.environ).get(LAB.name, "").strip() == "1"
+    if not overrides and not switch:
         return None
-    items = ", ".join(f"{k}={v}" for k, v in overrides.items())
+    items = ", ".join(f"{k}={v}" for k, v in {**overrides, **({LAB.name: "1"} if switch else {})}.items())
+    what = ("The GPU gate is overridden for a test bed" if overrides else "The lab's seams are applied")
     bar = "!" * 100
     return (
         f"{bar}\n!!! dsv4-sm80 LAB MODE: {items}\n"
-        "!!! The GPU gate is overridden for a test bed. This is not a supported A800 deployment;\n"
+        f"!!! {what}. This is not a supported A800 deployment;\n"
         "!!! numbers measured here are not A800 numbers.\n"
         f"{bar}"
     )

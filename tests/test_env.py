@@ -64,3 +64,9 @@ def test_guards_are_sglang_defaults_and_pins_are_not():
     assert set(out) == {d.name for d in env.IMPORT_TIME_DEFAULTS}
     for name, (sglang_default, value, guard) in out.items():
         assert (sglang_default == value) == guard, (name, sglang_default, value, guard)
+
+
+def test_the_lab_switch_alone_prints_the_lab_banner():
+    banner = env.lab_banner({"DSV4_SM80_LAB": "1"})
+    assert "LAB MODE: DSV4_SM80_LAB=1" in banner and "lab's seams are applied" in banner
+    assert env.lab_banner({"DSV4_SM80_LAB": "0"}) is None and env.lab_banner({}) is None
