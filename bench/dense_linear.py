@@ -15,7 +15,7 @@ device-to-device copy), and the ratio to native_fp8. Then the load-time conversi
     python bench/dense_linear.py --out dense_linear.json
 
 Run it with ENABLE_SGLANG_DSV4_A100_PATCH=0 (or unset) so SGLang's native method is the native one;
-the SM80 methods are built directly from dsv4_sm80.linear. On an H200 these are H200 numbers.
+the SM80 methods are built directly from dsv4_sm80.stages.dense. On an H200 these are H200 numbers.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
-# per-rank (out N, in K) at TP4 (reference 01 §2.1): attention TP = 4, shared expert TP, no DP-attention
+# per-rank (out N, in K) at TP4 (DeepSeek-V4-Flash's config.json split as SGLang 0.5.16 shards it): attention TP = 4, shared expert TP, no DP-attention
 SHAPES = (
     ("wqkv_a (replicated)", 1536, 4096),
     ("wq_b / indexer wq_b", 8192, 1024),
@@ -102,7 +102,7 @@ def build_layer(method_name, n, k, weight, scale):
     from sglang.srt.layers.linear import ReplicatedLinear
     from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
 
-    from dsv4_sm80 import linear
+    from dsv4_sm80.stages import dense as linear
 
     qc = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[128, 128])
     with torch.device("cuda"):
@@ -111,7 +111,7 @@ def build_layer(method_name, n, k, weight, scale):
         method = linear.sm80_bf16_method(qc)
     else:
         method = Fp8LinearMethod(qc)
-        if method_name == "fp8_marlin":  # as dsv4_sm80.linear.select_quant_method sets it up
+        if method_name == "fp8_marlin":  # as dsv4_sm80.stages.dense.select_quant_method sets it up
             method.use_marlin, method.w8a8_block_fp8_linear = True, None
     layer.quant_method = method
     layer.weight.data.copy_(weight)
@@ -153,8 +153,8 @@ def time_graph(torch, fn_list, reps: int):
 
 
 def bench_conversion(torch, gen):
-    """Load-time FP8-block -> BF16 conversion on the GPU (dsv4_sm80.linear.to_bf16_blocks)."""
-    from dsv4_sm80.linear import to_bf16_blocks
+    """Load-time FP8-block -> BF16 conversion on the GPU (dsv4_sm80.stages.dense.to_bf16_blocks)."""
+    from dsv4_sm80.stages.dense import to_bf16_blocks
 
     rows = []
     for n, k in ((8192, 1024), (4096, 2048), (32768, 4096)):
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     for c in record["conversion"]:
         print(f"load-time FP8->BF16 conversion {c['n']}x{c['k']}: {c['seconds'] * 1e3:.2f} ms, {c['gbps']:.0f} GB/s "
               f"({100 * c['gbps'] / peaks['copy_gbps']:.0f}% of copy)")
-    per_rank = 1.44e9  # FP8 dense parameters per rank at TP4 (reference 01 §2.7)
+    per_rank = 1.44e9  # FP8 dense parameters per rank at TP4 (`python -m dsv4_sm80 footprint --tp 4`)
     gbps = record["conversion"][-1]["gbps"]
     print(f"  -> the ~{per_rank / 1e9:.2f} B FP8 dense parameters of one TP4 rank convert in about "
           f"{per_rank * 3 / gbps / 1e9:.2f} s of GPU time")

@@ -1,7 +1,7 @@
 """The `mma.sync` tensor-core peaks of the GPU it runs on: BF16 (m16n8k16, what SGLang's Marlin kernels and the
 SM80 datapath's BF16 tiles issue) and INT8 (m16n8k32, what the W4A8 MoE issues), and their ratio.
 
-Issue 4 asks the W4A8 prefill to beat Marlin's. On an A800 (SM80) `mma.sync` is the only tensor-core instruction and
+The W4A8 prefill is meant to beat Marlin's. On an A800 (SM80) `mma.sync` is the only tensor-core instruction and
 INT8 runs at twice the BF16 rate (624 against 312 dense TOP/s). On an H200 the full rates need Hopper's `wgmma`, and
 whether the H200's `mma.sync` keeps the 2:1 ratio decides whether an H200 prefill comparison can stand in for the
 A800's. This measures it instead of assuming it: each warp issues CHAINS independent `mma.sync` chains in a loop

@@ -132,7 +132,7 @@ def mxfp4_like_scales(torch, e, n, k, gen):
     floor(log2(amax of its 32 values)) (minus a constant), so a row's groups share its scale and differ by
     how the amax of 32 normal samples varies: spreads of 1-3 binades within a row of 16-128 groups (so all
     columns shiftable; the shiftable fraction is printed; a real checkpoint's is printed at start-up by
-    dsv4_sm80/moe.py). Rows get their own base exponent (118..125) as real weight rows have different norms."""
+    dsv4_sm80/stages/moe.py). Rows get their own base exponent (118..125) as real weight rows have different norms."""
     base = torch.randint(118, 126, (e, n, 1), generator=gen, device=gen.device, dtype=torch.int32)
     amax = torch.randn(e, n, k // 32, 32, generator=gen, device=gen.device).abs().amax(dim=-1)
     off = torch.floor(torch.log2(amax)).to(torch.int32)  # about -1..2 for 32 samples
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
             """The W4A8 call: the table's kernel, or a row's (`alternatives`)."""
             tw, ids, _ = route(r)
             return w4a8_moe(x, *ours, tw, ids, swiglu_limit=10.0, routed_scaling_factor=1.0, kernel=kernel,
-                            expand_ok=min(shiftable) == 1.0, **erefs)  # (as dsv4_sm80/moe.py decides)
+                            expand_ok=min(shiftable) == 1.0, **erefs)  # (as dsv4_sm80/stages/moe.py decides)
 
         def run_marlin(r=None):
             if fused_marlin_moe is None:

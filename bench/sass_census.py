@@ -133,7 +133,7 @@ TILES = {  # name: (block_m, block_n gate-up, block_n2 down, warps)
     "decode 16x32/4w": (16, 32, 64, 4),
     "prefill 64x64/8w": (64, 64, 128, 8),
     "prefill 64x128/4w": (64, 128, 128, 4),
-    "prefill 64x128/8w": (64, 128, 128, 8),  # session 21: no spills, against 4 warps' 45 (bench/moe.py prefill-)
+    "prefill 64x128/8w": (64, 128, 128, 8),  # no spills, against 4 warps' 45 (2026-12-02, bench/moe.py prefill-)
     "prefill 32x128/4w": (32, 128, 128, 4),
 }
 

@@ -13,7 +13,7 @@ Where each lives (file:line in SGLang 0.5.16, relative to the sglang package):
 
   routed_scaling_dropped   srt/models/deepseek_v2.py:1129 (the MoE combine: the marlin backend applies the
                            factor there) and srt/layers/moe/fused_moe_triton/layer.py:181 (FusedMoE's runner
-                           config: the W4A8 method multiplies by it in dsv4_sm80.moe's apply)
+                           config: the W4A8 method multiplies by it in dsv4_sm80.stages.moe's apply)
   e8m0_exponent_off        srt/models/deepseek_v4.py:2575 (post_load_weights): the first FP8 block linear's
                            scale block [0, 0] doubled (E8M0 exponent + 1), before its BF16/Marlin conversion
   mxfp4_nibble_swap        srt/models/deepseek_v4.py:2575: expert 0 of the first MoE layer, w13 and w2 bytes with
@@ -26,7 +26,7 @@ Where each lives (file:line in SGLang 0.5.16, relative to the sglang package):
   indexer_topk_511         srt/layers/attention/dsv4/indexer.py:754 (topk_transform_512)
   kv_store_skip_last       srt/layers/attention/deepseek_v4_backend.py:1556 (get_swa_out_cache_loc): the SWA
                            K store's slot of each request's last token of an extend chunk is -1 (skipped)
-  attn_sink_dropped        srt/layers/attention/deepseek_v4_backend.py:1600 (forward; dsv4_sm80.attention's
+  attn_sink_dropped        srt/layers/attention/deepseek_v4_backend.py:1600 (forward; dsv4_sm80.stages.attention's
                            sm80_forward underneath): the per-head sink -> float32 min, exp(sink) = 0
   compressed_rope_theta    srt/models/deepseek_v4.py:525-545 (MqaAttentionBase.__init__): compressed layers
                            build their RoPE table with rope_theta instead of compress_rope_theta

@@ -13,12 +13,15 @@ A missing or changed target raises `SeamRefusal`, which derives from BaseExcepti
 SGLang imports some modules under `except Exception` (e.g. its model registry), and a refusal
 must stop the process rather than degrade into a missing model class.
 
-Why our own finder rather than SGLang 0.5.16's plugin entry points + HookRegistry (reference 05
-§5.1): HookRegistry logs and continues when a hook fails (`hook_registry.py`, apply_hooks), it
-applies only when `load_plugins()` runs, after many sglang modules are imported (so import-time
-constants and `from X import Y` copies are already taken), it needs a `.dist-info` on the path,
-and `SGLANG_PLUGINS` can silently exclude it. Patching at import time, with a fingerprint check
-before the module runs, keeps the refuse-or-run promise.
+The lab (`dsv4_lab`, a separate package never in the image) plugs in here too: with DSV4_SM80_LAB=1
+its seam table (`dsv4_lab.seams.LAB_SEAMS`) is appended to the product's, so on a shared target its
+seams wrap the product's. That switch and the guarded import in `lab_seams` are all the product knows of it.
+
+Why our own finder rather than SGLang 0.5.16's plugin entry points + HookRegistry: HookRegistry logs and continues
+when a hook fails (`hook_registry.py`, apply_hooks), it applies only when `load_plugins()` runs, after many sglang
+modules are imported (so import-time constants and `from X import Y` copies are already taken), it needs a
+`.dist-info` on the path, and `SGLANG_PLUGINS` can silently exclude it. Patching at import time, with a fingerprint
+check before the module runs, keeps the refuse-or-run promise.
 """
 
 from __future__ import annotations
@@ -43,6 +46,33 @@ class SeamRefusal(BaseException):
     """A seam target is missing or is not SGLang 0.5.16's code. Nothing may run on top of it."""
 
 
+class LabMissing(SeamRefusal):
+    """DSV4_SM80_LAB=1 but the lab package cannot be imported: a lab run must not quietly run without its seams."""
+
+
+def lab_seams(environ=None) -> tuple[Seam, ...]:
+    """The lab's seams when the lab switch is on, else (). (Importing the lab's table registers its knobs with
+    `env`, so lab seams' toggles can name them.)"""
+    if not env.lab_enabled(environ):
+        return ()
+    try:
+        from dsv4_lab.seams import LAB_SEAMS
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("dsv4_lab"):
+            raise
+        raise LabMissing(
+            f"dsv4-sm80 lab: {env.LAB.name}=1 but the lab package cannot be imported ({e}); expected dsv4_lab "
+            "beside dsv4_sm80 on PYTHONPATH (a checkout of the repository, never the image); fix: put the "
+            f"repository root on PYTHONPATH, or unset {env.LAB.name}"
+        ) from None
+    return tuple(LAB_SEAMS)
+
+
+def all_seams(environ=None) -> tuple[Seam, ...]:
+    """The product's seams, then the lab's (only with DSV4_SM80_LAB=1)."""
+    return (*SEAMS, *lab_seams(environ))
+
+
 @dataclass
 class SeamStatus:
     name: str
@@ -61,7 +91,8 @@ _finder: Optional["SeamFinder"] = None
 
 
 def _toggle_text(seam: Seam) -> str:
-    return " and ".join(((f"{env.PATCH.name}=1",) if seam.overlay == "sm80" else ()) + seam.when)
+    switch = {"sm80": (f"{env.PATCH.name}=1",), "lab": (f"{env.LAB.name}=1",)}.get(seam.overlay, ())
+    return " and ".join(switch + seam.when)
 
 
 def _init_status(seams: Iterable[Seam], environ) -> None:
@@ -82,8 +113,9 @@ def _init_status(seams: Iterable[Seam], environ) -> None:
 def status() -> list[dict]:
     """Every declared seam and what happened to it in this process."""
     with _lock:
-        _init_status(SEAMS, None)
-        return [asdict(_status[s.name]) for s in SEAMS]
+        seams = all_seams()
+        _init_status(seams, None)
+        return [asdict(_status[s.name]) for s in seams]
 
 
 def installed() -> bool:
@@ -95,9 +127,11 @@ def _refuse(seam_name: str, message: str) -> SeamRefusal:
         st = _status.get(seam_name)
         if st is not None:
             st.state, st.detail = "refused", message
-    seam = next((s for s in SEAMS if s.name == seam_name), None)
-    off = (f"unset {env.VISION.name} to run without the Vision-Exp overlay" if seam is not None and seam.overlay == "vision"
-           else f"set {env.PATCH.name}=0 to run SGLang natively (no SM80 datapath)")
+    seam = next((s for s in (*SEAMS, *lab_seams()) if s.name == seam_name), None)
+    overlay = seam.overlay if seam is not None else "sm80"
+    off = {"vision": f"unset {env.VISION.name} to run without the Vision-Exp overlay",
+           "lab": f"unset {env.LAB.name} to run without the lab's seams"}.get(
+        overlay, f"set {env.PATCH.name}=0 to run SGLang natively (no SM80 datapath)")
     return SeamRefusal(
         f"dsv4-sm80 seam {seam_name}: {message}. The SM80 overlay only runs on SGLang "
         f"{env.SGLANG_VERSION} @ {env.SGLANG_COMMIT[:8]}; use that tree, or {off}."
@@ -274,8 +308,9 @@ def install(environ=None) -> bool:
     With nothing enabled (the patch off and no overlay switched on) this does nothing and returns False."""
     global _finder
     with _lock:
-        _init_status(SEAMS, environ)
-        enabled = [s for s in SEAMS if s.enabled(environ)]
+        seams = all_seams(environ)
+        _init_status(seams, environ)
+        enabled = [s for s in seams if s.enabled(environ)]
         if not enabled:
             return False
         if installed():
@@ -293,6 +328,6 @@ def install(environ=None) -> bool:
 
 def import_targets() -> list[dict]:
     """Import every enabled seam's module so its seams apply now (doctor --apply)."""
-    for name in sorted(by_module([s for s in SEAMS if s.enabled()])):
+    for name in sorted(by_module([s for s in all_seams() if s.enabled()])):
         importlib.import_module(name)
     return status()

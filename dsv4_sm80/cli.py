@@ -9,7 +9,7 @@ import os
 import sys
 
 from . import env, upstream
-from .seams import SEAMS, Seam
+from .seams import Seam
 
 
 
@@ -67,7 +67,7 @@ def doctor(args) -> int:
     states = apply.status()
     pkg = facts.sglang.location
     for st in states:
-        st["target_check"] = seam_preview(next(s for s in SEAMS if s.name == st["name"]), pkg)
+        st["target_check"] = seam_preview(next(s for s in apply.all_seams() if s.name == st["name"]), pkg)
     seam_bad = [s for s in states if s["target_check"] != "ok" or s["state"] == "refused"]
     gate_bad = compat_check.failures(findings)
     if args.json:

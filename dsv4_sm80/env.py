@@ -1,8 +1,8 @@
 """The environment contract of dsv4-sm80, in one place.
 
 Nothing here imports torch or sglang: `sitecustomize` reads this module in every Python process
-before SGLang is imported (reference 01 §6 #1: SGLang spawns its schedulers, so each one is a
-fresh interpreter that runs `sitecustomize` again).
+before SGLang is imported (SGLang spawns its schedulers, so each one is a fresh interpreter that
+runs `sitecustomize` again).
 """
 
 from __future__ import annotations
@@ -87,11 +87,6 @@ LOAD_REPORT = Knob(
     "rank and model: module, method, dtype, bytes) to this file.",
 )
 
-TRIPWIRE = Knob(
-    "DSV4_SM80_TRIPWIRE", "0", ("0", "1"),
-    "Lab: every SM90/SM100-only entry point the SM80 datapath must not reach raises instead (dsv4_sm80/tripwire.py).",
-)
-
 ALLOW_OPEN_BIND = Knob(
     "DSV4_SM80_ALLOW_OPEN_BIND", "0", ("0", "1"),
     "1: let the patched server bind a non-loopback address without --api-key (logged at every start). "
@@ -106,53 +101,16 @@ VISION = Knob(
     "0: not installed.",
 )
 
-LAB_POISON = Knob(
-    "DSV4_SM80_LAB_POISON", "0", ("0", "1"),
-    "Lab (page hygiene): 1 overwrites every byte of the KV pools (KV rows, INT8 indexer pages, compressor "
-    "state; target and draft) with 0xFF after each successful cache flush, so a request that reads bytes it "
-    "did not write sees NaN (dsv4_sm80/hygiene.py). Never for serving.",
-)
-
-LAB_ROUTE_TRACE = Knob(
-    "DSV4_SM80_LAB_ROUTE_TRACE", "", (),
-    "Lab (vision): append one JSON line per MoE top-k call that routes image rows to this file: rows, image "
-    "rows, image rows whose experts are top-k of scores + bias_vl, image rows where that differs from the text "
-    "rule, text rows changed (vision_backport/routing.py). Costs a device sync per layer; never for serving.",
-)
-
-LAB_NATIVE_ROUNDING = Knob(
-    "DSV4_SM80_LAB_NATIVE_ROUNDING", "0",
-    ("0", "kv", "act", "gemm", "idx", "kv,act", "kv,gemm", "kv,idx", "act,idx", "gemm,idx", "kv,act,idx",
-     "kv,gemm,idx"),
-    "Lab (parity): replay native SGLang's FP8 roundings on the SM80 path (dsv4_sm80/lab_rounding.py), to "
-    "separate those precision choices from errors in an end-to-end comparison with native: kv = every stored "
-    "key row's nope part as FP8 e4m3 with a power-of-two scale per 64 values; act = the input of every BF16 "
-    "block linear as FP8 per token and 128 columns with an fp32 scale; gemm = instead of act, every such "
-    "linear through native's own FP8 block linear (SGLang's DeepGEMM dispatch on the checkpoint's FP8 weight), "
-    "and the mHC pre-norm GEMM through DeepGEMM's own (SM90: H200 only, tripwire off); idx = the indexer "
-    "through SGLang's own "
-    "FP8 query and store kernels (SM90: H200 only) and fp32 logits. Comma-joined in that order. Eager runs "
-    "only; never for serving.",
-)
-
-LAB_MEMLOG = Knob(
-    "DSV4_SM80_LAB_MEMLOG", "", (),
-    "Lab (soak): append one JSON line every 10 s per model runner to this file, from the end of start-up: GPU "
-    "bytes in use, PyTorch's allocator reserved and allocated, segments, retries (dsv4_sm80/lab_memlog.py), to "
-    "tell allocator growth from growth outside it. Never for serving.",
-)
-
-LAB_MEMSITES = Knob(
-    "DSV4_SM80_LAB_MEMSITES", "0", ("0", "1"),
-    "Lab (soak), with DSV4_SM80_LAB_MEMLOG: record the Python stack of every GPU block allocated after start-up "
-    "(PyTorch's memory history, live blocks only) and answer the soak's requests with the live bytes per "
-    "allocating site, so memory that grows under load names the code holding it (dsv4_sm80/lab_memlog.py). "
-    "Slows every allocation; never for serving.",
+# The lab switch: 1 lets the laboratory (the separate `dsv4_lab` package, never in the image) add its seams after
+# the product's; product code learns of the lab only through it (`apply.lab_seams`).
+LAB = Knob(
+    "DSV4_SM80_LAB", "0", ("0", "1"),
+    "Lab only: 1 applies the lab's seams (dsv4_lab/seams.py: native-rounding replay, tripwire, page poisoning, "
+    "memory log, route trace) after the product's; needs the dsv4_lab package on the path. Never for serving.",
 )
 
 KNOBS = (PATCH, INT8_INDEXER, KV_ROUNDING, INDEXER_ROUNDING, MOE_BACKEND, DENSE, SGLANG_ROOT, LAB_GPU_COUNT, LAB_CC,
-         LOAD_REPORT, TRIPWIRE, ALLOW_OPEN_BIND, VISION, LAB_POISON, LAB_ROUTE_TRACE, LAB_NATIVE_ROUNDING, LAB_MEMLOG,
-         LAB_MEMSITES)
+         LOAD_REPORT, ALLOW_OPEN_BIND, VISION, LAB)
 
 
 def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:
@@ -171,6 +129,23 @@ def patch_enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
     return get(PATCH, environ) == "1"
 
 
+def lab_enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
+    return get(LAB, environ) == "1"
+
+
+_lab_knobs: tuple[Knob, ...] = ()
+
+
+def lab_knobs() -> tuple[Knob, ...]:
+    """The lab's knobs, once the applier has taken the lab's seam table (`apply.lab_seams`); () otherwise."""
+    return _lab_knobs
+
+
+def use_lab_knobs(knobs) -> None:
+    global _lab_knobs
+    _lab_knobs = tuple(knobs)
+
+
 def lab_overrides(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     environ = os.environ if environ is None else environ
     return {k.name: environ[k.name] for k in (LAB_GPU_COUNT, LAB_CC) if environ.get(k.name, "").strip()}
@@ -178,13 +153,15 @@ def lab_overrides(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]
 
 def lab_banner(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     overrides = lab_overrides(environ)
-    if not overrides:
+    switch = (environ if environ is not None else os.environ).get(LAB.name, "").strip() == "1"
+    if not overrides and not switch:
         return None
-    items = ", ".join(f"{k}={v}" for k, v in overrides.items())
+    items = ", ".join(f"{k}={v}" for k, v in {**overrides, **({LAB.name: "1"} if switch else {})}.items())
+    what = ("The GPU gate is overridden for a test bed" if overrides else "The lab's seams are applied")
     bar = "!" * 100
     return (
         f"{bar}\n!!! dsv4-sm80 LAB MODE: {items}\n"
-        "!!! The GPU gate is overridden for a test bed. This is not a supported A800 deployment;\n"
+        f"!!! {what}. This is not a supported A800 deployment;\n"
         "!!! numbers measured here are not A800 numbers.\n"
         f"{bar}"
     )
@@ -201,7 +178,7 @@ class ImportTimeDefault:
 
 
 # SGLang knobs that must hold before SGLang's modules are imported, set by `sitecustomize` only
-# where the user has not set them (reference 02 §8 S0.1). Lines are sglang 0.5.16's.
+# where the user has not set them. Lines are sglang 0.5.16's.
 IMPORT_TIME_DEFAULTS = (
     ImportTimeDefault(
         "SGLANG_OPT_FP8_WO_A_GEMM", "0",

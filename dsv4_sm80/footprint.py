@@ -7,7 +7,7 @@ row, and what is left for the KV pool on an 80 GB card: tokens and concurrent re
 
     python -m dsv4_sm80 footprint [--model-path DIR | --config config.json] [--tp 4] [--dense bf16] ...
 
-Sharding (SGLang 0.5.16, reference 04 §3.2): split across TP ranks are the embedding and LM head
+Sharding (SGLang 0.5.16): split across TP ranks are the embedding and LM head
 (vocab-parallel), `wq_b` and `wo_a` (column), `wo_b` (row), the attention sink (per head), shared experts
 and routed experts (the intermediate dimension); everything else is replicated (`wq_a`, `wkv`, the
 compressors, the indexer, the router incl. `tid2eid`, norms, `hc_*`, DSPARK `main_proj` and heads, vision).
@@ -18,7 +18,7 @@ Bytes per weight after loading, by mode:
   MXFP4 experts       0.5 + 1/32 (4-bit codes + E8M0 per 32; both MoE backends keep them 4-bit)
   everything else     as stored (`tid2eid` as int32)
 Not counted: activations, NCCL buffers, the CUDA graphs' private pool, allocator slack: those are the
-reserves of `plan` (defaults from the design notes' measured steady state, reference 04 §3.3). The W4A8 MoE's
+reserves of `plan` (defaults: a measured steady state, docs/footprint.md). The W4A8 MoE's
 expanded path (prefill forwards above 8192 tokens, i.e. `--chunked-prefill-size` raised above SGLang's 8192 for
 80 GB cards) adds a transient workspace of up to 512 MiB to a MoE call's activations; the start-up line names it
 and whether the server's chunked prefill size lets a forward reach it.
@@ -274,7 +274,7 @@ def expand_workspace(runner) -> str:
     """The W4A8 MoE's expanded-path workspace (`mxfp4_int8`, layers whose every column is shiftable): a transient of
     a MoE call, not a resident, allocated only by forwards above 8192 tokens, which SGLang's chunked prefill size
     bounds; "" when no layer can take that path."""
-    from dsv4_sm80.moe import w4a8_layer
+    from dsv4_sm80.stages.moe import w4a8_layer
 
     layer = next((m for m in runner.model.modules() if getattr(w4a8_layer(m), "expand_ok", False)), None)
     if layer is None:
@@ -302,10 +302,4 @@ def log_startup(result, runner, *args, **kwargs):
     except Exception as e:  # diagnostics only
         line = f"dsv4-sm80 footprint: not available ({type(e).__name__}: {e})"
     print(line, file=sys.stderr, flush=True)
-    try:  # lab: the memory log over time (DSV4_SM80_LAB_MEMLOG; dsv4_sm80/lab_memlog.py), from here on
-        from dsv4_sm80 import lab_memlog
-
-        lab_memlog.maybe_start(runner)
-    except Exception as e:
-        print(f"dsv4-sm80 memlog: not started ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     return None

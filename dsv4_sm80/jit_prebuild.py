@@ -1,21 +1,21 @@
 """SGLang 0.5.16's JIT (tvm-ffi) modules the SM80 datapath calls, built before the first start, several at a time.
 
 SGLang builds each of these modules with nvcc at its first call, one after another, inside the first forward (a cold
-native start on an H200 host was still building them 16 minutes after launch, session 26; the SM80 path's own cold
-start took 222 s, session 24). `python -m dsv4_sm80 prebuild-jit` builds this path's list into SGLang's own cache
+native start on an H200 host was still building them 16 minutes after launch; the SM80 path's own cold start took
+222 s: docs/gpu-runs.md). `python -m dsv4_sm80 prebuild-jit` builds this path's list into SGLang's own cache
 (`TVM_FFI_CACHE_DIR`, default `~/.cache/tvm-ffi`), `--jobs` at a time, for an arch given on the command line
 (default sm_80): no GPU is needed, only nvcc and the CUDA runtime library, so it runs in the image build
 (docker/Dockerfile) or on an A800 host before its first start. Each module is built by SGLang's own module function
 (the names, template arguments and source hashes SGLang's first call asks for) inside
 `jit_kernel.utils.arch.override_jit_cuda_arch`, in a fresh process, so PDL (sm_90+) is resolved for the target arch.
 
-The list is the modules a patched forward calls (tests/gpu/jit_sm80.py's list until it called this, from reading the
-forward): the DSV4 compressors and their BF16 main store, RoPE and norms, top-k v1, the attention metadata, the router's
-gate and hash top-k, the shared expert's SiLU clamp, the decode positions' clamp, the TP4 all-reduce, and per mode the
-Marlin modules (jitcache.FIRST_FORWARD_MODULES: built at the first forward, not at load). Session 28's H200 seed (a host
-that ran native and patched engines, TP1) names most of them, with PDL on; not the TP4 all-reduce, moe_fused_gate or
-gptq_marlin, which no engine there called. A module SGLang asks for with other template arguments (another page size,
-say) is still built at its first call, as before.
+The list is the modules a patched forward calls (from reading the forward): the DSV4 compressors and their BF16 main
+store, RoPE and norms, top-k v1, the attention metadata, the router's gate and hash top-k, the shared expert's SiLU
+clamp, the decode positions' clamp, the TP4 all-reduce, and per mode the Marlin modules
+(jitcache.FIRST_FORWARD_MODULES: built at the first forward, not at load). The committed H200 seed
+(dsv4_lab/beds/jit-seed/tvm-ffi.json.xz, from a host that ran native and patched engines, TP1) names most of them,
+with PDL on; not the TP4 all-reduce, moe_fused_gate or gptq_marlin, which no engine there called. A module SGLang asks
+for with other template arguments (another page size, say) is still built at its first call, as before.
 """
 
 from __future__ import annotations

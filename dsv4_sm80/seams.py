@@ -14,10 +14,12 @@ Kinds:
   value    the attribute becomes `replacement(original)` (module constants captured at import time);
            the replacement must be idempotent (applied exactly once is checked by equality)
 
-Toggles: every seam needs ENABLE_SGLANG_DSV4_A100_PATCH=1; `when` adds conditions on other knobs
-of `dsv4_sm80.env` ("KNOB=value"), e.g. a MoE seam used only by one backend.
+Toggles: an "sm80" seam needs ENABLE_SGLANG_DSV4_A100_PATCH=1, a "vision" seam its own switch in `when`, a
+"lab" seam DSV4_SM80_LAB=1; `when` adds conditions on other knobs of `dsv4_sm80.env` (or, for a lab seam, of
+the lab's knob list) as "KNOB=value", e.g. a MoE seam used only by one backend.
 
-Later stages only add entries here, one block per datapath stage file.
+One block per datapath stage file (`dsv4_sm80/stages/`). Seams on one target apply in table order, each
+wrapping the one before; the lab's seams (`dsv4_lab/seams.py`) come after all of these.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Mapping, Optional
 from . import env
 
 KINDS = ("before", "after", "around", "replace", "value")
+OVERLAYS = ("sm80", "vision", "lab")
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class Seam:
     when: tuple[str, ...] = field(default=())
     # "sm80": part of the SM80 patch, only with ENABLE_SGLANG_DSV4_A100_PATCH=1. "vision": the separate
     # Vision-Exp overlay, toggled by its own knob (in `when`) with the patch on or off, so the VL model can
-    # also run on native SGLang for A/B.
+    # also run on native SGLang for A/B. "lab": the laboratory's (dsv4_lab/seams.py), only with DSV4_SM80_LAB=1.
     overlay: str = "sm80"
 
     @property
@@ -59,18 +62,14 @@ class Seam:
     def enabled(self, environ: Optional[Mapping[str, str]] = None) -> bool:
         if self.overlay == "sm80" and not env.patch_enabled(environ):
             return False
-        knobs = {k.name: k for k in env.KNOBS}
+        if self.overlay == "lab" and not env.lab_enabled(environ):
+            return False
+        knobs = {k.name: k for k in (*env.KNOBS, *env.lab_knobs())}
         for cond in self.when:
             name, value = cond.split("=", 1)
             if env.get(knobs[name], environ) != value:
                 return False
         return True
-
-
-def _tripwire(name: str, target: str, reason: str, upstream: str, *when: str) -> Seam:
-    """A lab tripwire seam: `target` is replaced by dsv4_sm80.tripwire:`name`, a function that raises."""
-    return Seam(name=f"tripwire.{name}", target=target, kind="replace", replacement=f"dsv4_sm80.tripwire:{name}",
-                reason=reason, upstream=upstream, when=("DSV4_SM80_TRIPWIRE=1", *when))
 
 
 SEAMS: tuple[Seam, ...] = (
@@ -93,24 +92,14 @@ SEAMS: tuple[Seam, ...] = (
         name="moe.launch_args",
         target="sglang.srt.entrypoints.engine:Engine._launch_subprocesses",
         kind="before",
-        replacement="dsv4_sm80.moe:route_experts_at_launch",
+        replacement="dsv4_sm80.stages.moe:route_experts_at_launch",
         reason=(
             "Both SM80 expert backends build on SGLang's MXFP4 parameter layout, which only the marlin "
             "MoE runner backend selects (auto would pick the Triton FP8 path that cannot run on SM80); "
             "expert parallelism must be refused before model construction raises NotImplementedError "
-            "deep inside FusedMoE (reference 01 §4)."
+            "deep inside FusedMoE."
         ),
         upstream="srt/entrypoints/engine.py:765-790",
-    ),
-    Seam(
-        name="lab.poison_on_flush",
-        target="sglang.srt.managers.scheduler:Scheduler.flush_cache",
-        kind="after",
-        replacement="dsv4_sm80.hygiene:poison_after_flush",
-        reason=("Page hygiene (lab): after a flush, when every page is free, the pools are overwritten with "
-                "0xFF (NaN) so a later request that reads bytes it did not write shows it."),
-        upstream="srt/managers/scheduler.py:3846-3873",
-        when=("DSV4_SM80_LAB_POISON=1",),
     ),
     Seam(
         name="jit.disk_full",
@@ -126,7 +115,7 @@ SEAMS: tuple[Seam, ...] = (
         name="requests.input_ids_range",
         target="sglang.srt.managers.tokenizer_manager:TokenizerManager._validate_one_request",
         kind="around",
-        replacement="dsv4_sm80.request_checks:validate_one_request",
+        replacement="dsv4_sm80.stages.requests:validate_one_request",
         reason=("Caller-supplied input_ids outside [0, vocab) reach DSV4's embedding and hash-layer table "
                 "unchecked in 0.5.16 and a device-side assert kills the server; they are answered 400 naming "
                 "input_ids.range instead."),
@@ -136,7 +125,7 @@ SEAMS: tuple[Seam, ...] = (
         name="moe.quant_method",
         target="sglang.srt.layers.quantization.fp8:Fp8Config.get_quant_method",
         kind="around",
-        replacement="dsv4_sm80.moe:select_moe_method",
+        replacement="dsv4_sm80.stages.moe:select_moe_method",
         reason=(
             "With SGLANG_DSV4_MXFP4_MOE_BACKEND=mxfp4_int8 the FP4 experts get the W4A8 method (INT8 "
             "tensor cores, 4-bit resident) instead of SGLang's MXFP4 Marlin method."
@@ -147,7 +136,7 @@ SEAMS: tuple[Seam, ...] = (
         name="moe.marlin_sm80",
         target="sglang.srt.layers.quantization.mxfp4_marlin_moe:is_sm90_supported",
         kind="value",
-        replacement="dsv4_sm80.moe:marlin_on_sm80",
+        replacement="dsv4_sm80.stages.moe:marlin_on_sm80",
         reason=(
             "SGLang's MXFP4 Marlin MoE is SM80-legal code refused by one Python check "
             "(mxfp4_marlin_moe.py:118); the marlin backend needs it lifted. Only that module's global "
@@ -159,7 +148,7 @@ SEAMS: tuple[Seam, ...] = (
         name="moe.footprint",
         target="sglang.srt.model_loader.loader:DefaultModelLoader.load_weights_and_postprocess",
         kind="after",
-        replacement="dsv4_sm80.moe:log_expert_footprint",
+        replacement="dsv4_sm80.stages.moe:log_expert_footprint",
         reason="A start-up line per GPU: expert bytes resident, which must be 4 bits + E8M0 per 32.",
         upstream="srt/model_loader/loader.py:804-849",
     ),
@@ -168,7 +157,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.kv_dtype",
         target="sglang.srt.entrypoints.engine:Engine._launch_subprocesses",
         kind="before",
-        replacement="dsv4_sm80.attention:bf16_kv_at_launch",
+        replacement="dsv4_sm80.stages.attention:bf16_kv_at_launch",
         reason=("DSV4's KV cache dtype defaults to FP8 e4m3 (arg_groups/overrides.py:1463, registered at import, "
                 "so not patchable there); SM80 keeps it BF16."),
         upstream="srt/entrypoints/engine.py:765-790",
@@ -177,7 +166,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.pool_bytes_per_token",
         target="sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4SingleKVPool.get_bytes_per_token",
         kind="replace",
-        replacement="dsv4_sm80.attention:bf16_bytes_per_token",
+        replacement="dsv4_sm80.stages.attention:bf16_bytes_per_token",
         reason="A KV row is 512 BF16 values (1024 bytes), not the 584-byte FP8 FlashMLA layout.",
         upstream="srt/mem_cache/deepseek_v4_memory_pool.py:98-105",
     ),
@@ -185,7 +174,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.pool_create_buffer",
         target="sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4SingleKVPool.create_buffer",
         kind="replace",
-        replacement="dsv4_sm80.attention:bf16_create_buffer",
+        replacement="dsv4_sm80.stages.attention:bf16_create_buffer",
         reason=("The SWA/C4/C128 pools (target and draft) become BF16 [pages, page_size*512]: row = flat slot id, "
                 "the id space of all metadata; the original asserts the FP8 layout."),
         upstream="srt/mem_cache/deepseek_v4_memory_pool.py:107-124",
@@ -194,7 +183,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.pool_set_key_buffer",
         target="sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4SingleKVPool.set_key_buffer",
         kind="replace",
-        replacement="dsv4_sm80.attention:bf16_set_key_buffer",
+        replacement="dsv4_sm80.stages.attention:bf16_set_key_buffer",
         reason="The FP8 pack writer (Triton float8e4nv) cannot run on SM80; rows are BF16 here.",
         upstream="srt/mem_cache/deepseek_v4_memory_pool.py:126-137",
     ),
@@ -202,7 +191,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.pool_set_key_buffer_fused",
         target="sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4SingleKVPool.set_key_buffer_fused",
         kind="replace",
-        replacement="dsv4_sm80.attention:bf16_set_key_buffer_fused",
+        replacement="dsv4_sm80.stages.attention:bf16_set_key_buffer_fused",
         reason="The JIT FP8 FlashMLA store becomes a BF16 row scatter that skips slot < 0.",
         upstream="srt/mem_cache/deepseek_v4_memory_pool.py:139-150",
     ),
@@ -210,7 +199,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.swa_norm_rope_store",
         target="sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope",
         kind="replace",
-        replacement="dsv4_sm80.attention:bf16_swa_norm_rope_store",
+        replacement="dsv4_sm80.stages.attention:bf16_swa_norm_rope_store",
         reason="The main K writer (RMSNorm + RoPE + FP8 FlashMLA page store) becomes RMSNorm + RoPE + BF16 row store.",
         upstream="srt/mem_cache/deepseek_v4_memory_pool.py:1177-1196",
     ),
@@ -218,7 +207,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.pool_sizing",
         target="sglang.srt.model_executor.pool_configurator:DSV4PoolConfigurator._get_bytes_per_full_token",
         kind="around",
-        replacement="dsv4_sm80.attention:bf16_bytes_per_full_token",
+        replacement="dsv4_sm80.stages.attention:bf16_bytes_per_full_token",
         reason="The configurator hard-codes the 584-byte FP8 row; max_total_num_tokens must be sized for 1024.",
         upstream="srt/model_executor/pool_configurator.py:672-712",
     ),
@@ -226,7 +215,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.compress_store",
         target="sglang.srt.layers.attention.dsv4.compressor_v2:compress_norm_rope_store",
         kind="around",
-        replacement="dsv4_sm80.attention:compress_store",
+        replacement="dsv4_sm80.stages.attention:compress_store",
         reason=("Compressed entries: the main store through the JIT's own bf16_store mode into BF16 rows; the "
                 "indexer store (FP8 in 0.5.16, no BF16/INT8 mode) through the INT8 epilogue+store."),
         upstream="srt/layers/attention/dsv4/compressor_v2.py:11",
@@ -235,7 +224,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.indexer_q",
         target="sglang.srt.layers.attention.dsv4.indexer:fused_q_indexer_rope_hadamard_quant",
         kind="around",
-        replacement="dsv4_sm80.attention:indexer_q_int8",
+        replacement="dsv4_sm80.stages.attention:indexer_q_int8",
         reason="Indexer Q: RoPE + Hadamard + INT8 (the JIT quantizes to FP8 for DeepGEMM).",
         upstream="srt/layers/attention/dsv4/indexer.py:11",
     ),
@@ -243,7 +232,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.indexer_logits",
         target="sglang.srt.layers.attention.dsv4.indexer:fp8_paged_mqa_logits_torch",
         kind="around",
-        replacement="dsv4_sm80.attention:indexer_logits_int8",
+        replacement="dsv4_sm80.stages.attention:indexer_logits_int8",
         reason=("The paged weighted-ReLU MQA logits (DeepGEMM, SM90+) on INT8 tensor cores; SGLang calls this "
                 "module global when SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 (an import-time default of the patch)."),
         upstream="srt/layers/attention/dsv4/indexer.py:55-118",
@@ -252,7 +241,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.no_flashmla_metadata",
         target="sglang.srt.layers.attention.deepseek_v4_backend:_create_flashmla_metadata",
         kind="replace",
-        replacement="dsv4_sm80.attention:no_flashmla_metadata",
+        replacement="dsv4_sm80.stages.attention:no_flashmla_metadata",
         reason="FlashMLA's scheduler metadata is read only by the FlashMLA call the SM80 forward replaces.",
         upstream="srt/layers/attention/deepseek_v4_backend.py:136-141",
     ),
@@ -260,7 +249,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.forward",
         target="sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend.forward",
         kind="replace",
-        replacement="dsv4_sm80.attention:sm80_forward",
+        replacement="dsv4_sm80.stages.attention:sm80_forward",
         reason=("FlashMLA sparse decode/prefill ship sm_90a/100a code only; one Triton kernel over the BF16 caches "
                 "serves every mode from the backend's own per-query metadata (multi-step, DSPARK and NextN "
                 "backends are instances of this class)."),
@@ -270,7 +259,7 @@ SEAMS: tuple[Seam, ...] = (
         name="attention.no_sparse_prefill",
         target="sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend._forward_prefill_sparse",
         kind="replace",
-        replacement="dsv4_sm80.attention:refuse_sparse_prefill",
+        replacement="dsv4_sm80.stages.attention:refuse_sparse_prefill",
         reason="FlashMLA sparse prefill over an FP8 workspace; unreachable with the SM80 forward, and kept so.",
         upstream="srt/layers/attention/deepseek_v4_backend.py:1757-1862",
     ),
@@ -279,44 +268,11 @@ SEAMS: tuple[Seam, ...] = (
         name="mhc.hc_prenorm_gemm",
         target="sglang.srt.layers.deep_gemm_wrapper.entrypoint:tf32_hc_prenorm_gemm",
         kind="replace",
-        replacement="dsv4_sm80.mhc:hc_prenorm_gemm",
+        replacement="dsv4_sm80.stages.mhc:hc_prenorm_gemm",
         reason=("mhc_pre (every layer, and the load-time prewarm) calls DeepGEMM's TF32 hc pre-norm GEMM, built for "
                 "SM90/SM100 only (SGLANG_OPT_DEEPGEMM_HC_PRENORM defaults on): a Triton GEMM on SM80's TF32 "
                 "tensor cores with the same contract; its callers import this attribute when they run."),
         upstream="srt/layers/deep_gemm_wrapper/entrypoint.py:214-223",
-    ),
-    # --- tripwire (lab): SM90/SM100-only entry points raise (tripwire.py; only with DSV4_SM80_TRIPWIRE=1) --
-    _tripwire("fp8_k_pack", "sglang.srt.layers.attention.deepseek_v4_backend:quant_to_nope_fp8_rope_bf16_pack_triton",
-              "Triton float8e4nv K packer of the FP8 store path; never on the SM80 path.",
-              "srt/layers/attention/deepseek_v4_backend.py:29"),
-    _tripwire("fp8_k_dequant", "sglang.srt.layers.attention.deepseek_v4_backend:dequantize_k_cache_paged",
-              "Triton float8e4nv dequantization feeding FlashMLA sparse prefill.",
-              "srt/layers/attention/deepseek_v4_backend.py:23"),
-    _tripwire("topk_v2", "sglang.srt.layers.attention.dsv4.indexer:topk_transform_512_v2",
-              "The cluster top-k (sm_90+); SGLANG_OPT_USE_TOPK_V2=0 keeps v1.",
-              "srt/layers/attention/dsv4/indexer.py:13"),
-    _tripwire("deepgemm_linear", "sglang.srt.layers.quantization.fp8_utils:deepgemm_w8a8_block_fp8_linear_with_fallback",
-              "DeepGEMM FP8 block GEMM (native dense path on SM90).",
-              "srt/layers/quantization/fp8_utils.py:787"),
-    _tripwire("cutlass_linear", "sglang.srt.layers.quantization.fp8_utils:cutlass_w8a8_block_fp8_linear_with_fallback",
-              "CUTLASS FP8 block GEMM.",
-              "srt/layers/quantization/fp8_utils.py:747"),
-    _tripwire("triton_fp8_linear", "sglang.srt.layers.quantization.fp8_utils:triton_w8a8_block_fp8_linear",
-              "Triton FP8 W8A8 block GEMM (float8e4nv).",
-              "srt/layers/quantization/fp8_utils.py:972"),
-    _tripwire("mxfp4_marlin_prepare", "sglang.srt.layers.quantization.mxfp4_marlin_moe:Mxfp4MarlinMoEMethod.process_weights_after_loading",
-              "Under mxfp4_int8 no expert layer may take SGLang's MXFP4 Marlin path or its SM check.",
-              "srt/layers/quantization/mxfp4_marlin_moe.py:103", "SGLANG_DSV4_MXFP4_MOE_BACKEND=mxfp4_int8"),
-    Seam(
-        name="tripwire.deep_gemm",
-        target="sglang.srt.layers.deep_gemm_wrapper.configurer:ENABLE_JIT_DEEPGEMM",
-        kind="value",
-        replacement="dsv4_sm80.tripwire:arm_deep_gemm",
-        reason=("Every DeepGEMM kernel entry point (the deep_gemm package's own functions) raises, not only the "
-                "FP8 linear: a lab run once reached tf32_hc_prenorm_gemm with no wire on it. The flag is "
-                "returned unchanged; arming happens as SGLang first decides on DeepGEMM."),
-        upstream="srt/layers/deep_gemm_wrapper/configurer.py:35",
-        when=("DSV4_SM80_TRIPWIRE=1",),
     ),
     # --- vision (vision_backport/), experimental: only with DSV4_SM80_VISION=1 ---------------------------
     Seam(
@@ -335,7 +291,7 @@ SEAMS: tuple[Seam, ...] = (
         target="sglang.srt.managers.multimodal_processor:PROCESSOR_MAPPING",
         kind="value",
         replacement="vision_backport.install:register_processor",
-        reason="Images of a request become each image's token block and patches (reference 03 §6).",
+        reason="Images of a request become each image's token block and patches.",
         upstream="srt/managers/multimodal_processor.py:13",
         when=("DSV4_SM80_VISION=1",),
         overlay="vision",
@@ -377,7 +333,7 @@ SEAMS: tuple[Seam, ...] = (
         target="sglang.srt.layers.moe.topk:TopK.forward_cuda",
         kind="around",
         replacement="vision_backport.routing:topk_with_vl",
-        reason="Image-block tokens choose experts with bias_vl, text tokens with the correction bias (§4.1).",
+        reason="Image-block tokens choose experts with bias_vl, text tokens with the correction bias.",
         upstream="srt/layers/moe/topk.py:484",
         when=("DSV4_SM80_VISION=1",),
         overlay="vision",
@@ -438,12 +394,23 @@ SEAMS: tuple[Seam, ...] = (
         overlay="vision",
     ),
     Seam(
+        name="vision.sm80_window",
+        target="sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend.forward",
+        kind="around",
+        replacement="vision_backport.window:sm80_forward_with_window",
+        reason=("Image-block queries of a prefill attend to their whole block both ways (the Vision-Exp window): "
+                "the SM80 forward (attention.forward, declared before this) reads the widened SWA lists."),
+        upstream="srt/layers/attention/deepseek_v4_backend.py:1600-1755",
+        when=("DSV4_SM80_VISION=1", "ENABLE_SGLANG_DSV4_A100_PATCH=1"),
+        overlay="vision",
+    ),
+    Seam(
         name="vision.native_window",
         target="sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend.forward",
         kind="around",
         replacement="vision_backport.window:native_forward_with_window",
         reason=("Native A/B (patch off): image-block queries of a prefill get the bidirectional window in "
-                "FlashMLA's SWA index lists (the SM80 forward builds the same lists for its Triton kernel)."),
+                "FlashMLA's SWA index lists (vision.sm80_window gives the SM80 forward the same lists)."),
         upstream="srt/layers/attention/deepseek_v4_backend.py:1600-1755",
         when=("DSV4_SM80_VISION=1", "ENABLE_SGLANG_DSV4_A100_PATCH=0"),
         overlay="vision",
@@ -453,7 +420,7 @@ SEAMS: tuple[Seam, ...] = (
         name="dense.quant_method",
         target="sglang.srt.layers.quantization.fp8:Fp8Config.get_quant_method",
         kind="around",
-        replacement="dsv4_sm80.linear:select_quant_method",
+        replacement="dsv4_sm80.stages.dense:select_quant_method",
         reason=(
             "SM80 has no FP8 tensor cores: every FP8 block linear DSV4 builds gets the SM80 method "
             "(exact BF16 at load, BF16 GEMM) or, with SGLANG_DSV4_A100_DENSE=fp8_marlin, SGLang's own "
@@ -465,7 +432,7 @@ SEAMS: tuple[Seam, ...] = (
         name="dense.weight_loader_v2",
         target="sglang.srt.layers.linear:WEIGHT_LOADER_V2_SUPPORTED",
         kind="value",
-        replacement="dsv4_sm80.linear:with_sm80_loader_name",
+        replacement="dsv4_sm80.stages.dense:with_sm80_loader_name",
         reason=(
             "Linear layers pick their weight loader by the quant method's class name (linear.py:367, "
             ":1449); the SM80 method loads the checkpoint's FP8 weight and block scale exactly as "
@@ -478,7 +445,7 @@ SEAMS: tuple[Seam, ...] = (
         name="dense.marlin_fp32_reduce",
         target="sglang.srt.layers.quantization.marlin_utils_fp8:should_use_atomic_add_reduce",
         kind="value",
-        replacement="dsv4_sm80.linear:marlin_reduce_as_sm80",
+        replacement="dsv4_sm80.stages.dense:marlin_reduce_as_sm80",
         reason=(
             "FP8-Marlin sums split-K partials with BF16 atomicAdd on SM90+ only (marlin_utils.py:479); "
             "a lab run on an H200 must reduce in fp32 as an A800 does, or it tests another datapath."
@@ -501,7 +468,7 @@ SEAMS: tuple[Seam, ...] = (
         name="dense.wo_a_fp8_param",
         target="sglang.srt.models.deepseek_v4:MqaAttentionBase.__init__",
         kind="around",
-        replacement="dsv4_sm80.linear:build_wo_a_from_checkpoint",
+        replacement="dsv4_sm80.stages.dense:build_wo_a_from_checkpoint",
         reason=(
             "wo_a is dequantized on the CPU, whole and unsharded, in every rank when the FP8 wo_a GEMM "
             "(DeepGEMM, SM90+) is off; building it with the FP8 quant config lets each rank load its "
@@ -513,7 +480,7 @@ SEAMS: tuple[Seam, ...] = (
         name="dense.wo_a_no_cpu_dequant",
         target="sglang.srt.models.deepseek_v4:_dequant_fp8_wo_a",
         kind="replace",
-        replacement="dsv4_sm80.linear:keep_wo_a_fp8_for_gpu",
+        replacement="dsv4_sm80.stages.dense:keep_wo_a_fp8_for_gpu",
         reason=(
             "With wo_a built as an FP8 parameter pair (dense.wo_a_fp8_param) its weight and scale must "
             "reach the loader unchanged; the DSPARK draft binds this same function by name."
@@ -524,7 +491,7 @@ SEAMS: tuple[Seam, ...] = (
         name="dense.load_summary",
         target="sglang.srt.model_loader.loader:DefaultModelLoader.load_weights_and_postprocess",
         kind="after",
-        replacement="dsv4_sm80.linear:log_load_summary",
+        replacement="dsv4_sm80.stages.dense:log_load_summary",
         reason="One line per GPU after loading: tensors converted, bytes before/after, seconds.",
         upstream="srt/model_loader/loader.py:804-849",
     ),
@@ -538,12 +505,14 @@ def by_module(seams=SEAMS) -> dict[str, list[Seam]]:
     return out
 
 
-def validate_table(seams=SEAMS, fingerprints=None) -> list[str]:
-    """Problems with the declarations themselves (not with the installed SGLang)."""
+def validate_table(seams=SEAMS, fingerprints=None, lab_knobs=()) -> list[str]:
+    """Problems with the declarations themselves (not with the installed SGLang). A lab seam's toggles may name
+    the lab's knobs (`lab_knobs`, dsv4_lab.knobs.LAB_KNOBS; those the applier took from the lab by default)."""
     from .upstream import FINGERPRINTS, module_relpath
 
     fingerprints = FINGERPRINTS if fingerprints is None else fingerprints
-    knob_names = {k.name for k in env.KNOBS}
+    product_knobs = {k.name for k in env.KNOBS}
+    lab_knob_names = product_knobs | {k.name for k in (*env.lab_knobs(), *lab_knobs)}
     problems, names = [], set()
     for s in seams:
         if s.name in names:
@@ -562,10 +531,11 @@ def validate_table(seams=SEAMS, fingerprints=None) -> list[str]:
             problems.append(f"{s.name}: replacement {s.replacement} is shared (it carries the seam's mark)")
         if not s.reason.strip():
             problems.append(f"{s.name}: no reason")
-        if s.overlay not in ("sm80", "vision"):
-            problems.append(f"{s.name}: overlay {s.overlay!r} is not sm80 or vision")
+        if s.overlay not in OVERLAYS:
+            problems.append(f"{s.name}: overlay {s.overlay!r} is not one of {', '.join(OVERLAYS)}")
         for cond in s.when:
             name, _, value = cond.partition("=")
-            if name not in knob_names or not value:
-                problems.append(f"{s.name}: toggle {cond!r} is not KNOB=value of dsv4_sm80.env")
+            if name not in (lab_knob_names if s.overlay == "lab" else product_knobs) or not value:
+                problems.append(f"{s.name}: toggle {cond!r} is not KNOB=value of dsv4_sm80.env"
+                                + (" or the lab's knobs" if s.overlay == "lab" else ""))
     return problems

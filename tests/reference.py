@@ -1,5 +1,5 @@
 """Plain float64 references written from the formats' definitions, shared by the CPU tests and the
-GPU scripts (tests/gpu/): e4m3 (1-4-3, bias 7, subnormals), E8M0 (2^(b-127)), E2M1 (1-2-1, bias 1),
+GPU scripts (dsv4_lab/beds/): e4m3 (1-4-3, bias 7, subnormals), E8M0 (2^(b-127)), E2M1 (1-2-1, bias 1),
 round-to-nearest-even onto the BF16 grid, and raw reads of a checkpoint's bytes. Nothing here uses
 the code under test.
 """

@@ -1,4 +1,4 @@
-"""The attention stage's wiring (dsv4_sm80/attention.py) inside real SGLang 0.5.16 on the CPU: BF16 pools,
+"""The attention stage's wiring (dsv4_sm80/stages/attention.py) inside real SGLang 0.5.16 on the CPU: BF16 pools,
 their writers, the pool sizing, the compressor's INT8 index store from a compress plan, and the backend's
 forward on DSV4's own metadata object - each against the plain-PyTorch references. Kernels run in Triton's
 interpreter."""
@@ -182,7 +182,7 @@ def test_backend_forward_on_dsv4_metadata():
 
 def test_launch_sets_bf16_kv_and_refuses_other_dtypes():
     import compat_check
-    from dsv4_sm80.attention import bf16_kv_at_launch
+    from dsv4_sm80.stages.attention import bf16_kv_at_launch
 
     for given in ("auto", "fp8_e4m3", "bfloat16"):
         args = SimpleNamespace(kv_cache_dtype=given)

@@ -1,6 +1,6 @@
 """Kernels the benchmarks bring of their own, on the CPU: bench/mma_peak.py's loop compiled for sm_80 (it issues the
 two instructions it claims to time, four independent ones an iteration; the interpreter cannot execute inline PTX,
-so the timing is a GPU run: issue 4, whether an H200's mma.sync keeps an A800's INT8:BF16 2:1), and
+so the timing is a GPU run: whether an H200's mma.sync keeps an A800's INT8:BF16 2:1), and
 bench/attention.py's latency-chain kernels in the interpreter."""
 
 from conftest import last_json, run_python

@@ -2,7 +2,7 @@
 
 The inventory code is the single description of the official checkpoint used by both the
 generator and the gate, so it is checked here against numbers it was not derived from: the
-published tensor counts and byte totals of the real releases (reference 04 §0, §2.7, §5.1).
+published tensor counts and byte totals of the real releases (their model cards and safetensors indexes).
 """
 
 import math
@@ -67,8 +67,8 @@ def test_shape_rules_on_real_widths():
         assert spec[s].shape == (math.ceil(o / 128), math.ceil(i / 128))
 
 
-def test_appendix_a_fingerprints():
-    """The gate's 0.5.16 fingerprints include reference 01 Appendix A verbatim."""
+def test_fingerprints_hold_the_wheels_record_hashes():
+    """The gate's 0.5.16 fingerprints include these files' RECORD hashes from the sglang-0.5.16 wheel verbatim."""
     from dsv4_sm80.upstream import FINGERPRINTS
 
     appendix_a = {

@@ -155,6 +155,20 @@ def test_doctor_prints_the_report(built):
     assert doc["ok"] is False and any(c["check"] == "gpu.count" and c["status"] == "fail" for c in doc["checks"])
 
 
+def test_the_image_holds_no_lab_code(built):
+    """The laboratory (dsv4_lab: replays, tripwire, beds) and the tests never ship: nothing of them anywhere in
+    the image, and with the lab switch on the overlay refuses rather than run without the lab's seams."""
+    r = sh("docker", "run", "--rm", "--network", "none", "--entrypoint", "sh", built[0], "-c",
+           "find / -xdev \\( -name dsv4_lab -o -name 'test_*.py' -path '*dsv4*' -o -name steps.sh \\) -print; "
+           "ls /sgl-workspace/sm80-patch /sgl-workspace/platform")
+    assert "dsv4_lab" not in r.stdout and "steps.sh" not in r.stdout, r.stdout
+    assert sorted(r.stdout.split()) == sorted(["compat_check.py", "entrypoint.sh", "sitecustomize.py", "dsv4_sm80",
+                                               "vision_backport"]), r.stdout
+    r = sh("docker", "run", "--rm", "--network", "none", "-e", "DSV4_SM80_LAB=1", "--entrypoint", "python3", built[0],
+           "-c", "import dsv4_sm80.apply as a; a.lab_seams()", check=False, timeout=120)
+    assert r.returncode != 0 and "DSV4_SM80_LAB=1 but the lab package cannot be imported" in r.stdout + r.stderr
+
+
 def _tree_digest(image):
     r = sh("docker", "run", "--rm", "--network", "none", "--entrypoint", "sh", image, "-c",
            "cd /sgl-workspace/sglang && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum")

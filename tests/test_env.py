@@ -27,6 +27,19 @@ def test_lab_overrides():
     assert env.lab_overrides({"DSV4_SM80_LAB_CC": " ", "DSV4_SM80_LAB_GPU_COUNT": "2"}) == {"DSV4_SM80_LAB_GPU_COUNT": "2"}
 
 
+def test_the_lab_is_one_switch_in_the_product_contract():
+    """The product's contract names the lab switch and the gate's two lab overrides, no other lab knob (those
+    are dsv4_lab/knobs.py's)."""
+    assert env.lab_enabled({}) is False and env.lab_enabled({"DSV4_SM80_LAB": "1"}) is True
+    with pytest.raises(env.EnvError, match="DSV4_SM80_LAB='yes' is not one of 0, 1"):
+        env.lab_enabled({"DSV4_SM80_LAB": "yes"})
+    lab_named = {k.name for k in env.KNOBS if "LAB" in k.name or "TRIPWIRE" in k.name}
+    assert lab_named == {"DSV4_SM80_LAB", "DSV4_SM80_LAB_GPU_COUNT", "DSV4_SM80_LAB_CC"}
+    from dsv4_lab.knobs import LAB_KNOBS
+
+    assert not {k.name for k in LAB_KNOBS} & {k.name for k in env.KNOBS}
+
+
 GUARDS = """
 import json, os
 for k in [k for k in os.environ if k.startswith("SGLANG_")]:
@@ -51,3 +64,9 @@ def test_guards_are_sglang_defaults_and_pins_are_not():
     assert set(out) == {d.name for d in env.IMPORT_TIME_DEFAULTS}
     for name, (sglang_default, value, guard) in out.items():
         assert (sglang_default == value) == guard, (name, sglang_default, value, guard)
+
+
+def test_the_lab_switch_alone_prints_the_lab_banner():
+    banner = env.lab_banner({"DSV4_SM80_LAB": "1"})
+    assert "LAB MODE: DSV4_SM80_LAB=1" in banner and "lab's seams are applied" in banner
+    assert env.lab_banner({"DSV4_SM80_LAB": "0"}) is None and env.lab_banner({}) is None

@@ -1,4 +1,4 @@
-"""The memory arithmetic (dsv4_sm80/footprint.py) against reference 04 §3 and SGLang's own pool sizing."""
+"""The memory arithmetic (dsv4_sm80/footprint.py) against the published parameter counts and SGLang's own pool sizing."""
 
 import pytest
 
@@ -13,8 +13,8 @@ def per_part(config, dense, tp=4):
     return {p: round(sum(c.values()) / GIB, 2) for p, c in fp.weights(config, tp, dense).items()}
 
 
-def test_weights_per_gpu_match_reference_04():
-    """Reference 04 §3.2 (TP4): checkpoint-native 37.24 (main) / 2.68 (DSPARK) / 0.87 (vision) GiB per
+def test_weights_per_gpu_match_the_published_arithmetic():
+    """TP4 (docs/footprint.md): checkpoint-native 37.24 (main) / 2.68 (DSPARK) / 0.87 (vision) GiB per
     card; BF16 linears with MXFP4 + E8M0 experts 38.91 / 2.83 / 0.87."""
     vl = fmt.vision_exp_config()
     assert per_part(vl, "native") == {"main": 37.24, "draft": 2.68, "vision": 0.87}
@@ -23,7 +23,7 @@ def test_weights_per_gpu_match_reference_04():
     marlin = per_part(vl, "fp8_marlin")
     extra = per_part(vl, "bf16")["main"] + per_part(vl, "bf16")["draft"] - marlin["main"] - marlin["draft"]
     assert 1.3 < extra < 1.5  # docs/dense.md: BF16 costs about 1.3-1.4 GiB per GPU more at TP4
-    # the experts are the 4-bit 34.27 GiB of reference 04 (277.03 B params x 4.25 bits / 4 cards)
+    # the experts are 4-bit 34.27 GiB (277.03 B params x 4.25 bits / 4 cards)
     assert round(fp.weights(vl, 4, "bf16")["main"]["experts"] / GIB, 2) == 34.27
     # nothing large falls through to the catch-all
     assert all(c.get("norms", 0) < 0.01 * GIB for c in fp.weights(vl, 4, "bf16").values())
@@ -63,7 +63,7 @@ def test_kv_per_token_is_sglangs_patched_sizing():
         assert ours == pytest.approx(sglang[str(ring)], rel=1e-12), (ring, ours, sglang)
     geo = fp.KVGeometry.of(fmt.flash_0731_config())
     assert (geo.layers, geo.c4_layers, geo.c128_layers) == (43, 21, 20)
-    assert geo.intrinsic_per_token() == 6229.0  # reference 04 §3.3: BF16 KV + INT8 indexer
+    assert geo.intrinsic_per_token() == 6229.0  # BF16 KV + INT8 indexer (docs/footprint.md)
 
 
 def test_512k_fits_on_four_a800s():
@@ -71,7 +71,7 @@ def test_512k_fits_on_four_a800s():
     more than one 512K request in both dense modes (every rank stores the whole KV)."""
     for dense in ("bf16", "fp8_marlin"):
         p = fp.plan(fmt.vision_exp_config(), tp=4, dense=dense)
-        assert p.kv_per_full_token == pytest.approx(13630.0, abs=0.05)  # reference 04 §3.3 (spec + draft)
+        assert p.kv_per_full_token == pytest.approx(13630.0, abs=0.05)  # spec + draft (docs/footprint.md)
         assert p.concurrency > 3, (dense, p.concurrency)
     # and it would not at TP2: the weights alone outgrow the card
     assert fp.plan(fmt.vision_exp_config(), tp=2).concurrency == 0
@@ -130,7 +130,7 @@ def test_startup_report_names_the_moe_expand_workspace():
     import torch
 
     from dsv4_sm80.kernels.w4a8_moe import expand_share
-    from dsv4_sm80.moe import W4A8Layer
+    from dsv4_sm80.stages.moe import W4A8Layer
 
     assert expand_share(256, 1024, 4096) == (128, 128 * 1024 * 4096, 128 * 4096)
     assert expand_share(2, 1024, 4096) == (2, 2 * 1024 * 4096, 2 * 4096)  # fewer experts than a share

@@ -1,4 +1,4 @@
-"""tests/gpu/compare.py: the teacher-forced comparison, on hand-made records."""
+"""dsv4_lab/beds/compare.py: the teacher-forced comparison, on hand-made records."""
 
 import math
 import os
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dsv4_lab", "beds"))
 import compare  # noqa: E402
 
 

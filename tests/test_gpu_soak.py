@@ -1,4 +1,4 @@
-"""tests/gpu/soak.py's memory accounting, on the CPU: the server's own processes (a GPU shared with other jobs
+"""dsv4_lab/beds/soak.py's memory accounting, on the CPU: the server's own processes (a GPU shared with other jobs
 must not count them) and the stability rule."""
 
 import os
@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dsv4_lab", "beds"))
 import soak  # noqa: E402
 
 
@@ -51,31 +51,31 @@ def test_memory_stable_rule():
     assert not soak.memory_stable([], [1]) and not soak.memory_stable([1], [])
 
 
-# session 12's soak on the H200 (patched, 4 minutes): (seconds, MiB of the GPU) every 10 s; flat for 100 s,
+# a soak on the H200 (2026-12-01, `steps.sh soak`, patched, 4 minutes): (seconds, MiB of the GPU) every 10 s; flat for 100 s,
 # then a 74 MiB step and ~37 MiB/min. The first-vs-last-minute rule alone passed it.
-SESSION12 = [(0.3, 107614), (10.4, 107616), (20.4, 107616), (30.5, 107616), (40.5, 107616), (50.6, 107616),
+CLIMBING_SOAK = [(0.3, 107614), (10.4, 107616), (20.4, 107616), (30.5, 107616), (40.5, 107616), (50.6, 107616),
              (60.6, 107616), (70.7, 107616), (80.7, 107616), (90.8, 107616), (100.8, 107620), (110.9, 107694),
              (121.0, 107702), (131.1, 107708), (141.1, 107716), (151.1, 107720), (161.2, 107728), (171.3, 107732),
              (181.3, 107736), (191.4, 107744), (201.4, 107750), (211.5, 107756), (221.5, 107764), (231.6, 107770)]
 
 
 def test_growth_over_the_second_half_catches_a_steady_climb():
-    mib = [m for _, m in SESSION12]
+    mib = [m for _, m in CLIMBING_SOAK]
     assert soak.memory_stable(mib[:6], mib[-6:])  # the old rule: passed
-    slope = soak.growth_mib_per_min(SESSION12)
+    slope = soak.growth_mib_per_min(CLIMBING_SOAK)
     assert 30 < slope < 45, slope  # second half (116-232 s): 107702 -> 107770, ~37 MiB/min
     assert slope >= soak.GROWTH_LIMIT
-    flat = [(t, 107616 + (2 if i % 3 == 0 else 0)) for i, (t, _) in enumerate(SESSION12)]  # nvidia-smi's jitter
+    flat = [(t, 107616 + (2 if i % 3 == 0 else 0)) for i, (t, _) in enumerate(CLIMBING_SOAK)]  # nvidia-smi's jitter
     assert abs(soak.growth_mib_per_min(flat)) < soak.GROWTH_LIMIT
-    warmup = [(t, 100000 + min(t, 60) * 10) for t, _ in SESSION12]  # grows in the first minute, then flat
+    warmup = [(t, 100000 + min(t, 60) * 10) for t, _ in CLIMBING_SOAK]  # grows in the first minute, then flat
     assert soak.growth_mib_per_min(warmup) == 0.0
-    assert soak.growth_mib_per_min(SESSION12[:5]) is None  # too short a run to tell: not "stable"
-    assert soak.growth_mib_per_min([(t, None) for t, _ in SESSION12]) is None
+    assert soak.growth_mib_per_min(CLIMBING_SOAK[:5]) is None  # too short a run to tell: not "stable"
+    assert soak.growth_mib_per_min([(t, None) for t, _ in CLIMBING_SOAK]) is None
 
 
 def test_memlog_lines_and_what_grew(tmp_path):
     sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from dsv4_sm80 import lab_memlog
+    from dsv4_lab import memlog as lab_memlog
 
     path = str(tmp_path / "m.jsonl")
     state = {"n": 0}
@@ -110,10 +110,10 @@ def test_memlog_lines_and_what_grew(tmp_path):
 
 
 def test_the_memory_log_says_whether_the_flush_gave_the_growth_back():
-    """Session 13's shape (native and patched both +25 MiB/min, inside the allocator's live tensors):
+    """The H200 soaks' shape (2026-12-01: native and patched both +25 MiB/min, inside the allocator's live tensors):
     summarize's `released` compares the live tensors at the first line after the flush with the run's start."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from dsv4_sm80 import lab_memlog
+    from dsv4_lab import memlog as lab_memlog
 
     M = lab_memlog.MIB
 
@@ -135,7 +135,7 @@ def test_the_memory_log_says_whether_the_flush_gave_the_growth_back():
 
 
 def test_leak_check_holds_live_tensors_after_a_collection_to_before_the_load():
-    """Session 15: the growth sat in the flushed radix tree until a collection; the check compares the live
+    """On the H200 (2026-12-01) the growth sat in the flushed radix tree until a collection; the check compares the live
     bytes after a full GC before the load and after the flush, within LEAK_SLACK_MIB."""
     M = 1 << 20
     before = {"7 target": {"allocated": 1000 * M, "allocated_before_gc": 1000 * M}}
@@ -153,7 +153,7 @@ def test_leak_check_holds_live_tensors_after_a_collection_to_before_the_load():
 
 def test_memlog_caught_up_waits_for_every_process_and_role():
     sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from dsv4_sm80 import lab_memlog
+    from dsv4_lab import memlog as lab_memlog
 
     target = [{"t": t, "pid": 1, "role": "target"} for t in (0, 10, 20)]
     draft = [{"t": t, "pid": 1, "role": "draft"} for t in (5, 15)]
@@ -175,15 +175,15 @@ def _frame(filename, line, name):
 TORCH = _frame("/venv/lib/python3.12/site-packages/torch/utils/_device.py", 104, "__torch_function__")
 RADIX = _frame("/sgl/python/sglang/srt/mem_cache/radix_cache.py", 321, "insert")
 SCHED = _frame("/venv/lib/python3.12/site-packages/sglang/srt/managers/scheduler.py", 900, "run_batch")
-OURS = _frame("/work/dsv4_sm80/attention.py", 77, "init_forward_metadata")
+OURS = _frame("/work/dsv4_sm80/stages/attention.py", 77, "init_forward_metadata")
 
 
 def test_allocation_sites_name_the_code_outside_torch():
-    from dsv4_sm80 import lab_memlog
+    from dsv4_lab import memlog as lab_memlog
 
     assert lab_memlog.site_of([TORCH, RADIX, SCHED]) == (
         "sglang/srt/mem_cache/radix_cache.py:321 insert < sglang/srt/managers/scheduler.py:900 run_batch")
-    assert lab_memlog.site_of([TORCH, OURS], depth=1) == "dsv4_sm80/attention.py:77 init_forward_metadata"
+    assert lab_memlog.site_of([TORCH, OURS], depth=1) == "dsv4_sm80/stages/attention.py:77 init_forward_metadata"
     assert lab_memlog.site_of([TORCH]).startswith("torch/utils/_device.py:104")  # nothing else: torch's own
     snap = _snapshot([
         {"size": 512, "state": "active_allocated", "frames": []},  # before the recording: untracked
@@ -195,7 +195,7 @@ def test_allocation_sites_name_the_code_outside_torch():
     got = lab_memlog.sites(snap)  # the snapshot's own device only
     radix = "sglang/srt/mem_cache/radix_cache.py:321 insert < sglang/srt/managers/scheduler.py:900 run_batch"
     assert got == {"untracked": {"bytes": 512, "blocks": 1}, radix: {"bytes": 3072, "blocks": 2},
-                   "dsv4_sm80/attention.py:77 init_forward_metadata": {"bytes": 8192, "blocks": 1}}
+                   "dsv4_sm80/stages/attention.py:77 init_forward_metadata": {"bytes": 8192, "blocks": 1}}
     later = {**got, radix: {"bytes": 3072 + 5 * lab_memlog.MIB, "blocks": 40}, "untracked": {"bytes": 0, "blocks": 0}}
     rows = lab_memlog.sites_growth(got, later)
     assert rows[0] == (radix, 5.0, 38) and rows[-1] == ("untracked", 0.0, -1)
@@ -203,7 +203,7 @@ def test_allocation_sites_name_the_code_outside_torch():
 
 
 def test_site_requests_are_answered_once_per_process_and_tag(tmp_path, monkeypatch):
-    from dsv4_sm80 import lab_memlog
+    from dsv4_lab import memlog as lab_memlog
 
     path = str(tmp_path / "m.jsonl")
     blocks = [{"size": 1024, "state": "active_allocated", "frames": [RADIX]}]
@@ -234,7 +234,7 @@ def test_site_requests_are_answered_once_per_process_and_tag(tmp_path, monkeypat
     key = f"{os.getpid()} sitetest"
     assert set(before) == set(after) == set(plain) == {key}
     assert lab_memlog.sites_growth(before[key]["sites"], after[key]["sites"]) == [
-        ("dsv4_sm80/attention.py:77 init_forward_metadata", 3.0, 1)]
+        ("dsv4_sm80/stages/attention.py:77 init_forward_metadata", 3.0, 1)]
     assert len(collected) == 2 and after[key]["gc_unreachable"] == 5 and "gc_unreachable" not in plain[key]
     assert after[key]["allocated"] == after[key]["allocated_before_gc"] == 1 and plain[key]["allocated"] == 1
     time.sleep(0.3)
@@ -244,7 +244,7 @@ def test_site_requests_are_answered_once_per_process_and_tag(tmp_path, monkeypat
 def test_memlog_runs_when_the_sites_cannot_be_recorded(tmp_path, monkeypatch, capsys):
     """DSV4_SM80_LAB_MEMSITES=1 where PyTorch's memory history cannot start (here: it raises): the memory log
     still runs and says why there are no sites."""
-    from dsv4_sm80 import lab_memlog
+    from dsv4_lab import memlog as lab_memlog
 
     path = str(tmp_path / "m.jsonl")
     monkeypatch.setenv("DSV4_SM80_LAB_MEMLOG", path)

@@ -1,15 +1,15 @@
-"""Page hygiene (lab): the pool poison of dsv4_sm80.hygiene; the GPU run is tests/gpu/hygiene.py."""
+"""Page hygiene (lab): the pool poison of dsv4_lab.hygiene; the GPU run is dsv4_lab/beds/hygiene.py."""
 
 
 def test_poison_fills_every_pool_buffer_of_target_and_draft(monkeypatch):
-    """dsv4_sm80.hygiene on pool-shaped objects (the attribute names of sglang 0.5.16's
+    """dsv4_lab.hygiene on pool-shaped objects (the attribute names of sglang 0.5.16's
     DeepSeekV4TokenToKVPool; the seam itself applies in test_seams): every KV row, indexer page and
     state ring is 0xFF afterwards (BF16 NaN), index tensors and other attributes untouched."""
     from types import SimpleNamespace as NS
 
     import torch
 
-    from dsv4_sm80 import hygiene
+    from dsv4_lab import hygiene
 
     def pool(with_c4=True):
         return NS(swa_kv_pool=NS(kv_buffer=[torch.zeros(4, 512, dtype=torch.bfloat16) for _ in range(2)]),
@@ -46,13 +46,13 @@ def _run(rounds):
 
 
 def test_gpu_hygiene_verdict_holds_the_poisoned_run_to_the_clean_floor():
-    """tests/gpu/hygiene.py's comparison: exact where two clean processes are exact, at most twice their own
+    """dsv4_lab/beds/hygiene.py's comparison: exact where two clean processes are exact, at most twice their own
     difference where they are not, and any NaN fails."""
     import importlib.util
     import math
     import os
 
-    path = os.path.join(os.path.dirname(__file__), "gpu", "hygiene.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dsv4_lab", "beds", "hygiene.py")
     spec = importlib.util.spec_from_file_location("gpu_hygiene", path)
     H = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(H)

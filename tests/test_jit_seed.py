@@ -1,4 +1,4 @@
-"""tests/gpu/jit_seed.py with tvm-ffi's own builder on the CPU: modules built by `tvm_ffi.cpp.load_inline` (the
+"""dsv4_lab/beds/jit_seed.py with tvm-ffi's own builder on the CPU: modules built by `tvm_ffi.cpp.load_inline` (the
 call SGLang's `load_jit` makes; C++ only here, no nvcc), packed, rebuilt in parallel into another cache, and then
 found there by `load_inline` without a rebuild (the `.so` untouched: the restored build.ninja and sources are what
 tvm-ffi itself writes for that directory)."""
@@ -14,7 +14,7 @@ from conftest import REPO
 
 tvm_cpp = pytest.importorskip("tvm_ffi.cpp", reason="tvm-ffi comes with sglang==0.5.16 (CI installs it)")
 
-spec = importlib.util.spec_from_file_location("jit_seed", os.path.join(REPO, "tests", "gpu", "jit_seed.py"))
+spec = importlib.util.spec_from_file_location("jit_seed", os.path.join(REPO, "dsv4_lab", "beds", "jit_seed.py"))
 jit_seed = importlib.util.module_from_spec(spec)
 sys.modules["jit_seed"] = jit_seed
 spec.loader.exec_module(jit_seed)
@@ -152,7 +152,7 @@ def test_build_defaults_to_the_cache_the_seed_came_from(packed, tmp_path):
 
 
 def test_pack_unfinished_keeps_a_module_still_building(packed):
-    # a run cut mid-build (session 27): its sources and build.ninja are there, its .so not yet
+    # a run cut mid-build: its sources and build.ninja are there, its .so not yet
     a, _ = packed
     seed = jit_seed.pack(a, unfinished=True)
     assert sorted(seed["modules"]) == ["cut__arch_test"] + [f"seedmod{k}__arch_test" for k in (1, 2, 3)]
@@ -160,8 +160,8 @@ def test_pack_unfinished_keeps_a_module_still_building(packed):
 
 
 def test_the_committed_seeds_are_this_tools():
-    # the defaults steps.sh builds on a fresh host: packed on the H200 host by `wait` (session 27)
+    # the defaults steps.sh builds on a fresh host: packed on the H200 host by `steps.sh wait`
     for name in ("tvm-ffi", "flashinfer"):
-        seed = jit_seed.read_seed(Path(REPO, "tests", "gpu", "jit-seed", f"{name}.json.xz"))  # refuses another format
+        seed = jit_seed.read_seed(Path(REPO, "dsv4_lab", "beds", "jit-seed", f"{name}.json.xz"))  # refuses another format
         assert seed["modules"], name
         assert all("build.ninja" in files for files in seed["modules"].values()), name

@@ -258,7 +258,7 @@ def _sglang_build_dir(module_fn, arch=(8, 0, "")):
 @pytest.mark.sglang
 def test_a_mode_whose_first_forward_builds_a_jit_module_is_a_cold_start(tmp_path, monkeypatch):
     """fp8_marlin dense and marlin experts call SGLang JIT modules (gptq_marlin, moe_wna16_marlin) that are built at
-    the first forward, not while loading (session 28: still building 3 minutes into it on the H200 host). A cache
+    the first forward, not while loading (on the H200 host, 2026-12-04: still building 3 minutes into it). A cache
     warm from another mode lacks them: the start is cold for the watchdog (serve raises it) and doctor says so. The
     module directories are the ones SGLang's own naming gives, the .so inside what makes them built."""
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16")
@@ -304,7 +304,7 @@ def test_the_seeds_module_names_are_the_layout_module_built_reads(tmp_path):
     had finished when it was packed), and that one stays missing."""
     import lzma
 
-    seed = json.loads(lzma.open(os.path.join(os.path.dirname(__file__), "gpu", "jit-seed", "tvm-ffi.json.xz")).read())
+    seed = json.loads(lzma.open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dsv4_lab", "beds", "jit-seed", "tvm-ffi.json.xz")).read())
     for name, files in seed["modules"].items():
         (tmp_path / name).mkdir()
         target = re.search(r"^default (\S+)", files["build.ninja"], re.M).group(1)

@@ -1,11 +1,11 @@
-"""The lab's rounding-level perturbation (dsv4_sm80/lab_perturb.py), attached through SGLang 0.5.16's own
+"""The lab's rounding-level perturbation (dsv4_lab/perturb.py), attached through SGLang 0.5.16's own
 forward-hook mechanism: exactly one unit in the last place, on about the asked share of entries, repeatable."""
 
 import pytest
 import torch
 from torch import nn
 
-from dsv4_sm80 import lab_perturb
+from dsv4_lab import perturb as lab_perturb
 
 
 def bits(x):

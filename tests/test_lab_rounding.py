@@ -1,4 +1,4 @@
-"""DSV4_SM80_LAB_NATIVE_ROUNDING=kv (dsv4_sm80/lab_rounding.py) against a float64 reference written from
+"""DSV4_SM80_LAB_NATIVE_ROUNDING (dsv4_lab/rounding.py, applied as lab seams around the product's stages) against a float64 reference written from
 native's key quantization: per 64 values, scale = 2^ceil(log2(max(amax, 1e-4) / 448)), value / scale
 clamped to +-448 and rounded to the nearest FP8 e4m3 value (ties to an even mantissa), times the scale; and
 its activation quantization: per token and 128 columns, x * (448 / amax) in fp32, clamped, rounded to e4m3,
@@ -9,7 +9,20 @@ import math
 import pytest
 import torch
 
-from dsv4_sm80 import env, lab_rounding
+from dsv4_lab import rounding as lab_rounding
+from dsv4_sm80 import env
+
+
+def stacked(sglang_fn, *layers):
+    """sglang_fn under the named seams' replacements, in table order, wrapped as the one applier wraps them."""
+    from dsv4_lab.seams import LAB_SEAMS
+    from dsv4_sm80 import apply
+    from dsv4_sm80.seams import SEAMS
+
+    fn = sglang_fn
+    for name, replacement in layers:
+        fn = apply._wrap(next(s for s in (*SEAMS, *LAB_SEAMS) if s.name == name), fn, replacement)
+    return fn
 
 
 def e4m3_grid():
@@ -103,7 +116,7 @@ def test_hooks_round_what_the_sm80_pool_stores(monkeypatch):
     from types import SimpleNamespace as NS
 
     from conftest import dev
-    from dsv4_sm80 import attention
+    from dsv4_sm80.stages import attention
 
     g = torch.Generator().manual_seed(2)
     n = 5
@@ -119,14 +132,15 @@ def test_hooks_round_what_the_sm80_pool_stores(monkeypatch):
         lab_rounding._items.cache_clear()
         pool = NS(swa_kv_pool=NS(kv_buffer=[dev(torch.zeros(2, 8 * 512, dtype=torch.bfloat16))]),
                   _swa_local_layer_id=lambda layer: layer)
-        attention.bf16_swa_norm_rope_store(pool, 0, *dev(loc, kv, w), 1e-6, *dev(f, pos))
+        lab_rounding.swa_norm_rope_store(attention.bf16_swa_norm_rope_store, pool, 0, *dev(loc, kv, w), 1e-6,
+                                         *dev(f, pos))
         return pool.swa_kv_pool.kv_buffer[0].view(-1, 512).cpu()
 
     def row_store(knob):
         monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", knob)
         lab_rounding._items.cache_clear()
         pool = NS(kv_buffer=[dev(torch.zeros(16, 512, dtype=torch.bfloat16))], qk_nope_head_dim=448, qk_rope_head_dim=64)
-        attention.bf16_set_key_buffer_fused(pool, 0, *dev(loc, kv))
+        lab_rounding.set_key_buffer(attention.bf16_set_key_buffer_fused, pool, 0, *dev(loc, kv))
         return pool.kv_buffer[0].cpu()
 
     written = loc[loc >= 0]
@@ -212,12 +226,12 @@ def test_activation_rounding_matches_the_reference():
 
 
 def test_activation_rounding_linear_and_the_bf16_method(monkeypatch):
-    """fp8_act_linear is the fp32 product of the rounded activation and the weight; the SM80 BF16 linear
-    method takes it when its knob was on at construction, and plain F.linear otherwise."""
+    """fp8_act_linear is the fp32 product of the rounded activation and the weight; the lab seam makes the
+    product's BF16 linear method take it with act on, and leaves the method plain F.linear otherwise."""
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; the method class subclasses SGLang's")
     from types import SimpleNamespace as NS
 
-    from dsv4_sm80.linear import _method_class
+    from dsv4_sm80.stages.dense import _method_class
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
@@ -230,42 +244,52 @@ def test_activation_rounding_linear_and_the_bf16_method(monkeypatch):
     plain = torch.nn.functional.linear(x, w, b)
     assert not torch.equal(got, plain)
     cls = _method_class()
-    assert torch.equal(cls.apply(NS(native_act=True, native_gemm=False), NS(weight=w), x, b), got)
-    assert torch.equal(cls.apply(NS(native_act=False, native_gemm=False), NS(weight=w), x, b), plain)
+
+    def method_for(knob):
+        monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", knob)
+        lab_rounding._items.cache_clear()
+        return lab_rounding.linear_method(lambda *a: cls.__new__(cls), None, None, "t")
+
+    assert torch.equal(method_for("act").apply(NS(weight=w), x, b), got)
+    assert torch.equal(method_for("0").apply(NS(weight=w), x, b), plain)
+    assert "apply" not in vars(method_for("kv"))  # the class's own method: nothing replayed
     with pytest.raises(ValueError, match="not a multiple of 128"):
         lab_rounding.fp8_act_linear(x[:, :200], w[:, :200])
 
 
 def test_gemm_keeps_the_fp8_weight_and_runs_natives_block_linear_on_it(monkeypatch):
-    """DSV4_SM80_LAB_NATIVE_ROUNDING=gemm: the BF16 method keeps the loaded FP8 weight and scale beside the BF16
-    weight and sends the input, unrounded, to the FP8 block linear SGLang's Fp8LinearMethod dispatched to
-    (DeepGEMM's on an SM90 GPU; the H200 run is where it computes: here a recording stand-in for that one
-    function attribute checks the wiring)."""
+    """DSV4_SM80_LAB_NATIVE_ROUNDING=gemm: the lab's seam on the quant method makes the BF16 method keep the
+    loaded FP8 weight and scale beside the BF16 weight and send the input, unrounded, to the FP8 block linear
+    SGLang's Fp8LinearMethod dispatched to (DeepGEMM's on an SM90 GPU; the H200 run is where it computes: here a
+    recording stand-in for that one function attribute checks the wiring)."""
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; the method class subclasses SGLang's")
-    from types import SimpleNamespace as NS
-
-    from dsv4_sm80.linear import _method_class
+    from dsv4_sm80.stages.dense import _method_class
 
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "kv,gemm,idx")
     lab_rounding._items.cache_clear()
     assert lab_rounding.gemm_enabled() and not lab_rounding.act_enabled()
     cls = _method_class()
-    method = cls.__new__(cls)  # Fp8LinearMethod.__init__ dispatches on the platform; its result is set below
-    method.native_gemm, method.native_act, method.prefix, method.weight_block_size = True, False, "t", [128, 128]
+
+    def product(*args):
+        method = cls.__new__(cls)  # Fp8LinearMethod.__init__ dispatches on the platform; its result is set below
+        method.prefix, method.weight_block_size = "t", [128, 128]
+        return method
+
+    method = lab_rounding.linear_method(product, None, None, "t")
     g = torch.Generator().manual_seed(8)
     w8 = (torch.randn(256, 128, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
     s = torch.tensor([[2.0 ** -8], [2.0 ** -5]])
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(w8, requires_grad=False)
     layer.weight_scale_inv = torch.nn.Parameter(s, requires_grad=False)
-    cls.process_weights_after_loading(method, layer)
-    assert layer.weight.dtype == torch.bfloat16
+    method.process_weights_after_loading(layer)
+    assert layer.weight.dtype == torch.bfloat16 and not hasattr(layer, "weight_scale_inv")  # the product's load
     kept_w, kept_s = layer.lab_fp8  # the loaded tensors themselves (same storage), not copies
     assert kept_w.data_ptr() == w8.data_ptr() and kept_s.data_ptr() == s.data_ptr()
     calls = []
     method.w8a8_block_fp8_linear = lambda **kw: calls.append(kw) or "native"
     x, b = torch.randn(3, 128, generator=g).to(torch.bfloat16), torch.zeros(256, dtype=torch.bfloat16)
-    assert cls.apply(method, layer, x, b) == "native"
+    assert method.apply(layer, x, b) == "native"
     (kw,) = calls
     assert kw["input"] is x and kw["weight"] is kept_w and kw["weight_scale"] is kept_s and kw["bias"] is b
     assert kw["block_size"] == [128, 128] and kw["input_scale"] is None
@@ -299,36 +323,39 @@ def test_fp8_paged_logits_against_the_float64_reference(monkeypatch):
 
 
 def test_idx_replay_routes_the_indexer_to_sglangs_fp8_kernels(monkeypatch):
-    """With idx the query and the index store are SGLang's own (the `original` the seams pass), the main
-    (512-wide) store stays the BF16 one; without it the INT8 path runs and the originals are not called."""
-    from dsv4_sm80 import attention
+    """With idx the query and the index store are SGLang's own (the function under the product's seam), the main
+    (512-wide) store stays the BF16 one; without it the product's INT8 path runs and SGLang's are not called."""
+    from dsv4_sm80.stages import attention
 
     calls = []
 
-    def original(*args, **kwargs):
+    def sglang_fn(*args, **kwargs):
         calls.append(kwargs if kwargs else args)
         return "native"
 
+    query = stacked(sglang_fn, ("attention.indexer_q", attention.indexer_q_int8),
+                    ("lab.rounding.indexer_q", lab_rounding.indexer_q))
+    store = stacked(sglang_fn, ("attention.compress_store", attention.compress_store),
+                    ("lab.rounding.compress_store", lab_rounding.compress_store))
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "idx")
-
     lab_rounding._items.cache_clear()
-    assert attention.indexer_q_int8(original, "q", "w", 0.5, "f", "p") == "native" and calls[-1] == ("q", "w", 0.5, "f", "p")
+    assert query("q", "w", 0.5, "f", "p") == "native" and calls[-1] == ("q", "w", 0.5, "f", "p")
     kv = torch.zeros(3, 128)
     cache = torch.zeros(2, 64 * 132, dtype=torch.uint8)
-    assert attention.compress_store(original, kv, "plan", norm_weight="nw", norm_eps=1e-6, freq_cis="fc",
-                                    out_loc="ol", kvcache=cache, page_size=64) == "native"
+    assert store(kv, "plan", norm_weight="nw", norm_eps=1e-6, freq_cis="fc", out_loc="ol", kvcache=cache,
+                 page_size=64) == "native"
     assert calls[-1]["bf16_store"] is False and calls[-1]["use_fp4"] is False and calls[-1]["kvcache"] is cache
     assert calls[-1]["page_size"] == 64
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "0")
     lab_rounding._items.cache_clear()
     n = len(calls)
     with pytest.raises(Exception):  # the INT8 kernel rejects the stand-in arguments: the point is it ran
-        attention.indexer_q_int8(original, torch.zeros(2, 3), "w", 0.5, "f", "p")
+        query(torch.zeros(2, 3), "w", 0.5, "f", "p")
     assert len(calls) == n
 
 
 def test_the_act_replay_takes_sglangs_quantizer_on_a_gpu_and_the_model_elsewhere():
-    """Session 15: native's FP8 linear is 2-3e-3 (relative) from the model `fp8_act` on every linear but 7-9e-4
+    """On the H200 (2026-12-01, `steps.sh trace-linears`) native's FP8 linear is 2-3e-3 (relative) from the model `fp8_act` on every linear but 7-9e-4
     from SGLang's own quantizer followed by the exact product, so on a GPU the replay quantizes with SGLang's
     (real, imported here); a CPU tensor keeps the model written from the math."""
     quant = lab_rounding.sglang_act_quantizer()
@@ -342,7 +369,7 @@ def test_gemm_sends_the_mhc_prenorm_gemm_to_deepgemm(monkeypatch):
     rows: nothing to do, as upstream). DeepGEMM needs an SM90 GPU, so here a recorder stands in for that one
     function of the real deep_gemm module, and the SM80 Triton GEMM must not run."""
     deep_gemm = pytest.importorskip("deep_gemm", reason="SGLang's DeepGEMM package")
-    from dsv4_sm80 import mhc
+    from dsv4_sm80.stages import mhc
     from dsv4_sm80.kernels import hc_prenorm
 
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "gemm")
@@ -350,9 +377,13 @@ def test_gemm_sends_the_mhc_prenorm_gemm_to_deepgemm(monkeypatch):
     calls = []
     monkeypatch.setattr(deep_gemm, "tf32_hc_prenorm_gemm", lambda *a, **kw: calls.append((a, kw)))
     monkeypatch.setattr(hc_prenorm, "hc_prenorm", lambda *a, **kw: pytest.fail("the SM80 GEMM ran"))
-    mhc.hc_prenorm_gemm(torch.zeros(0, 256), torch.zeros(24, 256), torch.empty(0, 24), torch.empty(0), None)
+
+    def gemm(*args):  # the lab's seam around the product's replacement
+        return lab_rounding.hc_prenorm_gemm(mhc.hc_prenorm_gemm, *args)
+
+    gemm(torch.zeros(0, 256), torch.zeros(24, 256), torch.empty(0, 24), torch.empty(0), None)
     assert calls == []
     x, fn, out, sq = torch.ones(2, 256), torch.ones(24, 256), torch.empty(2, 24), torch.empty(2)
-    mhc.hc_prenorm_gemm(x, fn, out, sq, 3)
+    gemm(x, fn, out, sq, 3)
     ((args, kw),) = calls
     assert all(a is b for a, b in zip(args, (x, fn, out, sq))) and kw == {"num_splits": 3}

@@ -1,4 +1,4 @@
-"""The lab's module-by-module forward trace (dsv4_sm80/lab_trace.py), attached through SGLang 0.5.16's own
+"""The lab's module-by-module forward trace (dsv4_lab/trace.py), attached through SGLang 0.5.16's own
 forward-hook mechanism (sglang.srt.model_executor.hook_manager.register_forward_hooks) to a small torch model
 shaped like DSV4's (a top module whose `model` has `embed_tokens` and `layers`, layers called with keyword
 arguments, the model module called through `.forward` as DeepseekV4ForCausalLM does): what it records, when,
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from dsv4_sm80 import lab_trace
+from dsv4_lab import trace as lab_trace
 
 ROWS = 5
 
@@ -168,7 +168,7 @@ def test_spec_refuses_a_one_token_trace():
     with pytest.raises(ValueError, match="at least 2 tokens"):
         lab_trace.trace_spec("/tmp/x", rows=1)
     spec = lab_trace.trace_spec("/tmp/x", rows=300)
-    assert spec[0]["hook_factory"] == "dsv4_sm80.lab_trace:factory" and spec[0]["config"]["rows"] == 300
+    assert spec[0]["hook_factory"] == "dsv4_lab.trace:factory" and spec[0]["config"]["rows"] == 300
 
 
 class Fp8Linear(nn.Module):
@@ -187,7 +187,7 @@ class Fp8Linear(nn.Module):
         self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
 
     def forward(self, x):
-        from dsv4_sm80.lab_rounding import fp8_act
+        from dsv4_lab.rounding import fp8_act
 
         w = lab_trace.exact_weight({"weight": self.weight, "scale": self.weight_scale_inv}).float()
         return (fp8_act(x) @ w.t()).to(x.dtype)
@@ -285,6 +285,6 @@ def test_switches_name_what_deepseek_v4_took_at_import():
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16")
     import sglang.srt.models.deepseek_v4 as dsv4
 
-    from dsv4_sm80.lab_trace import _switches
+    from dsv4_lab.trace import _switches
 
     assert _switches() == f"_FP8_WO_A_GEMM={dsv4._FP8_WO_A_GEMM}"

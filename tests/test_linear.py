@@ -1,4 +1,4 @@
-"""Dense stage (dsv4_sm80/linear.py): exact FP8-block -> BF16 conversion, and the SM80 linear
+"""Dense stage (dsv4_sm80/stages/dense.py): exact FP8-block -> BF16 conversion, and the SM80 linear
 method inside real SGLang 0.5.16 linear layers on the CPU.
 
 The reference is float64 arithmetic from the formats' definitions: e4m3 decoded from its bits
@@ -26,7 +26,7 @@ def as_e8m0(b: np.ndarray) -> torch.Tensor:
 
 def test_every_e4m3_code_at_every_scale_byte():
     """All 254 non-NaN e4m3 codes times every finite E8M0 byte (0..254), exactly."""
-    from dsv4_sm80.linear import to_bf16_blocks
+    from dsv4_sm80.stages.dense import to_bf16_blocks
 
     codes = np.array([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=np.uint8)
     w = np.zeros((255 * 128, 256), dtype=np.uint8)
@@ -42,7 +42,7 @@ def test_every_e4m3_code_at_every_scale_byte():
 
 
 def test_odd_shapes_and_float32_scales():
-    from dsv4_sm80.linear import to_bf16_blocks
+    from dsv4_sm80.stages.dense import to_bf16_blocks
 
     rng = np.random.default_rng(0)
     for n, k in ((200, 300), (1, 129), (257, 128), (128, 1000)):
@@ -56,7 +56,7 @@ def test_odd_shapes_and_float32_scales():
 
 
 def test_bad_inputs():
-    from dsv4_sm80.linear import to_bf16_blocks
+    from dsv4_sm80.stages.dense import to_bf16_blocks
 
     w = as_fp8(np.zeros((256, 256)))
     with pytest.raises(ValueError, match=r"scale shape \(1, 2\) does not match weight 256x256: expected \(2, 2\)"):
@@ -66,7 +66,7 @@ def test_bad_inputs():
 
 
 def test_wo_a_wrapper_keeps_the_fp8_quant_config():
-    from dsv4_sm80.linear import build_wo_a_from_checkpoint
+    from dsv4_sm80.stages.dense import build_wo_a_from_checkpoint
 
     class QC:
         weight_block_size = [128, 128]
@@ -133,7 +133,7 @@ try:
     out["unloaded"] = "accepted"
 except Exception as e:
     out["unloaded"] = f"{{type(e).__name__}}: {{e}}"
-from dsv4_sm80 import linear
+from dsv4_sm80.stages import dense as linear
 out["summary"] = linear.load_summary()
 # the after-load state check over a model made of these layers, and its report line
 holder = torch.nn.ModuleDict({{k.replace(".", "_").replace("+", "__"): v for k, v in layers.items()}})
@@ -210,7 +210,7 @@ print(json.dumps({"wrapped": hasattr(Fp8Config.get_quant_method, "__wrapped__"),
     assert last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="0")) == {
         "wrapped": False, "dequant": "sglang.srt.models.deepseek_v4"}
     assert last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1")) == {
-        "wrapped": True, "dequant": "dsv4_sm80.linear"}
+        "wrapped": True, "dequant": "dsv4_sm80.stages.dense"}
 
 
 REDUCE = """

@@ -1,9 +1,9 @@
-"""The mHC stage on SM80 (dsv4_sm80/mhc.py): the TF32 hc pre-norm GEMM that replaces DeepGEMM's
+"""The mHC stage on SM80 (dsv4_sm80/stages/mhc.py): the TF32 hc pre-norm GEMM that replaces DeepGEMM's
 (kernels/hc_prenorm.py) against its plain-PyTorch reference in the Triton interpreter, its contract checks,
 its seam, its sm_80 build (TF32 mma.sync); and every other mHC kernel SGLang 0.5.16's DSV4 forward runs on
 this path — TileLang's fused pre-mix (+ norm) and post-mix, the Triton hc_head — built for sm_80 without a
 GPU (TileLang through nvcc; skipped, loudly, where no nvcc is installed). Against DeepGEMM's own kernel on
-an H200: tests/gpu/mhc_check.py."""
+an H200: dsv4_lab/beds/mhc_check.py."""
 
 import os
 
@@ -54,11 +54,11 @@ def test_hc_prenorm_against_reference(kern, m, k, splits):
     d, s = run(kern, a, b, splits)
     want_d, want_s = ref.hc_prenorm_ref(a, b)
     scale = a.double().abs() @ ref.tf32_round(b).double().abs().t()  # fp32 accumulation error is relative to this
-    # 1e-6: fp32 accumulation in another order (the H200 in session 10: 5.6e-7 at K 2048 in one split)
+    # 1e-6: fp32 accumulation in another order (the H200, 2026-12-01, dsv4_lab/beds/mhc_check.py: 5.6e-7 at K 2048 in one split)
     assert ((d - want_d).abs() / scale).max() < 1e-6
     assert ((s - want_s).abs() / want_s).max() < 1e-6
     # the reference's rounding of hc_fn to TF32 is visible at this tolerance (not a vacuous check): exact fp32
-    # products and truncated TF32 (this kernel before session 10) both miss it by 4x the tolerance or more
+    # products and truncated TF32 (what a truncating kernel gives) both miss it by 4x the tolerance or more
     for other in (b.double(), ref.tf32_truncate(b).double()):
         assert ((a.double() @ other.t() - want_d).abs() / scale).max() > 4e-6
 
@@ -166,7 +166,7 @@ print(json.dumps({"module": f.__module__, "name": f.__name__}))
 """
 
 
-@pytest.mark.parametrize("patch,module", [("1", "dsv4_sm80.mhc"), ("0", "sglang.srt.layers.deep_gemm_wrapper.entrypoint")])
+@pytest.mark.parametrize("patch,module", [("1", "dsv4_sm80.stages.mhc"), ("0", "sglang.srt.layers.deep_gemm_wrapper.entrypoint")])
 def test_seam_routes_mhc_pre_to_the_sm80_gemm(patch, module):
     pytest.importorskip("sglang")
     out = last_json(run_python(SEAM, ENABLE_SGLANG_DSV4_A100_PATCH=patch))

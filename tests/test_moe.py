@@ -1,4 +1,4 @@
-"""The MoE stage (dsv4_sm80/moe.py) inside real SGLang 0.5.16 on the CPU: a real FusedMoE layer built by
+"""The MoE stage (dsv4_sm80/stages/moe.py) inside real SGLang 0.5.16 on the CPU: a real FusedMoE layer built by
 Fp8Config with the patch on, loaded from the unit checkpoint's MXFP4 experts through SGLang's own weight
 loader, run through the W4A8 method (Triton interpreter), against the float64 reference computed from
 the checkpoint bytes; the launch refusals; the Marlin SM80 lift."""
@@ -31,7 +31,7 @@ from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput
 from sglang.srt.layers.moe.topk import StandardTopKOutput
 from dsv4_sm80.kernels import w4a8_moe_ref as ref
-from dsv4_sm80 import moe
+from dsv4_sm80.stages import moe
 cfg = json.load(open(os.path.join(ckpt, "config.json")))
 H, M, E = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
 qc = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[128, 128],
@@ -122,7 +122,7 @@ def _args(**kw):
 
 def test_launch_sets_marlin_runner_and_refuses_expert_parallelism():
     import compat_check
-    from dsv4_sm80.moe import route_experts_at_launch
+    from dsv4_sm80.stages.moe import route_experts_at_launch
 
     args = _args()
     assert route_experts_at_launch(None, args) is None and args.moe_runner_backend == "marlin"

@@ -1,10 +1,10 @@
-"""Request checks at SGLang's tokenizer manager (dsv4_sm80/request_checks.py): caller-supplied token ids outside
+"""Request checks at SGLang's tokenizer manager (dsv4_sm80/stages/requests.py): caller-supplied token ids outside
 the vocabulary are a 400 naming input_ids.range, not a device-side assert that takes the server down."""
 
 import pytest
 
 from conftest import last_json, run_python
-from dsv4_sm80.request_checks import check_input_ids
+from dsv4_sm80.stages.requests import check_input_ids
 
 
 def test_ids_inside_the_vocabulary_pass():

@@ -22,6 +22,18 @@ def sglang_dir():
 def test_table_is_well_formed():
     assert validate_table() == []
     assert len({s.name for s in SEAMS}) == len(SEAMS) >= 1
+    assert {s.overlay for s in SEAMS} == {"sm80", "vision"}  # the lab's seams live in its own table
+
+
+def test_lab_table_is_well_formed():
+    from dsv4_lab.seams import LAB_KNOBS, LAB_SEAMS
+
+    assert validate_table(LAB_SEAMS, lab_knobs=LAB_KNOBS) == []
+    assert {s.overlay for s in LAB_SEAMS} == {"lab"}
+    assert not {s.name for s in LAB_SEAMS} & {s.name for s in SEAMS}
+    lab_only = Seam("z", "sglang.srt.entrypoints.engine:Engine.f", "around", "m:f", "r", "srt/entrypoints/engine.py:1",
+                    ("DSV4_SM80_TRIPWIRE=1",))
+    assert any("toggle 'DSV4_SM80_TRIPWIRE=1'" in p for p in validate_table([lab_only]))  # a product seam: no lab knob
 
 
 def test_table_rejects_bad_entries():
@@ -34,8 +46,10 @@ def test_table_rejects_bad_entries():
 
 
 def test_declared_lines_hold_the_target(sglang_dir):
-    """`upstream` file:line points at the definition it replaces, in the real 0.5.16 file."""
-    for s in SEAMS:
+    """`upstream` file:line points at the definition it replaces, in the real 0.5.16 file (the lab's seams too)."""
+    from dsv4_lab.seams import LAB_SEAMS
+
+    for s in (*SEAMS, *LAB_SEAMS):
         path = os.path.join(sglang_dir, s.upstream_file)
         first = int(re.match(r"[^:]+:(\d+)", s.upstream).group(1))
         line = open(path, encoding="utf-8").read().splitlines()[first - 1]
@@ -70,11 +84,9 @@ print(json.dumps({"status": apply.status(), "marks": marks}))
 
 
 def test_toggle_on_applies_every_seam_once(sglang_dir):
-    # the tripwire seams apply only with DSV4_SM80_TRIPWIRE=1 (and the mxfp4_int8 one under that backend), the
-    # vision ones only with DSV4_SM80_VISION=1, the page-hygiene poison only with DSV4_SM80_LAB_POISON=1
-    # (vision.native_window only with the patch off: native A/B)
-    out = last_json(run_python(APPLY_ALL, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_TRIPWIRE="1",
-                               DSV4_SM80_VISION="1", DSV4_SM80_LAB_POISON="1"))
+    # the vision seams apply only with DSV4_SM80_VISION=1 (vision.native_window only with the patch off: native
+    # A/B); the lab's seams are not in this table (dsv4_lab/seams.py, tests/unit/test_product_isolation.py)
+    out = last_json(run_python(APPLY_ALL, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_VISION="1"))
     native_only = {"vision.native_window"}
     assert [(s["name"], s["state"], s["applied_count"]) for s in out["status"]] == \
            [(s.name, "off", 0) if s.name in native_only else (s.name, "applied", 1) for s in SEAMS]
@@ -82,13 +94,13 @@ def test_toggle_on_applies_every_seam_once(sglang_dir):
 
 
 def test_vision_overlay_alone_on_native_sglang(sglang_dir):
-    """Patch off, DSV4_SM80_VISION=1: the vision overlay's seams (with the native image window) and nothing
-    of the SM80 datapath, so the VL model can be compared on SGLang's own path."""
+    """Patch off, DSV4_SM80_VISION=1: the vision overlay's seams (with the native image window, not the SM80 one)
+    and nothing of the SM80 datapath, so the VL model can be compared on SGLang's own path."""
     out = last_json(run_python(APPLY_ALL, ENABLE_SGLANG_DSV4_A100_PATCH="0", DSV4_SM80_VISION="1"))
-    vision = [s.name for s in SEAMS if s.overlay == "vision"]
+    vision = [s.name for s in SEAMS if s.overlay == "vision" and s.name != "vision.sm80_window"]
     assert "vision.native_window" in vision and "vision.whole_image_blocks" in vision
     assert {s["name"]: s["state"] for s in out["status"]} == {
-        s.name: ("applied" if s.overlay == "vision" else "off") for s in SEAMS}
+        s.name: ("applied" if s.name in vision else "off") for s in SEAMS}
     assert {k for k, v in out["marks"].items() if v} == set(vision)
 
 
@@ -192,6 +204,8 @@ except Exception as e:
 
 
 def test_tripwire_is_off_by_default_and_raises_when_on(sglang_dir):
+    """A lab seam: without the lab switch the tripwire knob alone changes nothing (its seams are not even in the
+    status); with it, off by default and raising when on."""
     code = """
 import json
 import sglang.srt.layers.quantization.fp8_utils as f
@@ -204,9 +218,10 @@ except BaseException as e:
     out["call"] = f"{type(e).__name__}: {e}"
 print(json.dumps(out))
 """
-    off = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1"))
+    off = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_LAB="1"))
     assert off["states"] == ["off"] and not off["call"].startswith("TripwireError")
-    on = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_TRIPWIRE="1"))
+    assert last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_TRIPWIRE="1"))["states"] == []
+    on = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_LAB="1", DSV4_SM80_TRIPWIRE="1"))
     assert "off" not in on["states"]  # applied, or pending until their module is imported
     assert on["call"].startswith("TripwireError: dsv4-sm80 tripwire: deepgemm_w8a8_block_fp8_linear_with_fallback "
                                  "was reached")
@@ -231,10 +246,10 @@ except BaseException as e:
 print(json.dumps(out))
 """
     pytest.importorskip("deep_gemm")
-    proc = run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_TRIPWIRE="1")
+    proc = run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_LAB="1", DSV4_SM80_TRIPWIRE="1")
     on = last_json(proc)
     assert "DeepGEMM entry points armed" in proc.stderr and "tf32_hc_prenorm_gemm among them: True" in proc.stderr
-    assert on["wrapper"] == "dsv4_sm80.mhc", on
+    assert on["wrapper"] == "dsv4_sm80.stages.mhc", on
     assert [on[n] for n in ("tf32_hc_prenorm_gemm", "fp8_paged_mqa_logits", "get_paged_mqa_logits_metadata",
                             "fp8_einsum", "fp8_mega_moe")] == [True] * 5, on
     assert not on["get_num_sms"] and not on["per_token_cast_to_fp8"], on
@@ -242,5 +257,5 @@ print(json.dumps(out))
     proc = run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1")
     off = last_json(proc)
     assert "armed" not in proc.stderr
-    assert off["wrapper"] == "dsv4_sm80.mhc" and not any(v is True for v in off.values()), off
+    assert off["wrapper"] == "dsv4_sm80.stages.mhc" and not any(v is True for v in off.values()), off
     assert not off["call"].startswith("TripwireError"), off

@@ -1,5 +1,5 @@
 """Vision-Exp geometry (vision_backport/image_processing.py, visible_window.py): the resize plan against the
-reference's worked examples (reference 03 §3.4), the token block against an independent traversal oracle,
+release's worked examples, the token block against an independent traversal oracle,
 and the visible window against a brute-force key set."""
 
 import random

@@ -151,7 +151,7 @@ def test_visible_window_lists_against_brute_force():
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
     from sglang.kernels.ops.attention.dsv4_attn_metadata_kernels import build_causal_swa_page_indices
 
-    from dsv4_sm80.attention import visible_swa_lists
+    from vision_backport.window import visible_swa_lists
     from vision_backport.visible_window import visible_windows
 
     g = torch.Generator().manual_seed(0)

@@ -1,5 +1,5 @@
 """bias_vl routing (vision_backport/routing.py) on mixed text/image batches against the model's gate,
-transcribed per token from reference 03 §4.1 (float64, one row at a time)."""
+transcribed per token from the routing rule (float64, one row at a time)."""
 
 import pytest
 import torch
@@ -74,6 +74,19 @@ set_global_server_args_for_scheduler(ServerArgs(model_path={ckpt!r}, device="cpu
 from sglang.srt.layers.moe.topk import TopK, TopKOutputFormat
 from sglang.srt.layers.moe.hash_topk import HashTopK
 from vision_backport import routing as R
+from dsv4_lab import routes as L
+from dsv4_lab.seams import LAB_SEAMS
+from dsv4_sm80 import apply
+from dsv4_sm80.seams import SEAMS
+
+def stacked(target, *hooks):  # target wrapped by the named seams' hooks in table order, as the applier stacks them
+    fn = target
+    for name, hook in hooks:
+        fn = apply._wrap(next(s for s in (*SEAMS, *LAB_SEAMS) if s.name == name), fn, hook)
+    return fn
+
+TOPK = stacked(TopK.forward_native, ("vision.topk", R.topk_with_vl), ("lab.route_trace_topk", L.topk))
+HASH = stacked(HashTopK.forward, ("vision.hash_topk", R.hash_topk_with_vl), ("lab.route_trace_hash", L.hash_topk))
 g = torch.Generator().manual_seed(5)
 T, E, K, V = 11, 16, 6, 1000
 logits = torch.randn(T, E, generator=g)
@@ -97,9 +110,9 @@ for scaled in (False,):  # SGLang's torch-native TopK (the CPU path) does not sc
     tk.correction_bias_vl = bias_vl
     plain = TopK.forward_native(tk, hidden, logits)
     with R.image_rows(mask):
-        got = R.topk_with_vl(TopK.forward_native, tk, hidden, logits)
+        got = TOPK(tk, hidden, logits)
     with R.image_rows(None):
-        untouched = R.topk_with_vl(TopK.forward_native, tk, hidden, logits)
+        untouched = TOPK(tk, hidden, logits)
     want_w, want_i = R.vl_route(logits, mask, K, bias_vl, bias=bias)
     gw, gi = rows(got.topk_weights, got.topk_ids)
     ww, wi = rows(want_w * (1.5 if scaled else 1.0), want_i)
@@ -115,7 +128,7 @@ tid2eid = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(V)]).to
 hk.tid2eid.data.copy_(tid2eid)
 hk.correction_bias_vl = bias_vl
 with R.image_rows(mask):
-    got = R.hash_topk_with_vl(HashTopK.forward, hk, hidden, logits, ids_tok)
+    got = HASH(hk, hidden, logits, ids_tok)
 want_w, want_i = R.vl_route(logits, mask, K, bias_vl, tid2eid=tid2eid, token_ids=ids_tok)
 gw, gi = rows(got.topk_weights, got.topk_ids)
 ww, wi = rows(want_w, want_i)
@@ -148,7 +161,7 @@ def test_hooks_route_image_rows_by_bias_vl_in_sglangs_topk(unit_ckpt, tmp_path):
         assert r["ids"] and r["text_same"] and r["no_mask_same"] and r["w"] < 1e-6, (key, r)
     assert out["hash"]["ids"] and out["hash"]["w"] < 1e-6, out["hash"]
     assert out["hash_unpatched"] in ("IndexError", "RuntimeError"), out
-    # DSV4_SM80_LAB_ROUTE_TRACE: one line per hooked call that had image rows (the no-mask call writes none)
+    # DSV4_SM80_LAB_ROUTE_TRACE (the lab's seams on the vision hooks): one line per call that had image rows (the no-mask call writes none)
     topk, hashed = out["trace"]
     assert topk == {"kind": "topk", "rows": 11, "image_rows": 6, "image_rows_bias_vl": 6,
                     "image_rows_differ_from_text_rule": out["topk_differ"], "text_rows_changed": 0}, out

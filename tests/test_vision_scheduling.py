@@ -140,7 +140,7 @@ print(json.dumps(out))
 
 @pytest.mark.sglang
 def test_a_chunk_moved_to_the_prompt_end_is_not_chunked_any_more(unit_ckpt):
-    """Session 7 (H200, --chunked-prefill-size 256): an image block across SGLang's 256-token cut moved the cut to
+    """On the H200 (2026-12-01, --chunked-prefill-size 256) an image block across SGLang's 256-token cut moved the cut to
     the prompt's end, but SGLang had already flagged the request chunked and scheduled an empty extend next round
     (its compressor plan refused it: c_plan.cuh:507). The wrappers around PrefillAdder's admission clear the flag
     exactly when the moved cut reached the prompt's end, on SGLang's real Req with the whole-block seam applied."""

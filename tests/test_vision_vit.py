@@ -1,5 +1,5 @@
 """The Vision-Exp ViT and aligner (vision_backport/vit.py) against an independent float64 reference written
-from reference 03 §3.1-3.3: explicit einsum attention, RoPE as a complex rotation of the pairs (j, j + d/2),
+from the release's model code: explicit einsum attention, RoPE as a complex rotation of the pairs (j, j + d/2),
 RMSNorm in float64, the aligner's unshuffle as an explicit gather (channel c*r*r + ky*r + kx, zero past the
 grid's edge), exact-erf GELU. fp32 within 1e-5, BF16 within 2e-2 relative; grids not divisible by 3,
 1 x N and N x 1 included."""

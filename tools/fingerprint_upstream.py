@@ -3,8 +3,8 @@
     pip download --no-deps sglang==0.5.16 -d /tmp/w
     python tools/fingerprint_upstream.py /tmp/w/sglang-0.5.16-*.whl
 
-The hashes are the wheel's RECORD entries (sha256, urlsafe base64 without padding), the same
-values reference 01 Appendix A lists. Files come from FILES below plus every seam target's file.
+The hashes are the wheel's RECORD entries (sha256, urlsafe base64 without padding). Files come from
+FILES below plus every seam target's file (the product's seams and the lab's).
 """
 
 import csv
@@ -17,8 +17,8 @@ import zipfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# Files the gate fingerprints besides the seam targets: reference 01 Appendix A (the modules the
-# overlay touches) and the loaders the gate and tests rely on.
+# Files the gate fingerprints besides the seam targets: the modules the overlay touches and the loaders the
+# gate and tests rely on.
 FILES = [
     "srt/models/deepseek_v4.py",
     "srt/models/deepseek_v4_nextn.py",
@@ -49,9 +49,10 @@ FILES = [
 
 
 def main(wheel: str) -> None:
+    from dsv4_lab.seams import LAB_SEAMS
     from dsv4_sm80.seams import SEAMS
 
-    files = set(FILES) | {s.upstream_file for s in SEAMS}
+    files = set(FILES) | {s.upstream_file for s in (*SEAMS, *LAB_SEAMS)}
     with zipfile.ZipFile(wheel) as z:
         record_name = next(n for n in z.namelist() if n.endswith(".dist-info/RECORD"))
         rows = csv.reader(io.TextIOWrapper(z.open(record_name), "utf-8"))

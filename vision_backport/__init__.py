@@ -1,27 +1,22 @@
-"""DeepSeek-V4-Flash-Vision-Exp on SGLang 0.5.16: the vision overlay (second after the A100 patch).
+"""DeepSeek-V4-Flash-Vision-Exp on SGLang 0.5.16: the vision overlay (applied after the SM80 patch).
 
-In progress (issue 7). Built so far and CPU-tested: the image geometry and pixels (resize plan, LLM grid,
-token block layout, patches, block embeddings: `image_processing.py`), the visible window and the atomic
-chunk / prefix boundaries (`visible_window.py`), the ViT and
-aligner (`vit.py`, against an independent float64 reference), the bias_vl routing function (`routing.py`),
-request processing (`processor.py`: image decoding and refusals, placeholder -> token block expansion, the
-SGLang processor class), image content in chat messages (`chat.py`), and the wrapper's vision part
-(`model.py`: the weight split the text loader needs, ViT + aligner + sentinels loaded from the checkpoint,
-the block embeddings for SGLang's `get_image_feature`), the VL model class (`vl_model_class`: SGLang's DSV4
-class subclassed, bias_vl parameters, the vision weight split, the multimodal forward, `input_embeds` for the
-text model) and the bias_vl hooks for SGLang's TopK / HashTopK (`routing.py`; checked on SGLang's own top-k).
-Installed into SGLang only with the experimental switch DSV4_SM80_VISION=1 (the `vision.*` seams of
-`dsv4_sm80/seams.py`, replacements in `install.py`): model registry, processor mapping, `is_multimodal`,
-`input_embeds` + image mask in the text model, bias_vl at SGLang's TopK / HashTopK, and the bidirectional
-image window (the VL forward records each extend's image blocks, `extend_image_spans`; the SM80 attention
-widens those queries' SWA lists to the whole block, `dsv4_sm80.attention.visible_swa_lists`; checked against
-a brute-force window on SGLang's own causal lists), and prefill chunks cut only at image-block edges
+What it holds, each CPU-tested: the image geometry and pixels (resize plan, LLM grid, token block layout,
+patches, block embeddings: `image_processing.py`), the visible window and the atomic chunk / prefix boundaries
+(`visible_window.py`), the ViT and aligner (`vit.py`, against an independent float64 reference), the bias_vl
+routing and its hooks at SGLang's TopK / HashTopK (`routing.py`), request processing (`processor.py`: image
+decoding and refusals, placeholder -> token block expansion, the SGLang processor class), image content in
+chat messages (`chat.py`), the VL model (`model.py`: SGLang's DSV4 class subclassed, bias_vl parameters, the
+vision weight split, ViT + aligner + sentinels loaded from the checkpoint, the multimodal forward, `input_embeds`
+for the text model), the bidirectional image window in the attention (`window.py`: the VL forward records each
+extend's image blocks, `extend_image_spans`, and the window seams widen those queries' SWA lists to the whole
+block on the SM80 forward and on native FlashMLA alike), and prefill chunks cut only at image-block edges
 (`scheduling.py`, at `Req.set_extend_range`; a split block still reaching the forward is refused with a
-message, not attended wrongly). With ENABLE_SGLANG_DSV4_A100_PATCH=0 the overlay runs alone on native
-SGLang for A/B, the window given to FlashMLA by `window.py` (seam vision.native_window). OpenAI chat
-image blocks are kept by the `vision.chat` seam (`chat.chat_with_images`). Nothing of it has run on a GPU:
-the switch stays experimental. The gate meanwhile validates
-a Vision-Exp checkpoint's vision tensors, so a converted one is refused.
+message, not attended wrongly).
+
+Installed into SGLang only with the experimental switch DSV4_SM80_VISION=1 (the `vision.*` seams of
+`dsv4_sm80/seams.py`, replacements in `install.py` and the modules above); with ENABLE_SGLANG_DSV4_A100_PATCH=0
+the overlay runs alone on native SGLang for A/B. Nothing of it has run on a GPU: the switch stays experimental.
+The gate meanwhile validates a Vision-Exp checkpoint's vision tensors, so a converted one is refused.
 """
 
 

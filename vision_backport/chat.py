@@ -1,4 +1,4 @@
-"""Image content in OpenAI chat messages -> DSV4 chat text with image placeholders (reference 03 §6.3).
+"""Image content in OpenAI chat messages -> DSV4 chat text with image placeholders.
 
 The Vision-Exp release's chat encoding turns each `image_url` / `image` content block of a user message into
 a text block holding exactly the placeholder `<｜deepseek_image｜>`, joins a message's content blocks with

@@ -1,4 +1,4 @@
-"""Image geometry of DeepSeek-V4-Flash-Vision-Exp (reference 03 §3.4, §6.1): torch-free pure functions.
+"""Image geometry of DeepSeek-V4-Flash-Vision-Exp: torch-free pure functions.
 
 - `plan_image`: the pixel size an image is resized to (native resolution, one pass, no tiles): width clamped to
   `max_wh_ratio` x height, small images scaled up to `min_pixels`, sides rounded up to the patch size, then

@@ -1,10 +1,10 @@
-"""The Vision-Exp additions the VL wrapper carries beside the text model (reference 03 §3, §7.1), and how
+"""The Vision-Exp additions the VL wrapper carries beside the text model, and how
 their weights are told apart from the text model's.
 
 - `is_dsv4_vision(config)`: a DeepSeek-V4 config with the ten `vision_*` fields and a non-empty ViT.
 - `split_vision_weights(weights, sink)`: the checkpoint's (name, tensor) stream with `vision.*`, `aligner.*`
   and `image_*` sent to `sink` and everything else passed on, so the text model's loader never sees them
-  (stock 0.5.16 renames `aligner.w1` to `aligner.gate_up_proj` and dies on a KeyError, reference 03 §1.4).
+  (stock 0.5.16 renames `aligner.w1` to `aligner.gate_up_proj` and dies on a KeyError).
 - `VisionPart`: ViT + aligner + the four learned sentinel vectors, parameter names equal to the checkpoint
   keys, BF16 as stored (the ViT's RMSNorm weights are held in fp32 and computed in fp32). `load` refuses an
   unknown name or a shape that differs, `missing` lists what never arrived; `image_embeddings` turns one
@@ -114,7 +114,7 @@ class PartialImageBlock(RuntimeError):
 def extend_image_spans(mm_inputs, prefix_lens, extend_lens) -> list:
     """Per request of an extend batch: the (IMAGE_START, IMAGE_END) absolute positions of the image blocks
     this extend computes. A block before the extend is cached already (its queries ran); a block split by the
-    extend's edges is refused: its queries need every key of the block in one forward (reference 03 §5.4).
+    extend's edges is refused: its queries need every key of the block in one forward.
     The seam vision.whole_image_blocks (scheduling.py) keeps chunk cuts at block edges; this is the guard."""
     out = []
     for mm, prefix, n in zip(mm_inputs or [], prefix_lens, extend_lens):
@@ -204,7 +204,7 @@ def vl_model_class():
 
             # the ids before SGLang clamps them in place: image positions carry pad values >= vocab_size
             forward_batch.dsv4_routing_input_ids = input_ids.clone()
-            # the image blocks of this extend, for the bidirectional window (dsv4_sm80.attention)
+            # the image blocks of this extend, for the bidirectional window (window.py)
             forward_batch.dsv4_image_spans = extend_image_spans(
                 forward_batch.mm_inputs, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu)
             hidden = general_mm_embed_routine(input_ids=input_ids, forward_batch=forward_batch,

@@ -1,4 +1,4 @@
-"""Vision-Exp request processing (reference 03 §6.1-6.2, §3.5): images -> patches, prompt placeholders ->
+"""Vision-Exp request processing: images -> patches, prompt placeholders ->
 each image's token block, for SGLang 0.5.16's multimodal pipeline.
 
 - `load_and_check`: decode one image (data URL, local path, base64, bytes, PIL) through SGLang's own

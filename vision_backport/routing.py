@@ -1,4 +1,4 @@
-"""bias_vl routing of Vision-Exp (reference 03 §4.1): which experts an image-block token selects.
+"""bias_vl routing of Vision-Exp: which experts an image-block token selects.
 
 scores = sqrt(softplus(logits)) in fp32. Text rows: non-hash layers choose top-k of scores + bias (the
 correction bias), hash layers take tid2eid[token id]. Image rows (every position of an image block, its
@@ -11,9 +11,6 @@ mask taken from the ids before SGLang clamps them) is part of the VL wrapper.
 """
 
 from __future__ import annotations
-
-import json
-import os
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +41,7 @@ def vl_route(logits: torch.Tensor, image_mask: torch.Tensor, top_k: int, bias_vl
     return weights, ids.to(torch.int32)
 
 
-# --- the hooks for SGLang's TopK / HashTopK (reference 03 §4.2; installed with the VL class, not yet) -----
+# --- the hooks for SGLang's TopK / HashTopK (seams vision.topk, vision.hash_topk) -----------------------
 
 _IMAGE_MASK = None  # bool [T] of the batch being forwarded, or None: set by the VL text forward
 
@@ -81,26 +78,6 @@ def with_image_rows(weights, ids, router_logits, mask, bias_vl, renormalize: boo
     return torch.where(m, vl_w.to(weights.dtype), weights), torch.where(m, vl_ids.to(ids.dtype), ids)
 
 
-def _trace(kind, router_logits, mask, bias_vl, before_ids, after_ids):
-    """DSV4_SM80_LAB_ROUTE_TRACE: one JSON line per call that routed image rows (lab evidence that image tokens
-    take bias_vl and text tokens do not). The bias_vl choice is recomputed here in float64 as a set per row."""
-    path = os.environ.get("DSV4_SM80_LAB_ROUTE_TRACE", "").strip()
-    if not path:
-        return
-    k = after_ids.shape[1]
-    m = mask.to(torch.bool)
-    scores = F.softplus(router_logits.double()).sqrt()
-    want = torch.topk(scores + bias_vl.double()[None, :], k, dim=-1).indices.sort(dim=-1).values
-    got = after_ids.long().sort(dim=-1).values
-    text_rule = before_ids.long().sort(dim=-1).values
-    row = {"kind": kind, "rows": int(m.numel()), "image_rows": int(m.sum()),
-           "image_rows_bias_vl": int(((got == want).all(-1) & m).sum()),
-           "image_rows_differ_from_text_rule": int(((got != text_rule).any(-1) & m).sum()),
-           "text_rows_changed": int(((got != text_rule).any(-1) & ~m).sum())}
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
 def _mask_for(router_logits):
     mask = _IMAGE_MASK
     if mask is None or mask.shape[0] != router_logits.shape[0]:
@@ -117,7 +94,6 @@ def topk_with_vl(original, self, hidden_states, router_logits, *args, **kwargs):
     c = self.topk_config
     scale = c.routed_scaling_factor if (c.apply_routed_scaling_factor_on_output and c.routed_scaling_factor) else 1.0
     w, i = with_image_rows(out.topk_weights, out.topk_ids, router_logits, mask, bias_vl, c.renormalize, scale)
-    _trace("topk", router_logits, mask, bias_vl, out.topk_ids, i)
     return out._replace(topk_weights=w, topk_ids=i)
 
 
@@ -131,5 +107,4 @@ def hash_topk_with_vl(original, self, hidden_states, router_logits, input_ids, *
     out = original(self, hidden_states, router_logits, safe_ids, *args, **kwargs)
     scale = self.routed_scaling_factor if getattr(self, "apply_routed_scaling_factor_on_output", False) else 1.0
     w, i = with_image_rows(out.topk_weights, out.topk_ids, router_logits, mask, bias_vl, True, scale)
-    _trace("hash", router_logits, mask, bias_vl, out.topk_ids, i)
     return out._replace(topk_weights=w, topk_ids=i)

@@ -1,4 +1,4 @@
-"""Image blocks stay whole across prefill chunks (reference 03 §5.4; issue 7 deliverable 4).
+"""Image blocks stay whole across prefill chunks.
 
 Inside an image block every token attends to the whole block both ways, so one forward must compute all
 of the block's queries with all of its keys. SGLang 0.5.16 cuts a long prompt into chunks wherever its
@@ -91,8 +91,8 @@ def add_req_unchunked_when_whole(original, adder, req, *args, **kwargs):
     request chunked (`new_chunked_req`) from its own cut before `set_extend_range`; when the whole-block rule
     moved that cut forward to the prompt's end (an image block across the cut and past it), the request is
     prefilled whole this round and must not stay the chunked request: the next round would schedule it again
-    with an empty extend, which SGLang's compressor plan refuses (`c_plan.cuh:507 batch_size <= num_q_tokens`;
-    session 7's chunked vision run died there)."""
+    with an empty extend, which SGLang's compressor plan refuses (`c_plan.cuh:507 batch_size <= num_q_tokens`:
+    a chunked vision run dies there)."""
     res = original(adder, req, *args, **kwargs)
     if adder.new_chunked_req is req and _prefilled_whole(req):
         adder.new_chunked_req = None

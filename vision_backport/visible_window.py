@@ -1,4 +1,4 @@
-"""The Vision-Exp visible window (reference 03 §5): torch-free.
+"""The Vision-Exp visible window: torch-free.
 
 In prefill, a token inside an image span (IMAGE_START .. IMAGE_END inclusive; the alignment pads before
 START are outside) sees the whole span both ways, on top of the causal raw-key window of `window` tokens

@@ -1,4 +1,4 @@
-"""The Vision-Exp ViT and aligner (reference 03 §3.1-3.3), in plain PyTorch, parameter names equal to the
+"""The Vision-Exp ViT and aligner, in plain PyTorch, parameter names equal to the
 checkpoint's keys below `vision.` and `aligner.` (replicated on every TP rank; BF16 weights, norms computed
 in fp32).
 

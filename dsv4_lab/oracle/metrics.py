@@ -12,7 +12,7 @@ KL(R || X) per position, by what the two records hold:
   mean reference mass inside S, and the whole vocabulary is S on small-vocabulary checkpoints).
 - `union` (only top-k lists, as SGLang returns): both lists on the union of their ids, an id missing from a
   list given that list's smallest listed log-prob (an upper bound of its true value), then each side
-  renormalised on the union; the approximation tests/gpu/compare.py uses. When both lists hold the whole
+  renormalised on the union; the approximation dsv4_lab/beds/compare.py uses. When both lists hold the whole
   vocabulary this is the exact full-vocabulary KL.
 
 Top-1 agreement is counted where R's top-1/top-2 margin exceeds a threshold (0.5, 1, 2 nats): where the

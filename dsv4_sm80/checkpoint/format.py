@@ -2,12 +2,11 @@
 
 `inventory(config)` lists every tensor the official checkpoint holds: native name, safetensors
 dtype string, shape, the shard it lives in and its family. The tiny-checkpoint generator writes
-exactly this list; the gate compares a checkpoint on disk against it. Source: reference 04 §1-§2
-(rebuilt from the published inventories; `tests/test_checkpoint_format.py` checks this code
-against the published totals: 72,317 tensors / 166,878,536,440 bytes for -0731 and 69,187 /
-159,609,485,896 for the original release).
+exactly this list; the gate compares a checkpoint on disk against it. Rebuilt from the published
+inventories (`tests/test_checkpoint_format.py` checks this code against the published totals:
+72,317 tensors / 166,878,536,440 bytes for -0731 and 69,187 / 159,609,485,896 for the original release).
 
-Rules (reference 04 §2.1):
+Rules:
 - FP8 block linear: `X.weight` F8_E4M3 [out, in] + `X.scale` F8_E8M0 [ceil(out/128), ceil(in/128)]
 - MXFP4 routed expert: `X.weight` I8 [out, in/2] (two E2M1 codes per byte, low nibble = even
   column) + `X.scale` F8_E8M0 [out, in/32]
@@ -22,7 +21,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-# deepseek-ai/DeepSeek-V4-Flash-0731 @ 7872f01b config.json, in its key order (reference 04 §1.1).
+# deepseek-ai/DeepSeek-V4-Flash-0731 @ 7872f01b config.json, in its key order.
 FLASH_0731_CONFIG = OrderedDict([
     ("architectures", ["DeepseekV4ForCausalLM"]),
     ("attention_bias", False),
@@ -84,7 +83,7 @@ FLASH_0731_CONFIG = OrderedDict([
     ("dspark_markov_rank", 256),
 ])
 
-# DeepSeek-V4-Flash-Vision-Exp: 0731 plus these (reference 04 §1.3, 03 §2.1).
+# DeepSeek-V4-Flash-Vision-Exp: 0731 plus these.
 VISION_EXP_FIELDS = OrderedDict([
     ("vision_n_layers", 32),
     ("vision_dim", 1024),
@@ -217,7 +216,7 @@ def _inventory(c) -> list[TensorSpec]:
         t(f"{name}.scale", "F8_E8M0", (n_out, n_in // 32), shard, "pair", EXPERT_SCALE)
 
     def block(p, shard, ratio, hash_layer):
-        """One decoder block (a layer, or a DSPARK / MTP stage) - reference 04 §2.3."""
+        """One decoder block (a layer, or a DSPARK / MTP stage)."""
         t(f"{p}.attn_norm.weight", "BF16", (H,), shard, "ones")
         t(f"{p}.ffn_norm.weight", "BF16", (H,), shard, "ones")
         t(f"{p}.attn.attn_sink", "F32", (nh,), shard, "zeros")
@@ -291,7 +290,7 @@ def _inventory(c) -> list[TensorSpec]:
                 t(f"{p}.markov_head.markov_w1.weight", "BF16", (V, R), shard, "normal")
                 t(f"{p}.markov_head.markov_w2.weight", "BF16", (V, R), shard, "normal")
                 t(f"{p}.confidence_head.proj.weight", "BF16", (1, H + R), shard, "normal")
-        else:  # original release: V3-style MTP block (reference 04 §2.4)
+        else:  # original release: V3-style MTP block
             block(p, shard, 0, False)
             fp8(f"{p}.e_proj", H, H, shard)
             fp8(f"{p}.h_proj", H, H, shard)
@@ -303,7 +302,7 @@ def _inventory(c) -> list[TensorSpec]:
 
 
 def _vision_tensors(c, t, shard):
-    """Vision-Exp: ViT, aligner and image-block vectors, all BF16 (reference 03 §2.2)."""
+    """Vision-Exp: ViT, aligner and image-block vectors, all BF16."""
     Vd, I = int(c["vision_dim"]), int(c["vision_inter_dim"])
     P, r, H = int(c["vision_patch_size"]), int(c["vision_downsample_ratio"]), int(c["hidden_size"])
 

@@ -10,7 +10,7 @@ contract of DeepGEMM's `tf32_hc_prenorm_gemm` as SGLang 0.5.16 calls it (`kernel
 The consumer (TileLang `mhc_pre_big_fuse*`) adds the splits, so only their sum is defined; how K is cut
 between splits is the kernel's business. tf32(x): x rounded to the nearest TF32 value, ties away from zero
 (`cvt.rna.tf32.f32`). DeepGEMM feeds hc_fn to wgmma .tf32 straight from fp32 shared memory; on the H200 its
-result matches this rounding, not truncation (the 13 low bits cleared): session 10's tests/gpu/mhc_check.py
+result matches this rounding, not truncation (the 13 low bits cleared): dsv4_lab/beds/mhc_check.py
 found DeepGEMM 1.1-3.2e-5 (relative to sum |a||b|) from a truncating kernel, where the CPU model of
 truncation against rounding gives 1.5-3.0e-5 at the same shapes (truncation against exact fp32: 1.5-2.4e-5).
 BF16 inputs are exact in TF32.
@@ -31,7 +31,7 @@ def tf32_round(x: torch.Tensor) -> torch.Tensor:
 
 
 def tf32_truncate(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> fp32 with the low 13 mantissa bits cleared: what the kernel did before session 10 (kept to show
+    """fp32 -> fp32 with the low 13 mantissa bits cleared: a truncating kernel's model (kept to show
     the tests can tell the two roundings apart)."""
     bits = x.to(torch.float32).contiguous().view(torch.int32)
     return (bits & ~0x1FFF).view(torch.float32)

@@ -1,7 +1,7 @@
 """Tiny checkpoints in the official DeepSeek-V4-Flash-0731 (and -Vision-Exp) format.
 
 Same names, key order, dtypes, shape formulas, shard layout, index and config field names as the
-real checkpoint (`dsv4_sm80.checkpoint.format`), at small widths (reference 04 §5). Every tensor
+real checkpoint (`dsv4_sm80.checkpoint.format`), at small widths. Every tensor
 is drawn from its own RNG seeded by (seed, name), so a file is reproducible and identical for any
 TP size. The fixture of every test and the default model of `serve` in lab mode.
 """
@@ -21,15 +21,15 @@ from ..checkpoint import format as fmt
 from ..checkpoint.safetensors_io import write_shard
 from .quant import fp8_block_quantize, mxfp4_quantize
 
-WEIGHT_STD = 0.02  # reference 04 §5.4: N(0, 0.02) linears, biases 0, norms 1
+WEIGHT_STD = 0.02  # N(0, 0.02) linears, biases 0, norms 1
 HC_STD = 0.01
 # bias_vl is not zero, unlike the other biases: image rows must then choose other experts than text rows would,
 # so a routing trace can tell the two rules apart (0.1: the order of the tiny router's score spread)
 BIAS_VL_STD = 0.1
 # The LM-head scale that makes a preset's next-token distributions peaked like the GPU bed's tiny model: logits
 # have std sqrt(hidden) * WEIGHT_STD * scale over a unit-RMS final state, 5.4 for the tiny preset at 12; the wide
-# preset (hidden 4096) gets that std at 12 * sqrt(512 / 4096). Session 12 ran the wide checkpoint at 1.0: logit
-# std 1.3, top-1 log-probability -6.9, 143 confident positions of 7000 (a parity measure with little to hold).
+# preset (hidden 4096) gets that std at 12 * sqrt(512 / 4096). At 1.0 the wide checkpoint gave logit std
+# 1.3, top-1 log-probability -6.9, 143 confident positions of 7000 (a parity measure with little to hold).
 PEAKED_HEAD_SCALE = {"tiny": 12.0, "unit": 12.0, "wide": round(12.0 * (512 / 4096) ** 0.5, 3)}
 
 
@@ -67,7 +67,7 @@ PRESETS = {
 
 VISION_TINY = OrderedDict([
     # ViT head_dim 64 and rope_dim 32 as in the real model; patch, merge and pixel bounds real so
-    # the processor and sentinel alignment are exercised (reference 04 §5.3).
+    # the processor and sentinel alignment are exercised.
     ("vision_n_layers", 2), ("vision_dim", 128), ("vision_n_heads", 2), ("vision_inter_dim", 256),
     ("vision_patch_size", 14), ("vision_rope_theta", 10000.0), ("vision_downsample_ratio", 3),
     ("vision_max_n_token", 384), ("vision_min_pixels", 147456), ("vision_max_wh_ratio", 8),
@@ -79,7 +79,7 @@ class TinyConfigError(ValueError):
 
 
 def tiny_config(size: TinySize = TinySize(), vision: bool = False) -> OrderedDict:
-    """0731's config.json with only the width fields changed (reference 04 §5.3), same key order."""
+    """0731's config.json with only the width fields changed, same key order."""
     s = size
     problems = []
     if s.hidden % 128:

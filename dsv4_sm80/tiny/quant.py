@@ -4,7 +4,7 @@
   (log2(s) + 127; 127 = 1.0 for an all-zero block), weight = float8_e4m3fn(W / s).
 - MXFP4: per row and 32 columns, s = 2^ceil(log2(amax/6)); each value is the nearest E2M1 code
   (magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; bit 3 = sign); byte = even-column code | odd << 4.
-Reference 04 §5.4. The decoders the tests use are written separately, from the format's math.
+The decoders the tests use are written separately, from the format's math.
 """
 
 from __future__ import annotations

@@ -223,7 +223,7 @@ def test_stage_stores_round_with_the_option(monkeypatch):
 
     from sglang.jit_kernel.dsv4.compress import CompressorDecodePlan
 
-    from dsv4_sm80 import attention
+    from dsv4_sm80.stages import attention
 
     g = torch.Generator().manual_seed(6)
     n = 5
@@ -283,7 +283,7 @@ import json, os, sys, torch
 from types import SimpleNamespace as NS
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4SingleKVPool, DeepSeekV4TokenToKVPool
 sys.path.insert(0, {root!r})
-from dsv4_sm80 import attention
+from dsv4_sm80.stages import attention
 from dsv4_sm80.kernels.block_rounding_ref import kv_fp8_sim_ref
 from dsv4_sm80.kernels.kv_store import k_norm_rope_store
 g = torch.Generator().manual_seed(7)

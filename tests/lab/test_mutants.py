@@ -205,7 +205,7 @@ def post_load(monkeypatch):
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float8_e8m0fnu])
 def test_e8m0_exponent_off(knob, scale_dtype, post_load):
 
-    from dsv4_sm80.linear import to_bf16_blocks
+    from dsv4_sm80.stages.dense import to_bf16_blocks
 
     post = post_load
     right = _tiny_loaded_model(scale_dtype)
@@ -254,7 +254,7 @@ def _swa_metadata(wrapper, monkeypatch, tokens=300):
     position, through `wrapper`; returns each query's visible SWA key positions."""
     from sglang.srt.layers.attention import deepseek_v4_backend as backend
 
-    from dsv4_sm80.attention import no_flashmla_metadata
+    from dsv4_sm80.stages.attention import no_flashmla_metadata
     from dsv4_sm80.kernels.sparse_attn_ref import valid_ids
 
     monkeypatch.setattr(backend, "_create_flashmla_metadata", no_flashmla_metadata)  # as the SM80 seam does

@@ -166,9 +166,9 @@ def test_accuracy_script_steps_use_existing_options(tmp_path):
                           timeout=60, cwd=REPO, env=dict(os.environ, DRY="1", MUTANTS="m1 m2"))
     assert proc.returncode == 0, proc.stderr
     steps = [line[2:] for line in proc.stdout.splitlines() if line.startswith("+ ")]
-    beds = [s for s in steps if "tests/gpu/engine_bed.py" in s]
+    beds = [s for s in steps if "dsv4_lab/beds/engine_bed.py" in s]
     assert len(beds) == 1 + 2 + 4 + 3 + 2  # sequences, native x2, four modes, alone/chunked/prefix-hit, mutants
-    bed_src = open(os.path.join(REPO, "tests/gpu/engine_bed.py")).read()
+    bed_src = open(os.path.join(REPO, "dsv4_lab/beds/engine_bed.py")).read()
     for flag in {f for s in beds for f in re.findall(r"(--[a-z][a-z-]+)", s)}:
         assert f'"{flag}"' in bed_src, flag
     assert any("DSV4_SM80_LAB_MUTANT=m2" in s for s in beds)
@@ -177,7 +177,7 @@ def test_accuracy_script_steps_use_existing_options(tmp_path):
 
 
 def test_engine_bed_token_ids_logprob_rows(tmp_path):
-    bed = load_script("tests/gpu/engine_bed.py", "engine_bed_oracle")
+    bed = load_script("dsv4_lab/beds/engine_bed.py", "engine_bed_oracle")
     assert bed.logprob_ids(None, 10, 2) is None
     assert bed.logprob_ids("all", 3, 2) == [[0, 1, 2], [0, 1, 2]]
     one, per_seq = tmp_path / "one.json", tmp_path / "per.json"

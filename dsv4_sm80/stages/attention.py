@@ -29,8 +29,8 @@ import sys
 
 import torch
 
-from . import env, lab_rounding
-from .launch_gate import refusal
+from .. import env
+from ..launch_gate import refusal
 
 HEAD_DIM = 512
 
@@ -92,13 +92,11 @@ def bf16_create_buffer(self, *, num_pages: int):
 
 def bf16_set_key_buffer_fused(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
     """DeepSeekV4SingleKVPool.set_key_buffer_fused: BF16 rows to their slots, slot < 0 skipped."""
-    from .kernels.kv_store import scatter_rows
+    from ..kernels.kv_store import scatter_rows
 
     if cache_k.dtype != torch.bfloat16:
         raise TypeError(f"dsv4-sm80 attention: the BF16 KV pool takes bfloat16 rows, got {cache_k.dtype}")
     rows = cache_k.reshape(-1, _row_dim(self))
-    if lab_rounding.kv_enabled() and rows.shape[-1] == HEAD_DIM:
-        rows = lab_rounding.round_nope_(rows.clone())
     scatter_rows(rows, loc, self.kv_buffer[layer_id], fp8_sim=kv_fp8_sim() and rows.shape[-1] == HEAD_DIM)
 
 
@@ -112,14 +110,9 @@ def bf16_set_key_buffer(self, layer_id: int, loc: torch.Tensor, cache_k) -> None
 
 def bf16_swa_norm_rope_store(self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions) -> None:
     """DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope: RMSNorm + RoPE + BF16 store."""
-    from .kernels.kv_store import k_norm_rope_store
+    from ..kernels.kv_store import k_norm_rope_store
 
     buf = self.swa_kv_pool.kv_buffer[self._swa_local_layer_id(layer_id)]
-    if lab_rounding.kv_enabled():  # lab replay: native quantizes these rows from fp32, not from their BF16 rounding
-        from .kernels.kv_store import scatter_rows
-
-        scatter_rows(lab_rounding.swa_rows(kv, kv_weight, eps, freqs_cis, positions), swa_loc, buf)
-        return
     k_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, swa_loc, buf, fp8_sim=kv_fp8_sim())
 
 
@@ -145,10 +138,8 @@ def compress_store(original, kv, plan, *, norm_weight, norm_eps, freq_cis, out_l
         flat = kvcache.reshape(-1, HEAD_DIM * 2)  # bytes of [slots, 512] BF16: one "page" per slot
         out = original(kv, plan, norm_weight=norm_weight, norm_eps=norm_eps, freq_cis=freq_cis, out_loc=out_loc,
                        kvcache=flat, page_size=1, use_fp4=False, bf16_store=True)
-        if lab_rounding.kv_enabled():  # idempotent: rows out_loc names but this call left alone are unchanged
-            lab_rounding.kv_rows_(kvcache.view(torch.bfloat16).reshape(-1, HEAD_DIM), out_loc)
         if kv_fp8_sim():  # the rows the JIT just stored, as the model rounds its BF16 compressed rows
-            from .kernels.kv_store import round_planned_rows_
+            from ..kernels.kv_store import round_planned_rows_
 
             round_planned_rows_(kvcache.view(torch.bfloat16), plan[1], kv.shape[0], bool(plan.is_decode), out_loc,
                                 int(plan.compress_ratio))
@@ -156,10 +147,7 @@ def compress_store(original, kv, plan, *, norm_weight, norm_eps, freq_cis, out_l
     if use_fp4:
         raise ValueError("dsv4-sm80 attention: the FP4 indexer (--enable-deepseek-v4-fp4-indexer, SM100) is not "
                          "part of the SM80 datapath; drop that flag")
-    if lab_rounding.idx_enabled():  # lab replay: SGLang's own FP8 store into the same 132-byte pages (SM90)
-        return original(kv, plan, norm_weight=norm_weight, norm_eps=norm_eps, freq_cis=freq_cis, out_loc=out_loc,
-                        kvcache=kvcache, page_size=page_size, use_fp4=False, bf16_store=False)
-    from .kernels.indexer_int8 import compress_store_index_k_int8
+    from ..kernels.indexer_int8 import compress_store_index_k_int8
 
     compress_store_index_k_int8(kv, plan[1], bool(plan.is_decode), out_loc, norm_weight, norm_eps, freq_cis,
                                 kvcache, ratio=int(plan.compress_ratio), fp4_sim=indexer_fp4_sim())
@@ -169,11 +157,8 @@ def compress_store(original, kv, plan, *, norm_weight, norm_eps, freq_cis, out_l
 # --- indexer ----------------------------------------------------------------------------------------
 
 def indexer_q_int8(original, q, weight, weight_scale, freqs_cis, positions):
-    """indexer.fused_q_indexer_rope_hadamard_quant: the INT8 variant (same arguments and returns). Lab replay
-    (DSV4_SM80_LAB_NATIVE_ROUNDING with idx): SGLang's own FP8 kernel instead (SM90 only)."""
-    if lab_rounding.idx_enabled():
-        return original(q, weight, weight_scale, freqs_cis, positions)
-    from .kernels.indexer_int8 import q_rope_hadamard_int8
+    """indexer.fused_q_indexer_rope_hadamard_quant: the INT8 variant (same arguments and returns)."""
+    from ..kernels.indexer_int8 import q_rope_hadamard_int8
 
     return q_rope_hadamard_int8(q, weight, weight_scale, freqs_cis, positions, fp4_sim=indexer_fp4_sim())
 
@@ -181,12 +166,8 @@ def indexer_q_int8(original, q, weight, weight_scale, freqs_cis, positions):
 def indexer_logits_int8(original, q, kv_cache, weights, seq_lens, page_table, deep_gemm_metadata, max_seq_len,
                         clean_logits=False):
     """indexer.fp8_paged_mqa_logits_torch (selected by SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1): INT8 logits
-    on INT8 tensor cores over the paged INT8 index cache. Lab replay with idx: fp32 logits over the FP8
-    cache SGLang's own stores wrote (lab_rounding.fp8_paged_logits; SGLang's torch version gathers every
-    token's whole cache at once and would not fit a long prefill)."""
-    if lab_rounding.idx_enabled():
-        return lab_rounding.fp8_paged_logits(q, kv_cache, weights, seq_lens, page_table, int(max_seq_len))
-    from .kernels.indexer_int8 import paged_mqa_logits_int8
+    on INT8 tensor cores over the paged INT8 index cache."""
+    from ..kernels.indexer_int8 import paged_mqa_logits_int8
 
     return paged_mqa_logits_int8(q, kv_cache, weights, seq_lens, page_table, int(max_seq_len),
                                  fp4_sim=indexer_fp4_sim())
@@ -215,42 +196,6 @@ def _match_rows(x, rows: int, fill: int):
     return torch.cat([x, x.new_full((rows - x.shape[0], *x.shape[1:]), fill)], dim=0)
 
 
-WINDOW = 128  # deepseek_v4_backend.SWA_WINDOW
-VISIBLE_WIDTH = 512  # the Vision-Exp visible window: 128 causal + up to 384 image-block keys
-
-
-def visible_swa_lists(swa_ids, swa_lens, spans_per_req, positions, req_tokens, req_rows, req_to_token,
-                      full_to_swa):
-    """The Vision-Exp bidirectional image window as SWA index lists, for an extend batch:
-    a query inside an image span [s, e] (IMAGE_START .. IMAGE_END, absolute positions, wholly in this
-    extend) sees raw keys [max(0, min(p - 127, s)), min(that + 511, e)], i.e. the whole block both ways plus
-    the causal window before it; every other query keeps its causal list (the same ids, now padded to
-    VISIBLE_WIDTH with -1). The image rows are built as the backend builds causal ones: positions ->
-    req_to_token -> full_to_swa (deepseek_v4_backend.py:1968). Returns (ids [T, 512] int32, lens [T] int32)."""
-    rows = swa_ids.shape[0]
-    ids = swa_ids.new_full((rows, max(VISIBLE_WIDTH, swa_ids.shape[1])), -1)
-    ids[:, : swa_ids.shape[1]] = swa_ids
-    lens = swa_lens.clone()
-    start = 0
-    for r, (n_tok, spans) in enumerate(zip(req_tokens, spans_per_req)):
-        for s, e in spans or ():
-            pos = positions[start:start + n_tok].long()
-            inside = ((pos >= s) & (pos <= e)).nonzero().flatten()
-            if inside.numel() == 0:
-                continue
-            p = pos[inside]
-            lo = torch.clamp(torch.minimum(p - (WINDOW - 1), torch.full_like(p, s)), min=0)
-            hi = torch.minimum(lo + VISIBLE_WIDTH - 1, torch.full_like(p, e))
-            offs = lo[:, None] + torch.arange(VISIBLE_WIDTH, device=p.device)[None, :]
-            valid = offs <= hi[:, None]
-            full = req_to_token[req_rows[r], torch.where(valid, offs, 0)]
-            slots = full_to_swa[full.long()].to(ids.dtype)
-            ids[start + inside] = torch.where(valid, slots, torch.full_like(slots, -1))
-            lens[start + inside] = (hi - lo + 1).to(lens.dtype)
-        start += n_tok
-    return ids, lens
-
-
 def sm80_forward(self, q, k, v, layer, forward_batch, compress_ratio, save_kv_cache=True, attn_sink=None, **kwargs):
     """DeepseekV4AttnBackend.forward on SM80, every forward mode: the same key sets FlashMLA gets (SWA
     list + C4 top-k or all C128 entries per query; valid = j < len and id >= 0; the sink in the
@@ -258,7 +203,7 @@ def sm80_forward(self, q, k, v, layer, forward_batch, compress_ratio, save_kv_ca
     [T, Hpad, 512] BF16 tensor, as the original does."""
     from sglang.srt.layers.attention import deepseek_v4_backend as backend
 
-    from .kernels.sparse_attn import sparse_attn
+    from ..kernels.sparse_attn import sparse_attn
 
     if self.mtp_enabled and forward_batch.forward_mode.is_idle():
         return q.new_empty(q.shape[0], q.shape[1], layer.v_head_dim)
@@ -287,11 +232,5 @@ def sm80_forward(self, q, k, v, layer, forward_batch, compress_ratio, save_kv_ca
     swa_ids = _match_rows(core.swa_page_indices, rows, 0)
     swa_lens = _match_rows(core.swa_topk_lengths, rows, 1)
     extra_ids, extra_lens = _match_rows(extra_ids, rows, -1), _match_rows(extra_lens, rows, 1)
-    spans = getattr(forward_batch, "dsv4_image_spans", None)
-    if spans and any(spans) and forward_batch.forward_mode.is_extend_without_speculative():
-        # Vision-Exp prefill with image blocks in this extend (set by vision_backport's VL forward)
-        swa_ids, swa_lens = visible_swa_lists(
-            swa_ids, swa_lens, spans, forward_batch.positions, forward_batch.extend_seq_lens_cpu,
-            forward_batch.req_pool_indices, self.req_to_token, pool.full_to_swa_index_mapping)
     return sparse_attn(q.contiguous(), swa_cache, swa_ids, swa_lens, extra_cache, extra_ids, extra_lens,
                        attn_sink, scale=self.softmax_scale, heads=layer.tp_q_head_num, splits=None)

@@ -1,15 +1,15 @@
-"""GPU: one prompt's prefill recorded module by module (dsv4_sm80/lab_trace.py) through SGLang's own forward
+"""GPU: one prompt's prefill recorded module by module (dsv4_lab/trace.py) through SGLang's own forward
 hooks, on whatever path the environment selects (native with the patch off, the SM80 path in lab mode).
-Two such traces of the same ids compared (`python -m dsv4_sm80.lab_trace A B`) name the first module whose
+Two such traces of the same ids compared (`python -m dsv4_lab.trace A B`) name the first module whose
 output differs much more than its input: where the SM80 path and native part ways.
 
-    ENABLE_SGLANG_DSV4_A100_PATCH=0 python tests/gpu/layer_trace.py --out-dir $OUT/trace-native
+    ENABLE_SGLANG_DSV4_A100_PATCH=0 python dsv4_lab/beds/layer_trace.py --out-dir $OUT/trace-native
     ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_LAB_GPU_COUNT=1 \
-        python tests/gpu/layer_trace.py --out-dir $OUT/trace-patched
-    python -m dsv4_sm80.lab_trace $OUT/trace-native $OUT/trace-patched
+        python dsv4_lab/beds/layer_trace.py --out-dir $OUT/trace-patched
+    python -m dsv4_lab.trace $OUT/trace-native $OUT/trace-patched
 
 Eager only (SGLang registers the hooks after graph capture, and graph replays run no Python hooks); a first
-request of 4 tokens arms the keyword-argument pre-hooks (lab_trace.factory), then the prompt runs once with one
+request of 4 tokens arms the keyword-argument pre-hooks (dsv4_lab.trace.factory), then the prompt runs once with one
 new token: its prefill is the traced forward.
 """
 
@@ -37,14 +37,14 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-runner-backend", default="marlin")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
     ap.add_argument("--perturb", type=float, default=0.0,
-                    help="the embedding output moved one BF16 ulp in this share of entries (lab_perturb): the floor trace")
+                    help="the embedding output moved one BF16 ulp in this share of entries (dsv4_lab.perturb): the floor trace")
     args = ap.parse_args(argv)
 
     from engine_bed import BED_WATCHDOG_S, prompt_ids
 
     from dsv4_sm80 import env
-    from dsv4_sm80.lab_perturb import perturb_spec
-    from dsv4_sm80.lab_trace import trace_spec
+    from dsv4_lab.perturb import perturb_spec
+    from dsv4_lab.trace import trace_spec
     from dsv4_sm80.tiny.generate import ensure, head_scale_for
 
     args.head_scale = head_scale_for(args.preset, args.head_scale)  # peaked outputs at every width
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         model_path=args.ckpt, skip_tokenizer_init=True, moe_runner_backend=args.moe_runner_backend,
         disable_cuda_graph=True, mem_fraction_static=args.mem_fraction, random_seed=0, log_level="warning",
         watchdog_timeout=BED_WATCHDOG_S,
-        # weights too (lab_trace --linears); the perturbation first, so the trace records the moved embedding
+        # weights too (dsv4_lab.trace --linears); the perturbation first, so the trace records the moved embedding
         forward_hooks=((perturb_spec(args.perturb) if args.perturb else [])
                        + trace_spec(args.out_dir, rows=len(ids), params=True)),
     )

@@ -1,7 +1,7 @@
 """The patched server over HTTP on the tiny checkpoint (lab mode): the OpenAI-compatible and native
 endpoints work, the API key is enforced, bad requests get a clear 4xx and the server keeps serving.
 
-    DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 python tests/gpu/http_check.py --out http.json
+    DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 python dsv4_lab/beds/http_check.py --out http.json
 
 Starts `python -m dsv4_sm80 serve` (the one-command lab start: the embedded tiny model with its stand-in
 tokenizer) on 127.0.0.1 with --api-key and a small --context-length, then sends each request below and
@@ -152,14 +152,14 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
-# launches the patch must refuse before any GPU work, naming the check (issue 9: "unsupported parameters with
-# the patch on (e.g. an EP or NextN flag at runtime)")
+# launches the patch must refuse before any GPU work, naming the check (unsupported parameters with
+# the patch on, e.g. an EP or NextN flag at runtime)
 REFUSED_STARTS = [
     ("expert parallelism", ["--ep-size", "2", "--tp-size", "2"], "moe.expert_parallel"),
     ("NextN speculative decoding", ["--speculative-algorithm", "NEXTN"], "speculative.draft"),
     ("another MoE runner", ["--moe-runner-backend", "triton"], "moe.runner_backend"),
-    ("HiSparse", ["--enable-hisparse"], "server.modes"),  # session 10; not yet run on a GPU
-    ("DP attention", ["--enable-dp-attention", "--tp-size", "2", "--dp-size", "2"], "server.modes"),  # session 10
+    ("HiSparse", ["--enable-hisparse"], "server.modes"),
+    ("DP attention", ["--enable-dp-attention", "--tp-size", "2", "--dp-size", "2"], "server.modes"),
 ]
 
 

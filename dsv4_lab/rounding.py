@@ -1,9 +1,9 @@
 """Lab: native SGLang's FP8 roundings replayed on the SM80 datapath (DSV4_SM80_LAB_NATIVE_ROUNDING).
 
-The H200 parity run of session 5 put the patched path 2-5x the native noise floor from native, with the dense
-mode and the expert backend making no difference. What every SM80 combination shares against native is
-precision, not arithmetic. On SM90 with default arguments native rounds in three places a BF16 path does not
-(read from the 0.5.16 sources; file:line into the wheel):
+The H200 parity run of 2026-11-30 (docs/gpu-runs.md, `steps.sh parity`) put the patched path 2-5x the native noise
+floor from native, with the dense mode and the expert backend making no difference. What every SM80 combination shares
+against native is precision, not arithmetic. On SM90 with default arguments native rounds in three places a BF16 path
+does not (read from the 0.5.16 sources; file:line into the wheel):
 
 - kv: each cached key row (SWA and compressed; the same row serves as value) keeps its nope part, 448 values,
   as FP8 e4m3 with a power-of-two scale per 64: s = 2^ceil(log2(max(amax, 1e-4) / 448)), x / s clamped to
@@ -13,24 +13,24 @@ precision, not arithmetic. On SM90 with default arguments native rounds in three
   a BF16 value), for the compressed rows (native rounds those to BF16 first too); the SWA rows are recomputed
   in fp32 from the store's inputs and quantized from fp32 as native does (`swa_rows`): rounding their BF16 rows
   instead is a double rounding that moves 3 % of the values one FP8 step (a BF16 value on an e4m3 midpoint, 1
-  in 16, half of them rounded the other way), 1.6e-2 relative, most of the FP8 rounding's own 2.6e-2 (session
-  17; the module trace saw it as layer 0's attention output 2.0e-2 from native against a 4e-3 floor).
-- act: the input of every FP8 block linear that DeepGEMM runs (wqkv_a, wq_b, wo_b, indexer wq_b, shared
-  experts; not wo_a, a BF16 einsum on SM90 unless SGLANG_OPT_FP8_WO_A_GEMM=1) is quantized per token and 128
-  columns with a plain fp32 scale amax / 448 (floor 1e-10; UE8M0 only on SM100: deep_gemm_wrapper/
-  configurer.py:35-38, fp8_utils.py:820-826), and the product accumulates in fp32 with the exact weight.
-  Replayed in `fp8_act_linear` (fp32 GEMM of the dequantized activation; slow, for the lab), on a GPU through
-  SGLang's own quantizer (`native_act`; session 15 measured the model `fp8_act` 2-3e-3 from native per linear,
-  SGLang's quantizer 7-9e-4: what is left is DeepGEMM's accumulation).
+  in 16, half of them rounded the other way), 1.6e-2 relative, most of the FP8 rounding's own 2.6e-2 (2026-12-02,
+  `steps.sh trace`; the module trace saw it as layer 0's attention output 2.0e-2 from native against a 4e-3 floor).
+- act: the input of every FP8 block linear that DeepGEMM runs (wqkv_a, wq_b, wo_b, indexer wq_b, shared experts; not
+  wo_a, a BF16 einsum on SM90 unless SGLANG_OPT_FP8_WO_A_GEMM=1) is quantized per token and 128 columns with a plain
+  fp32 scale amax / 448 (floor 1e-10; UE8M0 only on SM100: deep_gemm_wrapper/configurer.py:35-38,
+  fp8_utils.py:820-826), and the product accumulates in fp32 with the exact weight. Replayed in `fp8_act_linear` (fp32
+  GEMM of the dequantized activation; slow, for the lab), on a GPU through SGLang's own quantizer (`native_act`; on
+  2026-12-01 `steps.sh trace-linears` measured the model `fp8_act` 2-3e-3 from native per linear, SGLang's quantizer
+  7-9e-4: what is left is DeepGEMM's accumulation).
 - gemm: instead of act, each of those linears through native's own FP8 block linear: SGLang's dispatch
-  (`dispatch_w8a8_block_fp8_linear`, DeepGEMM on SM90) on the checkpoint's FP8 weight and scale, kept beside
-  the BF16 weight. Session 15 measured `act` (SGLang's quantizer, then an exact fp32 product) 7-9e-4 from
-  native per linear on identical inputs and native's own linear 0: gemm removes that last per-linear
-  difference. With it the mHC pre-norm GEMM also runs DeepGEMM's own `tf32_hc_prenorm_gemm` (seam
-  mhc.hc_prenorm_gemm; the SM80 Triton GEMM is 1.9e-6 from it, which still flips a BF16 rounding of the
-  pre-mix now and then: layer 0's first linear saw inputs 2.9e-5 apart). It calls DeepGEMM, so runs with the
-  tripwire off (an SM90 GPU: the H200 only). Session 18: with it layer 0's first linears are bit-equal to native's
-  and every traced module sits at native's perturbation floor (docs/parity.md).
+  (`dispatch_w8a8_block_fp8_linear`, DeepGEMM on SM90) on the checkpoint's FP8 weight and scale, kept beside the BF16
+  weight. `steps.sh trace-linears` (2026-12-01) measured `act` (SGLang's quantizer, then an exact fp32 product) 7-9e-4
+  from native per linear on identical inputs and native's own linear 0: gemm removes that last per-linear difference.
+  With it the mHC pre-norm GEMM also runs DeepGEMM's own `tf32_hc_prenorm_gemm` (seam mhc.hc_prenorm_gemm; the SM80
+  Triton GEMM is 1.9e-6 from it, which still flips a BF16 rounding of the pre-mix now and then: layer 0's first linear
+  saw inputs 2.9e-5 apart). It calls DeepGEMM, so runs with the tripwire off (an SM90 GPU: the H200 only). With it
+  (2026-12-02, `steps.sh trace` with TRACE_RUNS naming gemm) layer 0's first linears are bit-equal to native's and
+  every traced module sits at native's perturbation floor (docs/parity.md).
 - idx: the indexer's keys and queries are FP8 with an fp32 scale amax / 448 per 128 (against the SM80 path's
   INT8), scored in fp32 by DeepGEMM; it only changes which compressed entries the top-512 selection keeps,
   i.e. prompts past 2048 tokens. Replayed by running SGLang's own FP8 query kernel and FP8 index store (SM90
@@ -50,8 +50,9 @@ import sys
 
 import torch
 
-from . import env
+from . import knobs
 
+HEAD_DIM = 512  # a main KV row: nope + rope
 NOPE = 448  # of the 512-wide key row; the last 64 (rope) stay BF16 in native too
 TILE = 64
 FP8_MAX = 448.0
@@ -93,7 +94,7 @@ def swa_rows(kv: torch.Tensor, weight: torch.Tensor, eps: float, freqs_cis: torc
     first) per 64 with a power-of-two scale. freqs_cis as the store gets it (complex [max_pos, 32] or its
     fp32 view)."""
     _eager_only(kv)
-    from .kernels.common import rope_table
+    from dsv4_sm80.kernels.common import rope_table
 
     x = kv.float()
     norm = torch.rsqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + eps)
@@ -124,9 +125,9 @@ def fp8_act(x: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def sglang_act_quantizer():
     """SGLang's own per-token-group FP8 activation quantizer (`sglang_per_token_group_quant_fp8`, what native's
-    DeepGEMM block linear calls on SM90), or None where SGLang does not provide it. Session 15 (lab_trace
-    --linears --sglang-models on the H200): native's FP8 linear outputs are 2.1-3.4e-3 from `fp8_act`'s model
-    but 6.8-9.0e-4 from SGLang's quantizer followed by the exact fp32 product (DeepGEMM's own product: 0), so
+    DeepGEMM block linear calls on SM90), or None where SGLang does not provide it. `python -m dsv4_lab.trace DIR
+    --linears --sglang-models` on the H200 (2026-12-01): native's FP8 linear outputs are 2.1-3.4e-3 from `fp8_act`'s
+    model but 6.8-9.0e-4 from SGLang's quantizer followed by the exact fp32 product (DeepGEMM's own product: 0), so
     the quantizer itself rounds differently from the model in a fraction of the elements."""
     try:
         from sglang.kernels.ops.quantization.fp8_kernel import sglang_per_token_group_quant_fp8
@@ -170,7 +171,7 @@ def fp8_act_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Te
 def _items() -> frozenset:
     """Read once per process (the stores call this per layer; the environment does not change under a
     running server). Tests that change the knob call `_items.cache_clear()`."""
-    raw = env.get(env.LAB_NATIVE_ROUNDING)
+    raw = knobs.get(knobs.LAB_NATIVE_ROUNDING)
     chosen = frozenset() if raw == "0" else frozenset(raw.split(","))
     if chosen:  # once: the result is cached
         print(f"dsv4-sm80 LAB: DSV4_SM80_LAB_NATIVE_ROUNDING={raw}: native's FP8 roundings replayed "
@@ -222,3 +223,114 @@ def act_enabled() -> bool:
 
 def gemm_enabled() -> bool:
     return "gemm" in _items()
+
+
+# --- the lab seams (dsv4_lab/seams.py): each wraps the product's replacement on the same SGLang target -------
+
+def upstream(fn):
+    """SGLang's own function under a chain of seam wrappers (each carries its seam's mark and keeps the one
+    below as `__wrapped__`; SGLang's own decorators below that are left in place)."""
+    from dsv4_sm80.apply import MARK
+
+    while getattr(fn, MARK, None) is not None and getattr(fn, "__wrapped__", None) is not None:
+        fn = fn.__wrapped__
+    return fn
+
+
+def set_key_buffer(original, self, layer_id, loc, cache_k):
+    """Around DeepSeekV4SingleKVPool.set_key_buffer(_fused) (the product's BF16 row store): with kv, the rows'
+    nope part rounded as native stores it (512-wide main rows; the indexer's rows are not these)."""
+    if kv_enabled() and isinstance(cache_k, torch.Tensor) and cache_k.shape[-1] == HEAD_DIM:
+        cache_k = round_nope_(cache_k.reshape(-1, HEAD_DIM).clone())
+    return original(self, layer_id, loc, cache_k)
+
+
+def swa_norm_rope_store(original, self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions):
+    """Around DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope: with kv, native quantizes these
+    rows from fp32, not from their BF16 rounding, so they are recomputed here (`swa_rows`) and scattered."""
+    if not kv_enabled():
+        return original(self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions)
+    from dsv4_sm80.kernels.kv_store import scatter_rows
+
+    buf = self.swa_kv_pool.kv_buffer[self._swa_local_layer_id(layer_id)]
+    scatter_rows(swa_rows(kv, kv_weight, eps, freqs_cis, positions), swa_loc, buf)
+    return None
+
+
+def compress_store(original, kv, plan, *, norm_weight, norm_eps, freq_cis, out_loc, kvcache, page_size,
+                   use_fp4=False, bf16_store=False):
+    """Around compressor_v2.compress_norm_rope_store: with kv, the main compressor's rows rounded after the
+    product stored them (idempotent: rows out_loc names but the call left alone are unchanged); with idx, the
+    indexer's entries through SGLang's own FP8 store into the same 132-byte pages (SM90 only)."""
+    args = dict(norm_weight=norm_weight, norm_eps=norm_eps, freq_cis=freq_cis, out_loc=out_loc, kvcache=kvcache,
+                page_size=page_size, use_fp4=use_fp4, bf16_store=bf16_store)
+    if kv.shape[-1] != HEAD_DIM and idx_enabled() and not use_fp4:
+        return upstream(original)(kv, plan, **{**args, "bf16_store": False})
+    out = original(kv, plan, **args)
+    if kv.shape[-1] == HEAD_DIM and kv_enabled():
+        kv_rows_(kvcache.view(torch.bfloat16).reshape(-1, HEAD_DIM), out_loc)
+    return out
+
+
+def indexer_q(original, q, weight, weight_scale, freqs_cis, positions):
+    """Around indexer.fused_q_indexer_rope_hadamard_quant: with idx, SGLang's own FP8 kernel (SM90 only)."""
+    fn = upstream(original) if idx_enabled() else original
+    return fn(q, weight, weight_scale, freqs_cis, positions)
+
+
+def indexer_logits(original, q, kv_cache, weights, seq_lens, page_table, deep_gemm_metadata, max_seq_len,
+                   clean_logits=False):
+    """Around indexer.fp8_paged_mqa_logits_torch: with idx, fp32 logits over the FP8 cache SGLang's own stores
+    wrote (`fp8_paged_logits`; SGLang's torch version gathers every token's whole cache at once and would not
+    fit a long prefill)."""
+    if idx_enabled():
+        return fp8_paged_logits(q, kv_cache, weights, seq_lens, page_table, int(max_seq_len))
+    return original(q, kv_cache, weights, seq_lens, page_table, deep_gemm_metadata, max_seq_len,
+                    clean_logits=clean_logits)
+
+
+def hc_prenorm_gemm(original, x, fn, out, sqrsum, num_splits):
+    """Around deep_gemm_wrapper.entrypoint.tf32_hc_prenorm_gemm (the product's Triton GEMM): with gemm,
+    DeepGEMM's own GEMM as upstream calls it (SM90; the tripwire off), so a replay's layers start from native's
+    exact pre-mix."""
+    if not gemm_enabled():
+        return original(x, fn, out, sqrsum, num_splits)
+    if x.shape[0]:
+        import deep_gemm
+
+        deep_gemm.tf32_hc_prenorm_gemm(x, fn, out, sqrsum, num_splits=num_splits)
+    return None
+
+
+def replay_linear(method):
+    """The product's BF16 linear method (`Sm80Bf16LinearMethod`) made to replay native: with gemm it keeps the
+    checkpoint's FP8 weight and scale beside the BF16 weight (`layer.lab_fp8`, the loaded tensors themselves)
+    and runs native's own FP8 block linear on them (SGLang's dispatch, DeepGEMM on SM90); with act the input
+    takes native's activation rounding (`fp8_act_linear`). Instance attributes: the class stays the product's."""
+    if gemm_enabled():
+        load = method.process_weights_after_loading
+
+        def process_weights_after_loading(layer):
+            kept = layer.weight.data, layer.weight_scale_inv.data
+            load(layer)
+            layer.lab_fp8 = kept
+
+        def apply(layer, x, bias=None):
+            weight, scale = layer.lab_fp8
+            return method.w8a8_block_fp8_linear(input=x, weight=weight, block_size=method.weight_block_size,
+                                                weight_scale=scale, input_scale=None, bias=bias)
+
+        method.process_weights_after_loading = process_weights_after_loading
+        method.apply = apply
+    elif act_enabled():
+        method.apply = lambda layer, x, bias=None: fp8_act_linear(x, layer.weight, bias)
+    return method
+
+
+def linear_method(original, self, layer, prefix):
+    """Around Fp8Config.get_quant_method, after the dense and MoE stages: their BF16 linear method replays
+    native's linear (`replay_linear`) when act or gemm is chosen."""
+    method = original(self, layer, prefix)
+    if type(method).__name__ == "Sm80Bf16LinearMethod" and (act_enabled() or gemm_enabled()):
+        return replay_linear(method)
+    return method

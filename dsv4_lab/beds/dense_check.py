@@ -3,9 +3,9 @@ checkpoint in this process (TP1, the patch state from the environment), then eve
 checked against a float64 reference decoded from the checkpoint's bytes (tests/reference.py).
 
     ENABLE_SGLANG_DSV4_A100_PATCH=1 SGLANG_DSV4_A100_DENSE=bf16 \
-        python tests/gpu/dense_check.py --out $OUT/dense-bf16.json
+        python dsv4_lab/beds/dense_check.py --out $OUT/dense-bf16.json
     ENABLE_SGLANG_DSV4_A100_PATCH=1 SGLANG_DSV4_A100_DENSE=fp8_marlin \
-        python tests/gpu/dense_check.py --out $OUT/dense-marlin.json
+        python dsv4_lab/beds/dense_check.py --out $OUT/dense-marlin.json
 
 Asserted, per linear of the target model that the checkpoint stores as FP8 blocks (fused wqkv_a =
 wq_a + wkv, wq_b, wo_a, wo_b, indexer wq_b, shared experts gate_up = w1 + w3 and down = w2):
@@ -99,7 +99,8 @@ def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from dsv4_sm80 import env, linear
+    from dsv4_sm80 import env
+    from dsv4_sm80.stages import dense as linear
     from reference import dequant_fp8_bf16, load_raw
 
     from dsv4_sm80.tiny.generate import ensure, head_scale_for

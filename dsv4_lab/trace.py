@@ -1,8 +1,8 @@
 """Lab: every module's inputs and outputs in one forward, recorded through SGLang's own forward hooks, to find
 where the SM80 path and native part ways.
 
-Why: with native's FP8 roundings replayed (lab_rounding kv,act,idx) the patched path still agrees with native
-on only 95-98 % of confident positions against native's 99 % with itself (docs/gpu-runs.md, sessions 6-8),
+Why: with native's FP8 roundings replayed (rounding kv,act,idx) the patched path still agrees with native
+on only 95-98 % of confident positions against native's 99 % with itself (docs/gpu-runs.md, 2026-11-30 and 2026-12-01),
 and the end-to-end logprobs cannot say which module adds the difference. Two traces of the same prompt (native,
 patched) compared module by module can: a module whose output differs much more than its input is where the
 arithmetic differs.
@@ -16,7 +16,7 @@ and saves them when the model's `norm` returns: `forward-0-rank0.pt` (see `facto
 It reports on stderr (`lab_trace[rank N]: armed / recording / saved`), so a log says where a trace stopped.
 
     engine = sglang.Engine(..., forward_hooks=trace_spec(out_dir, rows=len(prompt)), disable_cuda_graph=True)
-    python -m dsv4_sm80.lab_trace native_dir patched_dir [--floor other_native_dir]
+    python -m dsv4_lab.trace native_dir patched_dir [--floor other_native_dir]
 
 Lab only: never a default, never for serving (a device-to-host copy per module and forward).
 """
@@ -28,7 +28,7 @@ import math
 import os
 import sys
 
-FACTORY = "dsv4_sm80.lab_trace:factory"
+FACTORY = "dsv4_lab.trace:factory"
 TARGETS = ("model.*",)  # fnmatch: every module under the model (lm_head and the logits processor aside)
 
 
@@ -150,7 +150,7 @@ def factory(config: dict):
     `embed_tokens` receives `rows` token ids, each module's inputs are what its pre-hook saw, and the record is
     saved when `norm` (the model's last module) returns. Should the caller not hold the model, the first
     hook call finds it by one scan (that forward is not recorded); if that fails too, tracing is off and says
-    so (no scan per module call: session 10's traces hung doing exactly that)."""
+    so (no scan per module call: a trace that scanned per call hung)."""
     out_dir, rows = config["dir"], int(config["rows"])
     keep = int(config.get("forwards", 1))
     want_params = bool(config.get("params", False))
@@ -291,7 +291,7 @@ def linear_check(records: list, max_rows: int = 4096, device: str = "cpu", model
     output [.., N]) against models of its arithmetic on its own recorded input X, W its exact weight:
       exact    X @ W^T in float64;
       bf16     X @ W^T in fp32, rounded to BF16 once (the SM80 dense path: an exact BF16 weight);
-      fp8 act  X through native's per-token, per-128 FP8 activation rounding (lab_rounding.fp8_act), then as bf16
+      fp8 act  X through native's per-token, per-128 FP8 activation rounding (rounding.fp8_act), then as bf16
                (what native's DeepGEMM FP8 linear computes on SM90, if that reading of its sources is right).
     Relative differences (||a - b|| / ||a||): the output against each model, and each model against exact. On
     identical inputs, so input differences between two runs play no part. `device`: where the products run
@@ -300,7 +300,7 @@ def linear_check(records: list, max_rows: int = 4096, device: str = "cpu", model
     against them in `out_vs_models` (a model that raises: its error text there), e.g. `sglang_models()`."""
     import torch
 
-    from .lab_rounding import ACT_GROUP, fp8_act
+    from .rounding import ACT_GROUP, fp8_act
 
     rows = []
     for r in records:
@@ -342,8 +342,8 @@ def linear_check(records: list, max_rows: int = 4096, device: str = "cpu", model
 
 def sglang_models() -> dict:
     """`linear_check` models from native SGLang's own FP8 code (an SM90 GPU with SGLang 0.5.16; lab only), for
-    FP8-weight linears: which part of native's FP8 linear the fp8-act model does not reproduce (session 15:
-    native's output is 2-3.5e-3 from that model on every FP8 linear, against 0 for the replay's own):
+    FP8-weight linears: which part of native's FP8 linear the fp8-act model does not reproduce (on the
+    H200, 2026-12-01: native's output is 2-3.5e-3 from that model on every FP8 linear, against 0 for the replay's own):
       sglang quant   SGLang's per-token-group activation quantizer (`sglang_per_token_group_quant_fp8`, group
                      128, the arguments deepgemm_w8a8_block_fp8_linear_with_fallback passes on SM90: fp32 scales),
                      dequantized, then the exact weight's fp32 product rounded once to BF16;
@@ -355,7 +355,7 @@ def sglang_models() -> dict:
 
     from sglang.srt.layers.quantization.fp8_utils import deepgemm_w8a8_block_fp8_linear_with_fallback
 
-    from .lab_rounding import sglang_act
+    from .rounding import sglang_act
 
     def fp8_only(p):
         if p["weight"].dtype != torch.float8_e4m3fn:

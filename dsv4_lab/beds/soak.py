@@ -1,7 +1,7 @@
 """Soak the patched server (lab mode, tiny checkpoint, loopback only), bounded in time and count.
 
-    DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 python tests/gpu/soak.py --minutes 5 --out soak.json [--dspark]
-    python tests/gpu/soak.py --native --minutes 5 --out soak-native.json     (the same load on native SGLang)
+    DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 python dsv4_lab/beds/soak.py --minutes 5 --out soak.json [--dspark]
+    python dsv4_lab/beds/soak.py --native --minutes 5 --out soak-native.json     (the same load on native SGLang)
 
 64 concurrent streams of `/generate` (streaming, with logprobs): random prompt lengths up to the context
 limit, random max_tokens, a third of the prompts sharing long prefixes (radix-cache hits), one in ten
@@ -12,15 +12,15 @@ evicts from then on: the steady state a production server lives in. Reported: re
 (anything but a deliberate cancellation; must be 0), NaN/Inf in the returned logprobs (must be 0), the KV
 pool's used tokens after the run and a cache flush (must be the idle value: no leaked pages), and the
 server's GPU memory over the run: stable when the last minute's peak is within 5 % + 512 MiB of the first
-minute's AND its growth over the second half of the run is under GROWTH_LIMIT MiB/min (session 12: 107.6 ->
+minute's AND its growth over the second half of the run is under GROWTH_LIMIT MiB/min (2026-12-01: 107.6 ->
 107.8 GB in 4 minutes passed the first rule while it grew steadily, ~37 MiB/min); and, on the patched
 server, no leak: its live tensors after the flush and a full garbage collection back within 16 MiB of
 before the load (`leak_check`).
 
-The memory history (sessions 12-15): with SGLang's own pool size, native and patched both grew ~25-35
-MiB/min, inside the allocator's live tensors (session 13, DSV4_SM80_LAB_MEMLOG, dsv4_sm80/lab_memlog.py).
-Session 14: the flush did not give it back. Session 15 recorded each block's allocating Python stack
-(DSV4_SM80_LAB_MEMSITES): all of the growth (+127 MiB) was the radix cache's per-node GPU index tensors
+The memory history (H200, 2026-12-01, `steps.sh soak`): with SGLang's own pool size, native and patched both grew ~25-35
+MiB/min, inside the allocator's live tensors (DSV4_SM80_LAB_MEMLOG, dsv4_lab/memlog.py). The
+flush did not give it back. Recording each block's allocating Python stack
+(DSV4_SM80_LAB_MEMSITES) showed all of the growth (+127 MiB) was the radix cache's per-node GPU index tensors
 (unified_radix_cache._split_node / _add_new_node; 8 bytes per cached token per component), i.e. cache
 state bounded by the pool (83 M tokens: ~1.3 GB), still live after the flush. Hence the capped pool, and a
 full collection before each site snapshot (lab_memlog.request_sites(collect=True)), whose answer says how much
@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lab_server import ROOT, descendants, lab_server  # noqa: E402
 
 sys.path.insert(0, ROOT)  # dsv4_sm80 (the lab model for --native, the memory log's reader)
-from dsv4_sm80 import lab_memlog  # noqa: E402
+from dsv4_lab import memlog as lab_memlog  # noqa: E402
 
 KEY = "soak-key"
 GROWTH_LIMIT = 4.0  # MiB/min over the run's second half: ~5.6 GiB a day, a leak that ends an A800 server in days

@@ -2,12 +2,12 @@
 
 SGLang 0.5.16 builds each tvm-ffi JIT module (`sglang.jit_kernel.utils.compile.load_jit`) the first time a
 forward calls it, one `nvcc` after another: a native DSV4 start on empty caches was still building, on one of the
-H200 host's 16 cores, 16 minutes after launch (docs/gpu-runs.md, session 26). Each module is a directory of the
+H200 host's 16 cores, 16 minutes after launch (docs/gpu-runs.md, 2026-12-03). Each module is a directory of the
 tvm-ffi cache (`$TVM_FFI_CACHE_DIR`, default `~/.cache/tvm-ffi`) holding the generated sources (`main.cpp`,
 `cuda.cu`), a `build.ninja` and, once built, `<module>.so`; `load_jit` loads a present `.so` without building.
 
-    python tests/gpu/jit_seed.py pack  --out seed.json.xz    # after a run: every built module's sources
-    python tests/gpu/jit_seed.py build --seed seed.json.xz   # on a fresh host: the missing ones, all cores
+    python dsv4_lab/beds/jit_seed.py pack  --out seed.json.xz    # after a run: every built module's sources
+    python dsv4_lab/beds/jit_seed.py build --seed seed.json.xz   # on a fresh host: the missing ones, all cores
 
 `pack` keeps the text files of every directory whose `.so` exists (with `--unfinished`, also those still building:
 build.ninja written, no `.so` yet), a few KB per module; `build` writes them back where absent (files that exist
@@ -15,7 +15,7 @@ must hold the same text, as tvm-ffi's own `_maybe_write` leaves them) and runs n
 that tvm-ffi takes around its own build (an engine starting meanwhile waits for that module instead of building
 it twice). A seed names absolute paths of the host it was packed on (include directories, nvcc, the sources
 `#include`d); a module whose paths are absent here is skipped and named. Lab tooling for the offline GPU host
-(steps.sh `bg` builds `tests/gpu/jit-seed/*.json.xz` when present; `wait` packs this host's into $OUT).
+(steps.sh `bg` builds `dsv4_lab/beds/jit-seed/*.json.xz` when present; `wait` packs this host's into $OUT).
 
 FlashInfer's JIT modules (its sampling kernels: `~/.cache/flashinfer/<version>/<arch>/cached_ops/<module>`) have the
 same shape (a build.ninja whose `default` is the `.so`) and pack the same way with `--cache` pointing there; FlashInfer
@@ -70,7 +70,7 @@ def built(directory: Path) -> bool:
 def pack(cache: Path, unfinished: bool = False) -> dict:
     """Every built module's text files under `cache` (name -> {file: text}); unfinished: also those with a
     build.ninja and no `.so` yet, the module being built when a run is cut (tvm-ffi writes the sources first and
-    build.ninja last, then runs ninja): session 27's budget ended with one such build 2 minutes in, and a seed
+    build.ninja last, then runs ninja): a run cut by its time limit can end with one such build 2 minutes in, and a seed
     without it leaves the next host to build it alone again. One that failed here fails in `build` too, named."""
     modules = {}
     for d in sorted(p for p in cache.iterdir() if p.is_dir()) if cache.is_dir() else []:

@@ -4,7 +4,7 @@ pages free: `Scheduler.flush_cache` succeeds only when idle), every byte of the 
 pages (their fp32 row scales become NaN), the compressors' state rings, for the target and the draft
 (DSPARK / NextN) pool alike. A request after the flush that reads any byte it did not write itself (a
 recycled page's stale rows, the tail of a partly filled page, padding slots, an uninitialised state)
-gets NaN into its attention or its compression; `tests/gpu/hygiene.py` runs the same requests with and
+gets NaN into its attention or its compression; `dsv4_lab/beds/hygiene.py` runs the same requests with and
 without the poison and requires identical, finite outputs.
 
 Never for serving: it is a lab knob (README "Environment"), and the fill costs one pass over the pool.
@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from . import env
+from . import knobs
 
 
 def kv_buffers(pool) -> list[tuple[str, torch.Tensor]]:
@@ -73,7 +73,7 @@ def _draft_pool(scheduler):
 def poison_after_flush(result, scheduler, *args, **kwargs):
     """After Scheduler.flush_cache (sglang/srt/managers/scheduler.py:3846): when it flushed (all pages
     free) and DSV4_SM80_LAB_POISON=1, poison the target's and the draft's pools."""
-    if not result or env.get(env.LAB_POISON) != "1":
+    if not result or knobs.get(knobs.LAB_POISON) != "1":
         return None
     target = scheduler.token_to_kv_pool_allocator.get_kvcache()
     draft = _draft_pool(scheduler)

@@ -1,14 +1,14 @@
 """On an H200 (SM90): the SM80 hc pre-norm GEMM (dsv4_sm80/kernels/hc_prenorm.py) against DeepGEMM's own
-`tf32_hc_prenorm_gemm`, the kernel SGLang's native mhc_pre runs, on the same inputs at DSV4-Flash's shape
-(K = 4 x 4096) and the split counts SGLang asks for, agreeing at fp32-accumulation level (relative to
-sum |a| |tf32(b)|, bound 2e-6). Session 10 ran it with the kernel truncating hc_fn to TF32: 1.1-3.2e-5 from
-DeepGEMM, close to what truncation against round-to-nearest gives on the CPU at these shapes (1.5-3.0e-5), less so
-to truncation against exact fp32 products (1.5-2.4e-5). So the kernel now rounds hc_fn to nearest TF32, and
-this check also prints DeepGEMM's own distance from both models (products in float64 of rounded and of exact
-hc_fn): the smaller one says what the H200's wgmma does with an fp32 operand. Session 11: at most 1.9e-6 from
-DeepGEMM, which sits 1.5e-7-2.4e-6 from the rounded products and 5e-6-1.2e-5 from the exact ones.
+`tf32_hc_prenorm_gemm`, the kernel SGLang's native mhc_pre runs, on the same inputs at DSV4-Flash's shape (K = 4 x
+4096) and the split counts SGLang asks for, agreeing at fp32-accumulation level (relative to sum |a| |tf32(b)|, bound
+2e-6). With the kernel truncating hc_fn to TF32 (2026-12-01) it found 1.1-3.2e-5 from DeepGEMM, close to what
+truncation against round-to-nearest gives on the CPU at these shapes (1.5-3.0e-5), less so to truncation against exact
+fp32 products (1.5-2.4e-5). So the kernel now rounds hc_fn to nearest TF32, and this check also prints DeepGEMM's own
+distance from both models (products in float64 of rounded and of exact hc_fn): the smaller one says what the H200's
+wgmma does with an fp32 operand. On the H200 (2026-12-01): at most 1.9e-6 from DeepGEMM, which sits 1.5e-7-2.4e-6 from
+the rounded products and 5e-6-1.2e-5 from the exact ones.
 
-    python tests/gpu/mhc_check.py [--out mhc_check.json]
+    python dsv4_lab/beds/mhc_check.py [--out mhc_check.json]
 """
 
 from __future__ import annotations

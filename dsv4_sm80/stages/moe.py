@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from . import env
-from .launch_gate import refusal
+from .. import env
+from ..launch_gate import refusal
 
 
 # --- launch: runner backend and expert parallelism ----------------------------------------------
@@ -95,7 +95,7 @@ def w4a8_layer(module) -> W4A8Layer | None:
 def _method_class():
     from sglang.srt.layers.quantization.mxfp4_marlin_moe import Mxfp4MarlinMoEMethod
 
-    from .kernels import w4a8_moe
+    from ..kernels import w4a8_moe
 
     class Sm80W4A8MoEMethod:
         """MXFP4 experts, W4A8 on INT8 tensor cores. Parameters are created exactly as SGLang's

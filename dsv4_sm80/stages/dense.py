@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import env, lab_rounding
+from .. import env
 
 BLOCK = 128
 ALWAYS_BF16_SUFFIXES = ("wo_a", "main_proj")
@@ -129,8 +129,6 @@ def _method_class():
             super().__init__(quant_config)
             self.use_marlin = False
             self.prefix = prefix
-            self.native_act = lab_rounding.act_enabled()  # lab parity experiments only (never a default)
-            self.native_gemm = lab_rounding.gemm_enabled()
 
         def process_weights_after_loading(self, layer) -> None:
             t0 = time.perf_counter()
@@ -142,8 +140,6 @@ def _method_class():
                 )
             bf16 = to_bf16_blocks(weight, scale)
             before = weight.numel() * weight.element_size() + scale.numel() * scale.element_size()
-            if self.native_gemm:  # lab: native's own FP8 linear runs on these (apply)
-                layer.lab_fp8 = (weight, scale)
             layer.weight = torch.nn.Parameter(bf16, requires_grad=False)
             del layer.weight_scale_inv
             layer.input_scale = None
@@ -154,12 +150,6 @@ def _method_class():
             _progress(self.prefix, before, bf16.numel() * 2)
 
         def apply(self, layer, x, bias=None):
-            if self.native_gemm:  # lab: native's FP8 block linear (DeepGEMM on SM90)
-                weight, scale = layer.lab_fp8
-                return self.w8a8_block_fp8_linear(input=x, weight=weight, block_size=self.weight_block_size,
-                                                  weight_scale=scale, input_scale=None, bias=bias)
-            if self.native_act:
-                return lab_rounding.fp8_act_linear(x, layer.weight, bias)
             return F.linear(x, layer.weight, bias)
 
     return Sm80Bf16LinearMethod

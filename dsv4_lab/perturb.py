@@ -1,13 +1,13 @@
 """Lab: native SGLang's sensitivity to a rounding-level change of its input, as a second noise floor.
 
-Why: the SM80 path and native differ in rounding at every linear (BF16 against native's FP8 activations), and
-native's FP8 activation rounding turns any tiny input difference into ~1e-2 output differences wherever a value
-crosses a rounding boundary (session 11's trace: a 2.9e-5 input difference at layer 0's first linear, 2.6e-2 at
-its output). The issue's floor (native against itself across batch compositions and machines) hardly
-exercises that: native's kernels are nearly batch-invariant, so two native runs see almost identical inputs.
-This floor asks instead: how far do native's logprobs move when its embedding output changes by one BF16 unit
-in the last place in a small fraction of entries, i.e. by as much as a different rounding order upstream would
-change it? It is stated beside the issue's floor, never in place of it.
+Why: the SM80 path and native differ in rounding at every linear (BF16 against native's FP8 activations), and native's
+FP8 activation rounding turns any tiny input difference into ~1e-2 output differences wherever a value crosses a
+rounding boundary (a module trace of 2026-12-01, `steps.sh trace`: a 2.9e-5 input difference at layer 0's first
+linear, 2.6e-2 at its output). The batch floor (native against itself across batch compositions and machines) hardly
+exercises that: native's kernels are nearly batch-invariant, so two native runs see almost identical inputs. This
+floor asks instead: how far do native's logprobs move when its embedding output changes by one BF16 unit in the last
+place in a small fraction of entries, i.e. by as much as a different rounding order upstream would change it? It is
+stated beside the batch floor, never in place of it.
 
 How: `perturb_spec(fraction)` is a `forward_hooks` server argument (SGLang 0.5.16's hook manager registers it on
 `model.embed_tokens` after CUDA-graph capture: eager forwards only); its hook returns the embedding output with
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 
-FACTORY = "dsv4_sm80.lab_perturb:factory"
+FACTORY = "dsv4_lab.perturb:factory"
 TARGET = "model.embed_tokens"
 
 

@@ -1,5 +1,5 @@
 """Lab (soak): GPU memory inside a serving process, over time. With DSV4_SM80_LAB_MEMLOG=FILE each model
-runner (after its CUDA graphs; footprint.log_startup starts it) appends one JSON line every INTERVAL seconds:
+runner (after its CUDA graphs: seam lab.memlog) appends one JSON line every INTERVAL seconds:
 
     {"t": unix time, "pid", "rank", "role", "used": bytes this process holds on its GPU (NVML's per-process
      figure; the device's whole use where NVML does not list the process, e.g. another PID namespace),
@@ -12,15 +12,15 @@ flat): `summarize` says which. The sampling thread makes no CUDA runtime call (N
 counters only): a draft model may be capturing CUDA graphs in global capture mode while it runs. Never for
 serving.
 
-With DSV4_SM80_LAB_MEMSITES=1 as well, PyTorch's allocator records the Python stack of every block allocated
-from the end of start-up on (`torch.cuda.memory._record_memory_history(enabled="state")`: live blocks only, no
-event trace), and the log's thread answers requests (`request_sites(path, tag)`, e.g. before a load and after
-it) with the live bytes per allocating site (`sites`): the growth between two tags names the code that holds it
-(`sites_growth`). A request is answered between samples; taking the snapshot reads the allocator's own tables.
-A request may ask for a full garbage collection first (`collect=True`), so that objects only reference cycles
-keep alive (SGLang's radix tree links parents and children both ways) do not count as held: the answer then
-carries the live bytes before and after `gc.collect()`. (Session 15: what a flush kept was the radix cache's
-GPU index tensors; the collection freed none of it, so cycles were not what kept it.)
+With DSV4_SM80_LAB_MEMSITES=1 as well, PyTorch's allocator records the Python stack of every block allocated from the
+end of start-up on (`torch.cuda.memory._record_memory_history(enabled="state")`: live blocks only, no event trace),
+and the log's thread answers requests (`request_sites(path, tag)`, e.g. before a load and after it) with the live
+bytes per allocating site (`sites`): the growth between two tags names the code that holds it (`sites_growth`). A
+request is answered between samples; taking the snapshot reads the allocator's own tables. A request may ask for a
+full garbage collection first (`collect=True`), so that objects only reference cycles keep alive (SGLang's radix tree
+links parents and children both ways) do not count as held: the answer then carries the live bytes before and after
+`gc.collect()`. (On the H200, 2026-12-01, `steps.sh soak`: what a flush kept was the radix cache's GPU index tensors;
+the collection freed none of it, so cycles were not what kept it.)
 """
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ import sys
 import threading
 import time
 
-from . import env
+from . import knobs
 
-ENV = "DSV4_SM80_LAB_MEMLOG"
 MIB = 1 << 20
 _started = set()
 
@@ -102,15 +101,25 @@ def start(path: str, rank: int, role: str, interval: float = 10.0, sample=None,
     return t
 
 
+def start_after_graphs(result, runner, *args, **kwargs):
+    """After ModelRunner.init_cuda_graphs (seam lab.memlog): start this runner's log. Diagnostics: a failure is
+    printed, never raised."""
+    try:
+        maybe_start(runner)
+    except Exception as e:
+        print(f"dsv4-sm80 memlog: not started ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+    return None
+
+
 def maybe_start(runner) -> None:
-    """From footprint.log_startup: start the log for this runner when DSV4_SM80_LAB_MEMLOG names a file."""
-    path = os.environ.get(ENV, "").strip()
+    """Start the log for this runner when DSV4_SM80_LAB_MEMLOG names a file."""
+    path = knobs.get(knobs.LAB_MEMLOG).strip()
     if not path:
         return
     role = "draft" if getattr(runner, "is_draft_worker", False) else "target"
     rank = getattr(getattr(runner, "ps", None), "tp_rank", getattr(runner, "tp_rank", 0))
     snapshot = None
-    if env.get(env.LAB_MEMSITES) == "1":
+    if knobs.get(knobs.LAB_MEMSITES) == "1":
         try:
             snapshot = _record_sites()
         except Exception as e:  # the memory log itself still runs
@@ -134,7 +143,7 @@ def _record_sites():
 
 
 # frames of these files are where memory is allocated, not who holds it: a site is the first frame outside them
-_PLUMBING = ("/torch/", "/contextlib.py", "/functools.py", "/threading.py", "/dsv4_sm80/lab_memlog.py")
+_PLUMBING = ("/torch/", "/contextlib.py", "/functools.py", "/threading.py", "/dsv4_lab/memlog.py")
 
 
 def _short(filename: str) -> str:

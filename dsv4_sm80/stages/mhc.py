@@ -23,20 +23,10 @@ from typing import Optional
 
 import torch
 
-from . import lab_rounding
-
 
 def hc_prenorm_gemm(x: torch.Tensor, fn: torch.Tensor, out: torch.Tensor, sqrsum: torch.Tensor,
                     num_splits: Optional[int]) -> None:
-    """Replaces `deep_gemm_wrapper.entrypoint.tf32_hc_prenorm_gemm` (same arguments, fills out/sqrsum).
-    Lab only, DSV4_SM80_LAB_NATIVE_ROUNDING with gemm: DeepGEMM's own GEMM as upstream calls it (SM90; the
-    tripwire off), so a parity replay's layers start from native's exact pre-mix (lab_rounding)."""
-    if lab_rounding.gemm_enabled():
-        if x.shape[0]:
-            import deep_gemm
-
-            deep_gemm.tf32_hc_prenorm_gemm(x, fn, out, sqrsum, num_splits=num_splits)
-        return
-    from .kernels.hc_prenorm import hc_prenorm
+    """Replaces `deep_gemm_wrapper.entrypoint.tf32_hc_prenorm_gemm` (same arguments, fills out/sqrsum)."""
+    from ..kernels.hc_prenorm import hc_prenorm
 
     hc_prenorm(x, fn, out, sqrsum, num_splits)

@@ -3,9 +3,9 @@
 Runs on any CUDA machine where sglang 0.5.16 imports. The patch state comes from the environment
 (ENABLE_SGLANG_DSV4_A100_PATCH, read by sitecustomize at interpreter start), so run it twice to A/B:
 
-    ENABLE_SGLANG_DSV4_A100_PATCH=0 python tests/gpu/engine_bed.py --out native.json
+    ENABLE_SGLANG_DSV4_A100_PATCH=0 python dsv4_lab/beds/engine_bed.py --out native.json
     ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_LAB_GPU_COUNT=1 \
-        python tests/gpu/engine_bed.py --out patched.json --teacher-from native.json
+        python dsv4_lab/beds/engine_bed.py --out patched.json --teacher-from native.json
 
 What it records (JSON): greedy continuations of prompts of ~20, 300 and 3000 token ids (3000 makes
 the C4 indexer select sparsely: the C4 pool exceeds index_topk=512 past 2048 tokens), batched and
@@ -26,8 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 # SGLang's scheduler watchdog (ServerArgs.watchdog_timeout, 300 s) kills the engine when one forward takes longer;
-# a cold machine's first forward compiles SGLang's JIT kernels for 7-9 minutes (session 11: trace-native SIGKILLed
-# by it at 7.5 minutes of compiling). The test beds allow that; serving keeps SGLang's default.
+# a cold machine's first forward compiles SGLang's JIT kernels for 7-9 minutes (on the H200, 2026-12-01: a native
+# trace SIGKILLed by it at 7.5 minutes of compiling). The test beds allow that; serving keeps SGLang's default.
 BED_WATCHDOG_S = 1800.0
 
 
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
                          "engine starts and compiles meanwhile")
     ap.add_argument("--perturb", type=float, default=0.0,
                     help="lab noise floor: the embedding output moved one BF16 ulp in this share of its entries "
-                         "(dsv4_sm80/lab_perturb.py; eager runs only)")
+                         "(dsv4_lab/perturb.py; eager runs only)")
     ap.add_argument("--watchdog-timeout", type=float, default=BED_WATCHDOG_S,
                     help="SGLang's scheduler watchdog (its default 300 s: the `cold` step measures a first start with it)")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (lab mode: DSV4_SM80_LAB_GPU_COUNT=N unless N is the production 4)")
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     if args.perturb:
         if args.cuda_graph:
             raise SystemExit("engine_bed: --perturb hooks eager forwards only; drop --cuda-graph")
-        from dsv4_sm80.lab_perturb import perturb_spec
+        from dsv4_lab.perturb import perturb_spec
 
         extra["forward_hooks"] = perturb_spec(args.perturb)
     engine = sglang.Engine(
@@ -247,7 +247,7 @@ def main(argv=None) -> int:
                 ids[k], mi["input_token_ids_logprobs"]))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     # written whole, then renamed: another GPU lane waiting for this file (steps.sh need) must never read it half
-    # written (session 8: a floor compare read the one-at-a-time record while it was being written)
+    # written (a floor compare once read the one-at-a-time record while it was being written)
     with open(args.out + ".tmp", "w") as f:
         json.dump(record, f)
     os.replace(args.out + ".tmp", args.out)

@@ -3,7 +3,7 @@ product's own `python -m dsv4_sm80 prebuild-jit --all-modes` (dsv4_sm80/jit_preb
 functions under `override_jit_cuda_arch(8, 0)`, several at a time). No GPU is needed; on the GPU machine give it a
 cache directory of its own, so these sm_80 builds are never loaded by the same machine's SM90 runs:
 
-    TVM_FFI_CACHE_DIR=/tmp/jit-sm80 python tests/gpu/jit_sm80.py --out $OUT/jit_sm80.json [--only NAME,...]
+    TVM_FFI_CACHE_DIR=/tmp/jit-sm80 python dsv4_lab/beds/jit_sm80.py --out $OUT/jit_sm80.json [--only NAME,...]
 
 Each module prints OK (with seconds) or the compiler's error; nothing is run.
 """

@@ -1,0 +1,17 @@
+"""The laboratory of dsv4-sm80: what a test bed needs and the product does not ship.
+
+It plugs into the product's one applier through its own seam table (`dsv4_lab/seams.py: LAB_SEAMS`), applied
+after the product's seams on the same target, only when the lab switch DSV4_SM80_LAB=1 is set. The product
+never imports this package; the image does not contain it.
+
+  knobs.py     the lab's environment knobs (LAB_KNOBS)
+  seams.py     the lab's seam table (LAB_SEAMS)
+  rounding.py  native SGLang's FP8 roundings replayed on the SM80 datapath (parity experiments)
+  tripwire.py  every SM90/SM100-only entry point raises
+  hygiene.py   KV pools poisoned after each cache flush
+  memlog.py    GPU memory inside a serving process over time
+  trace.py     every module's inputs and outputs of one forward, and their comparison
+  perturb.py   a rounding-level perturbation of native's embedding (a second noise floor)
+  routes.py    the Vision-Exp routing trace
+  beds/        the GPU test beds and their runner (beds/steps.sh)
+"""
