@@ -11,7 +11,7 @@ heads of 128 dims, the INT8 cache of 132-byte entries, one C4 entry per 4 tokens
 
 Each of the three for every indexer rounding in --roundings (SGLANG_DSV4_A100_INDEXER_ROUNDING): int8 (the
 default: per-row INT8, one K = 128 MMA chain per page) and fp4_sim (the model's FP4 simulation: INT8 codes
-with per-32 exponents, four K = 32 MMAs per page each scaled by its block pair; docs/attention-numerics.md).
+with per-32 exponents, four K = 32 MMAs per page each scaled by its block pair; docs/attention.md).
 The logits variants (caps, prefetch, per page) are timed for int8 only.
 
 Each row: microseconds, GB/s of bytes read and written against the measured copy peak, and the floor =

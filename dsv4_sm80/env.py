@@ -35,8 +35,10 @@ PATCH = Knob(
 )
 INT8_INDEXER = Knob(
     "SGLANG_DSV4_A100_INT8_INDEXER", "1", ("1",),
-    "1: the C4 indexer cache is INT8 with an fp32 row scale. It is the only indexer cache the SM80 path "
-    "has (SGLang's is FP8, which SM80 cannot run; no BF16 indexer is built), so 0 is refused.",
+    "1: the C4 indexer cache is INT8 (128 codes and an fp32 row scale, or under "
+    "SGLANG_DSV4_A100_INDEXER_ROUNDING=fp4_sim the 4 power-of-two exponents of its 32-wide blocks). It is the only "
+    "indexer cache the SM80 path has (SGLang's is FP8, which SM80 cannot run; no BF16 indexer is built), so 0 is "
+    "refused.",
 )
 KV_ROUNDING = Knob(
     "SGLANG_DSV4_A100_KV_ROUNDING", "none", ("none", "fp8_sim"),
@@ -45,14 +47,14 @@ KV_ROUNDING = Knob(
     "compressed key row: its 448 non-rope dims in blocks of 64 with a power-of-two scale, rounded to e4m3 on the "
     "BF16 row; the 64 rope dims untouched. Exact in BF16: same pool, no extra memory, one extra pass only over "
     "the compressed rows. The default stays none until it is measured against the reference on a GPU "
-    "(docs/attention-numerics.md).",
+    "(docs/attention.md).",
 )
 INDEXER_ROUNDING = Knob(
     "SGLANG_DSV4_A100_INDEXER_ROUNDING", "int8", ("int8", "fp4_sim"),
     "C4 indexer query and keys after the Hadamard rotation: int8 = INT8 per row with an fp32 scale; fp4_sim = "
     "the model's own FP4 simulation (blocks of 32, power-of-two scales, e2m1), held exactly as INT8 codes with "
     "per-block exponents in the same 132-byte cache entries, the logits on INT8 tensor cores per block. The "
-    "default stays int8 until it is measured against the reference on a GPU (docs/attention-numerics.md).",
+    "default stays int8 until it is measured against the reference on a GPU (docs/attention.md).",
 )
 MOE_BACKEND = Knob(
     "SGLANG_DSV4_MXFP4_MOE_BACKEND", "mxfp4_int8", ("mxfp4_int8", "marlin"),

@@ -1,5 +1,5 @@
 """The model's own block roundings as Triton helpers, without FP8/FP4 types (SM80 has neither; reference:
-`block_rounding_ref.py`; design: docs/attention-numerics.md).
+`block_rounding_ref.py`; design: docs/attention.md).
 
 DeepSeek-V4 was trained with two quantization simulations that its inference code applies in place:
 - FP8 (window and compressed attention KV, the 448 non-rope dims): blocks of 64, scale

@@ -2,7 +2,7 @@
 0.5.16 keeps this cache in FP8 and scores it with DeepGEMM's `fp8_paged_mqa_logits` (SM90+); here the same
 132-byte-per-entry page layout holds INT8 values and their scale, and the logits run on INT8 tensor cores.
 
-Two roundings (SGLANG_DSV4_A100_INDEXER_ROUNDING; docs/attention-numerics.md):
+Two roundings (SGLANG_DSV4_A100_INDEXER_ROUNDING; docs/attention.md):
 - int8 (default): per row INT8 with an fp32 scale amax / 127 (the entry's last 4 bytes); the query's scale is
   folded into the head weights (weights_out = w * weight_scale * s_q), as the FP8 kernel does.
 - fp4_sim: the model's own FP4 simulation of the rotated query and keys (blocks of 32, power-of-two scales,

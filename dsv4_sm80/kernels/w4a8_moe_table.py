@@ -3,8 +3,8 @@
 Each row: the pair range it serves (its reason names the token counts at DSV4's top-6; the boundary at 4,096
 pairs is 682 tokens), the kernel family and its tile, why, and the measured figure that chose it. Figures are H200
 ones at DSV4-Flash TP4 per-rank shapes (256 experts, hidden 4096, intermediate 512, top-6), CUDA-graph replays over
-20 routings, Marlin (SGLang's `fused_marlin_moe`) in the same run where named; the date is that of the run in
-docs/gpu-runs.md. Retune on an A800 with `python bench/moe.py --variants` (every row's kernel at every size, Marlin
+20 routings, Marlin (SGLang's `fused_marlin_moe`) in the same run where named; the date is the run's (docs/moe.md
+gives the commands). Retune on an A800 with `python bench/moe.py --variants` (every row's kernel at every size, Marlin
 beside).
 
 The first row whose range, intermediate bound and `expand_ok` condition hold is taken.

@@ -17,7 +17,7 @@ The replacements for the `attention.*` seams (dsv4_sm80/seams.py; docs/attention
 - attention: `DeepseekV4AttnBackend.forward` maps the backend's per-query metadata (flat slot ids, -1
   invalid, lengths) onto `kernels/sparse_attn.py` in every mode, plain extend included, so neither FlashMLA
   path (decode or sparse prefill) is reached; the FlashMLA scheduling metadata is never built.
-- the model's own roundings (docs/attention-numerics.md), off by default: SGLANG_DSV4_A100_KV_ROUNDING=fp8_sim
+- the model's own roundings (docs/attention.md), off by default: SGLANG_DSV4_A100_KV_ROUNDING=fp8_sim
   gives every stored SWA and compressed key row the FP8 simulation DeepSeek-V4 was trained with;
   SGLANG_DSV4_A100_INDEXER_ROUNDING=fp4_sim the indexer's FP4 simulation of its query and keys.
 """
