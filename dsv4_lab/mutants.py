@@ -296,7 +296,7 @@ _LIST = (
             "MoE output without the routed scaling factor (1.5): deepseek_v2's combine and FusedMoE's runner config",
             ("combine", "sglang.srt.models.deepseek_v2:maybe_fuse_routed_scale_and_shared_add", combine_without_scaling,
              "Marlin backend: the routed output is scaled where it joins the shared experts.",
-             "srt/models/deepseek_v2.py:1129-1134"),
+             "srt/models/deepseek_v2.py:122"),
             ("runner", "sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE.__init__", experts_without_scaling,
              "W4A8 backend: the method multiplies by the runner config's factor.",
              "srt/layers/moe/fused_moe_triton/layer.py:181-303")),
@@ -322,11 +322,11 @@ _LIST = (
             "C4/C128 entries visible one position early (counts from seq_len + 1; _init_compression_metadata_triton)",
             ("", f"{_BACKEND}:_init_compression_metadata_triton", compressed_visible_early,
              "The per-query compressed entry counts and C128 lists of DSV4AttnMetadata.init_compression_metadata.",
-             "srt/layers/attention/deepseek_v4_backend.py:294-304")),
+             "srt/layers/attention/deepseek_v4_backend.py:26")),
     _mutant("indexer_topk_511", "the C4 indexer keeps 511 entries instead of 512 (topk_transform_512)",
             ("", "sglang.srt.layers.attention.dsv4.indexer:topk_transform_512", indexer_topk_511,
              "The SM80 path's top-k over the INT8 indexer logits (v1 JIT; v2 is sm_90+).",
-             "srt/layers/attention/dsv4/indexer.py:754-761")),
+             "srt/layers/attention/dsv4/indexer.py:12")),
     _mutant("kv_store_skip_last",
             "the SWA K store skipped for each request's last token of an extend chunk (get_swa_out_cache_loc)",
             ("", f"{_BACKEND}:DeepseekV4AttnBackend.get_swa_out_cache_loc", swa_loc_skip_last,
@@ -360,7 +360,7 @@ _LIST = (
 MUTANTS: dict[str, Mutant] = {m.name: m for m in _LIST}
 
 MUTANT_KNOB = Knob(
-    KNOB, "", tuple(MUTANTS),
+    KNOB, "", ("", *MUTANTS),
     "Lab (fault injection): one named deliberate bug in the SM80 serving path (dsv4_lab/mutants.py), to check "
     "that an accuracy measure catches it. Unset: none. Never for serving.",
 )

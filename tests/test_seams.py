@@ -55,7 +55,7 @@ def test_declared_lines_hold_the_target(sglang_dir):
         line = open(path, encoding="utf-8").read().splitlines()[first - 1]
         name = re.escape(s.attr_path[-1])
         assert re.search(rf"\b(def|class)\s+{name}\b|^\s*{name}\s*[:=]|^from \S+ import .*\b{name}\b"
-                         rf"|^\s+{name},$", line), (s.name, line)
+                         rf"|^\s+(\w+ as )?{name},$", line), (s.name, line)
 
 
 APPLY_ALL = """

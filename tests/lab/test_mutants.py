@@ -45,7 +45,7 @@ def _replacement(seam):
 # --- declarations (the product validator does not know overlay "lab" yet) -------------------------
 
 def test_every_seam_declares_a_real_target():
-    assert set(NAMED) <= set(M.MUTANTS) and M.MUTANT_KNOB.choices == tuple(M.MUTANTS)
+    assert set(NAMED) <= set(M.MUTANTS) and M.MUTANT_KNOB.choices == ("", *M.MUTANTS)
     assert M.MUTANT_KNOB.name == KNOB and M.MUTANT_KNOB.default == ""
     assert M.MUTANT_SEAMS == tuple(s for m in M.MUTANTS.values() for s in m.seams)
     pkg = locate_sglang()
@@ -416,15 +416,17 @@ def test_applied_after_the_product_seam_it_wraps_the_product_replacement(knob, m
 
     from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
 
-    from dsv4_sm80 import apply, attention, env
+    from dsv4_sm80 import apply, env
+    from dsv4_sm80.stages import attention
     from dsv4_sm80.seams import SEAMS
 
     for attr in (apply.MARK, "__wrapped__"):  # applying a replace seam marks the product function: undone after
         monkeypatch.setattr(attention.sm80_forward, attr, None, raising=False)
 
-    monkeypatch.setattr(env, "KNOBS", (*env.KNOBS, M.MUTANT_KNOB))  # the lead registers it with the lab's knobs
     monkeypatch.setattr(apply, "_status", {})
     monkeypatch.setenv("ENABLE_SGLANG_DSV4_A100_PATCH", "1")
+    monkeypatch.setenv("DSV4_SM80_LAB", "1")
+    monkeypatch.setattr(env, "_lab_knobs", (M.MUTANT_KNOB,))  # as apply.lab_seams registers the lab's knobs
     knob("attn_sink_dropped")
     module = types.ModuleType("throwaway")
     module.DeepseekV4AttnBackend = type("Backend", (DeepseekV4AttnBackend,), {"forward": DeepseekV4AttnBackend.forward})
