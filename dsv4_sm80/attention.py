@@ -26,7 +26,7 @@ import sys
 import torch
 
 from . import lab_rounding
-from .launch_gate import refusal
+from .gate import refusal
 
 HEAD_DIM = 512
 

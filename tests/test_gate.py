@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import compat_check as cc
-from compat_check import Facts, GpuFacts, PatchFacts, SGLangFacts
+from dsv4_sm80 import gate as cc
+from dsv4_sm80.gate import Facts, GpuFacts, PatchFacts, SGLangFacts
 from dsv4_sm80.checkpoint.safetensors_io import read_header, write_shard
 
 A800 = [{"index": i, "name": "NVIDIA A800-SXM4-80GB", "cc": "8.0", "memory_gib": 79.3} for i in range(4)]
@@ -223,7 +223,7 @@ def edit_config(ckpt, **changes):
 
 
 def test_model_path_missing(tmp_path):
-    assert_only(facts(str(tmp_path / "nope")), "model.path", "is not a directory")
+    assert_only(facts(str(tmp_path / "nope")), "model.path", "does not exist, not a directory")
 
 
 def test_wrong_architecture(unit_ckpt, tmp_path):
@@ -247,7 +247,7 @@ def test_quantization_config_removed(unit_ckpt, tmp_path):
 def test_index_missing(unit_ckpt, tmp_path):
     ck = clone(unit_ckpt, tmp_path / "c")
     os.unlink(os.path.join(ck, "model.safetensors.index.json"))
-    assert_only(facts(ck), "model.index", "model.safetensors.index.json unreadable")
+    assert_only(facts(ck), "model.index", "model.safetensors.index.json: missing")
 
 
 def test_missing_shard(unit_ckpt, tmp_path):
@@ -371,7 +371,9 @@ def test_collect_git_facts(tmp_path, monkeypatch):
     run("init", "-q")
     run("-c", "user.email=t@t", "-c", "user.name=t", "add", ".")
     run("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x")
-    monkeypatch.setattr(cc.upstream, "locate_sglang", lambda: str(root / "python" / "sglang"))
+    from dsv4_sm80 import upstream
+
+    monkeypatch.setattr(upstream, "locate_sglang", lambda: str(root / "python" / "sglang"))
     f = cc.collect_sglang({"SGLANG_ROOT": str(root)})
     assert f.under_root and f.version == "0.5.16" and len(f.git_commit) == 40 and f.git_dirty == []
     (root / "python" / "sglang" / "__init__.py").write_text("# edited\n")
@@ -420,7 +422,7 @@ def test_nextn_on_a_dspark_checkpoint_refused(unit_ckpt):
         assert f.line().endswith("fix: use --speculative-algorithm DSPARK"), f.line()
     assert cc.check_speculative("DSPARK", m).status == "pass"
     assert cc.check_speculative(None, m).status == "pass"
-    m.index = {"weight_map": dict(m.index["weight_map"], **{"mtp.0.e_proj.weight": "x", "mtp.0.h_proj.weight": "x"})}
+    m.index.value = {"weight_map": dict(m.weight_map, **{"mtp.0.e_proj.weight": "x", "mtp.0.h_proj.weight": "x"})}
     assert cc.check_speculative("NEXTN", m).status == "pass"  # the original V4-Flash layout
 
 
