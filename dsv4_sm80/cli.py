@@ -52,7 +52,7 @@ def _arch(text):
     try:
         parse_arch(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--arch ")) from None
     return text
 
 
@@ -446,3 +446,9 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(e, file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{args.cmd}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader (e.g. `| head`) went away: stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

@@ -72,11 +72,10 @@ class JsonFact:
 @dataclass
 class HeaderFact:
     """A safetensors shard's header, unjudged: `entries` is the JSON object as (key, value) pairs
-    (duplicates kept) or None when the header could not be read as JSON at all."""
+    (duplicates kept), or None with `error` saying why the header is no JSON object."""
     file: FileFact
     header_len: int = 0
     entries: Optional[list] = None
-    top_type: str = ""  # the JSON type of the header when it is not an object
     error: Optional[str] = None
 
 
@@ -299,7 +298,7 @@ def read_header(folder: str, name: str) -> HeaderFact:
         _read_error(f, e)
         return h
     if not raw.startswith(b"{"):
-        h.error = "header does not start with '{'"
+        h.error = "header JSON is not an object (it does not start with '{')"
         return h
     dups: list = []
     try:
@@ -312,9 +311,6 @@ def read_header(folder: str, name: str) -> HeaderFact:
         return h
     except RecursionError:
         h.error = "header is not JSON (nested too deeply)"
-        return h
-    if not isinstance(value, dict):
-        h.top_type = type(value).__name__
         return h
     # a tensor name given twice shows twice (json keeps the last); repeats inside an entry are its own problem
     h.entries = list(value.items()) + [(k, None) for k in dups if k in value]

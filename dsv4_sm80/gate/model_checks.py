@@ -200,10 +200,8 @@ def config_usable(m: ModelFacts) -> bool:
 
 def header_problem(h: HeaderFact) -> Optional[tuple[str, str]]:
     """(problem, cause) for the first violation of the safetensors format, cause 'truncated' or 'corrupt'."""
-    if h.error:
-        return h.error, "corrupt"
-    if h.entries is None:
-        return f"header JSON is {h.top_type}, not an object", "corrupt"
+    if h.error or h.entries is None:
+        return h.error or "no header", "corrupt"
     seen, spans = set(), []
     for name, t in h.entries:
         if name == "__metadata__":
