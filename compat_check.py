@@ -1,5 +1,6 @@
-"""The fail-fast gate of dsv4-sm80 as a command: run before SGLang starts (the container entrypoint
-runs it through `python -m dsv4_sm80 serve`; docker/build.sh runs `--sglang-only` on a base image).
+"""The fail-fast gate of dsv4-sm80 as a command, beside sitecustomize.py on the platform path.
+`python -m dsv4_sm80 serve | doctor` (the container entrypoint) and SGLang's own launch run the same
+gate from the package; docker/build.sh runs `--sglang-only` on a base image before building on it.
 
     python compat_check.py --model-path /models/DeepSeek-V4-Flash-0731 [--json]
     python compat_check.py --sglang-only [--json]

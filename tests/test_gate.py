@@ -543,7 +543,7 @@ def raw_shard(path, header, payload=b""):
     blob = header if isinstance(header, bytes) else json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
     if os.path.lexists(path):
-        os.unlink(path)  # never write through a hard link into the session's checkpoint
+        os.unlink(path)  # never write through a hard link into the shared test checkpoint
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob + payload)
 

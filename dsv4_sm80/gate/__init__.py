@@ -1,6 +1,6 @@
 """The fail-fast gate of dsv4-sm80, assembled once: facts collected once (`facts`), pure checks
-(`checks`, `model_checks`, `inventory`), one report (`report`). `doctor`, `serve`, the container
-entrypoint (through `compat_check.py`) and SGLang's own launch (the `launch.gate` seam,
+(`checks`, `model_checks`, `inventory`), one report (`report`). `doctor`, `serve` (the container
+entrypoint runs them), `compat_check.py` and SGLang's own launch (the `launch.gate` seam,
 `before_launch`) all run `run_gate`.
 
 Order: compatibility (SGLang 0.5.16 @ fdebc938, exactly 4 visible GPUs of compute capability 8.0,
