@@ -578,7 +578,9 @@ def test_config_wrong_type_and_altered_value(unit_ckpt, tmp_path):
     assert_only(facts(ck), "model.config_values", "torch_dtype 'float16'", "'bfloat16'", "restore those fields")
     edit_config(ck, torch_dtype="bfloat16", num_hidden_layers=0)
     assert_only(facts(ck), "model.config_values", "num_hidden_layers 0 (must be at least 1)")
-    edit_config(ck, num_hidden_layers=5, vocab_size=None)
+    edit_config(ck, num_hidden_layers=5, n_routed_experts=2 ** 40)  # refused before the inventory walks them
+    assert_only(facts(ck), "model.config_values", "n_routed_experts 1099511627776 (at most 4096)")
+    edit_config(ck, n_routed_experts=8, vocab_size=None)
     assert_only(facts(ck), "model.config_types", "vocab_size is absent, expected an integer")
 
 

@@ -36,6 +36,9 @@ REAL = {"rope_theta", "compress_rope_theta", "routed_scaling_factor", "swiglu_li
 FIXED = ("torch_dtype", "head_dim", "qk_rope_head_dim", "index_head_dim", "index_n_heads", "index_topk", "hc_mult",
          "num_key_value_heads", "expert_dtype", "hidden_act", "scoring_func", "topk_method", "n_shared_experts",
          "num_experts_per_tok", "sliding_window", "attention_bias", "tie_word_embeddings")
+# the inventory walks layers and experts one by one: bounds far above any DSV4 release keep that finite
+AT_MOST = {"num_hidden_layers": 1024, "n_routed_experts": 4096, "vision_n_layers": 1024}
+WIDEST = 1 << 24  # any width or count above this is no DSV4 checkpoint
 POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "o_lora_rank", "o_groups",
             "moe_intermediate_size", "n_routed_experts", "vocab_size", "dspark_markov_rank", *fmt.VISION_EXP_FIELDS)
 
@@ -134,6 +137,8 @@ def config_value_problems(cfg: dict) -> list[str]:
     if isinstance(rope, dict) and rope.get("type", "yarn") != "yarn":
         out.append(f"rope_scaling.type {rope.get('type')!r} (the release: 'yarn')")
     out += [f"{k} {cfg[k]} (must be at least 1)" for k in POSITIVE if k in cfg and cfg[k] < 1]
+    out += [f"{k} {cfg[k]} (at most {AT_MOST.get(k, WIDEST)})" for k in POSITIVE
+            if k in cfg and cfg[k] > AT_MOST.get(k, WIDEST)]
     if out:
         return out
     L = cfg["num_hidden_layers"]
