@@ -91,7 +91,8 @@ def overlay_dirs() -> list[str]:
     compat_check.py, found without importing them), then the one holding this package."""
     spec = importlib.util.find_spec("compat_check")
     platform = [os.path.dirname(os.path.abspath(spec.origin))] if spec and spec.origin else []
-    return list(dict.fromkeys(platform + [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]))
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return list(dict.fromkeys(platform + [package_parent]))
 
 
 def launch_environ(environ=None) -> tuple[dict, list[str]]:

@@ -11,8 +11,6 @@ import shutil
 import struct
 import time
 
-import pytest
-
 from dsv4_sm80 import env, gate
 from dsv4_sm80.gate import Facts, GpuFacts, PatchFacts, SGLangFacts
 
