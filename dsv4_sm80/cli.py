@@ -1,16 +1,74 @@
-"""python -m dsv4_sm80 doctor | serve | make-tiny"""
+"""python -m dsv4_sm80 doctor | serve | make-tiny | footprint | prebuild-jit
+
+Every subcommand answers bad input with one line on stderr (what was given, what is expected) and a
+non-zero exit status; nothing here prints a traceback for a user's mistake.
+"""
 
 from __future__ import annotations
 
 import argparse
 import ast
 import json
+import math
 import os
 import sys
+import time
 
-from . import env, upstream
-from .seams import Seam
+from . import __version__, env, upstream
+from .seams import SEAMS, Seam
 
+
+class UsageError(Exception):
+    """A bad input of a subcommand: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        print(f"{self.prog}: {message} (--help lists the options)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _number(kind, least, what):
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not (isinstance(v, int) or math.isfinite(v)) or v < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return v
+    parse.__name__ = what
+    return parse
+
+
+positive_int = _number(int, 1, "a positive integer")
+count = _number(int, 0, "a non-negative integer")
+positive_float = _number(float, 1e-9, "a positive number")
+
+
+def _arch(text):
+    from .jit_prebuild import parse_arch
+
+    try:
+        parse_arch(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--arch ")) from None
+    return text
+
+
+def _label_parts(text):
+    parts = [p.strip() for p in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated, non-empty parts of module labels")
+    return text
+
+
+def _model_dir(cmd, path):
+    """A --model-path that is no directory: one line, before any gate work."""
+    if path is not None and not os.path.isdir(path):
+        what = "does not exist" if not os.path.lexists(path) else "is not a directory"
+        raise UsageError(f"{cmd}: --model-path {path} {what}; expected the checkpoint directory (config.json, "
+                         "model.safetensors.index.json, the shards)")
 
 
 # --- doctor ------------------------------------------------------------------------------------
@@ -55,13 +113,14 @@ def seam_preview(seam: Seam, pkg_dir) -> str:
 
 
 def doctor(args) -> int:
-    import compat_check
+    from . import apply, gate
 
-    from . import apply
-
-    compat_check.banner_once()
-    facts = compat_check.collect(args.model_path)
-    findings = compat_check.evaluate(facts)
+    _model_dir("doctor", args.model_path)
+    if args.as_is:
+        patch_environ, assumed = None, []
+    else:
+        patch_environ, assumed = gate.launch_environ()
+    facts, findings = gate.run_gate(args.model_path, patch_environ)
     if args.apply:  # imports the modules of whatever is enabled (nothing with the patch off and no overlay)
         apply.import_targets()
     states = apply.status()
@@ -69,16 +128,23 @@ def doctor(args) -> int:
     for st in states:
         st["target_check"] = seam_preview(next(s for s in apply.all_seams() if s.name == st["name"]), pkg)
     seam_bad = [s for s in states if s["target_check"] != "ok" or s["state"] == "refused"]
-    gate_bad = compat_check.failures(findings)
+    gate_bad = gate.failures(findings)
+    where = ("this shell's environment as it is (--as-is)" if args.as_is else
+             "the environment `serve` launches SGLang in, assuming " + "; ".join(assumed)
+             + " (--as-is: this shell's environment as it is)")
     if args.json:
-        report = json.loads(compat_check.report(facts, findings, as_json=True))
+        report = json.loads(gate.report(facts, findings, as_json=True))
+        report["evaluated_for"] = "as-is" if args.as_is else "serve"
+        report["assumed"] = assumed
         report["seams"] = states
         report["ok"] = not gate_bad and not seam_bad
         print(json.dumps(report, indent=2))
     else:
+        print(f"doctor: evaluated for {where}")
         print("== gate")
-        print(compat_check.report(facts, findings))
-        print(f"== seams ({len(states)} declared; {env.PATCH.name}={os.environ.get(env.PATCH.name, '')!r})")
+        print(gate.report(facts, findings))
+        print(f"== seams ({len(states)} declared; in this process, {env.PATCH.name}="
+              f"{os.environ.get(env.PATCH.name, '')!r})")
         for st in states:
             detail = f" - {st['detail']}" if st["detail"] else ""
             print(f"{st['state'].upper():8s} {st['name']}: {st['target']} [{st['kind']}, upstream {st['upstream']}, "
@@ -140,7 +206,7 @@ def first_start_args(rest: list, environ=None) -> tuple:
     SGLang JIT (tvm-ffi) cache is empty or lacks a module the configured modes build at their first forward
     (jitcache.FIRST_FORWARD_MODULES) (a cold first start), SGLang's scheduler watchdog (300 s) would kill the
     first forward while it compiles (native SGLang's cold first forward of this model: still compiling after 7.5
-    minutes on an H200, session 11), so --watchdog-timeout FIRST_START_WATCHDOG_S is added for this start, with
+    minutes on an H200), so --watchdog-timeout FIRST_START_WATCHDOG_S is added for this start, with
     a note saying so. A user's own --watchdog-timeout always wins; a warm cache changes nothing."""
     from . import jitcache
 
@@ -157,41 +223,33 @@ def first_start_args(rest: list, environ=None) -> tuple:
 
 
 def serve(args, rest) -> int:
-    import compat_check
+    from . import gate
 
     model = args.model_path
     lab = env.lab_overrides()
     if model is None:
         if not lab:
-            print("serve: --model-path is required (the official checkpoint directory); "
-                  "only lab mode has an embedded default model", file=sys.stderr)
-            return 2
+            raise UsageError("serve: --model-path is required (the official checkpoint directory); only lab mode "
+                             "has an embedded default model")
         model = _lab_model()
-    if (not os.path.isfile(os.path.join(model, "tokenizer.json"))
-            and not any(a.startswith("--tokenizer") or a == "--skip-tokenizer-init" for a in rest)):
-        rest = ["--skip-tokenizer-init", *rest]  # a checkpoint without a tokenizer: token ids only
-    bind = compat_check.check_bind(_flag_value(rest, "--host"), bool(_flag_value(rest, "--api-key")))
+    _model_dir("serve", model)
+    bind = gate.check_bind(_flag_value(rest, "--host"), bool(_flag_value(rest, "--api-key")))
     if bind.status == "fail":
         print(f"serve: {bind.line()}", file=sys.stderr)
         return 1
     if "WITHOUT" in bind.found:
         print(f"serve: {bind.line()}", file=sys.stderr)
     # before SGLang parses its arguments: its DSV4 hook asserts on NEXTN (deepseek_v4_hook.py:55-59) before the
-    # in-launch gate (launch_gate.py) could name the reason, the missing e_proj/h_proj draft (seen on the H200)
+    # in-launch gate could name the reason, the missing e_proj/h_proj draft
     algo = _flag_value(rest, "--speculative-algorithm")
     if algo:
-        spec = compat_check.check_speculative(algo, compat_check.collect_model(model))
+        spec = gate.check_speculative(algo, gate.collect_model(model))
         if spec.status == "fail":
             print(f"serve: {spec.line()}", file=sys.stderr)
             return 1
-    launch_env = dict(os.environ)
-    launch_env[env.PATCH.name] = "1"
-    # The platform directory (sitecustomize, compat_check) first, then the patch body's directory.
-    overlay = [os.path.dirname(os.path.abspath(compat_check.__file__)),
-               os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    path = [p for p in launch_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    launch_env["PYTHONPATH"] = os.pathsep.join([d for d in dict.fromkeys(overlay) if d not in path] + path)
-    rc = compat_check.run(model, patch_environ=launch_env)
+    launch_env, _ = gate.launch_environ()
+    tokenizer = not ("--skip-tokenizer-init" in rest or _flag_value(rest, "--tokenizer-path") is not None)
+    rc = gate.run(model, patch_environ=launch_env, tokenizer=tokenizer)
     if rc:
         return rc
     rest, note = first_start_args(rest, launch_env)
@@ -204,9 +262,42 @@ def serve(args, rest) -> int:
 
 # --- make-tiny ---------------------------------------------------------------------------------
 
+def _target_dir(path: str, force: bool) -> None:
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise UsageError(f"make-tiny: {path} exists and is not a directory; expected a new or empty directory "
+                         "to write the checkpoint into")
+    if os.path.isdir(path) and os.listdir(path) and not force:
+        raise UsageError(f"make-tiny: {path} is not empty; expected a new or empty directory (--force writes "
+                         "into it, replacing the checkpoint files there)")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".make-tiny-probe")
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"make-tiny: cannot write into {path} ({e.strerror or e}); expected a directory this "
+                         "user can write") from None
+
+
+def _progress(stream):
+    """make-tiny's progress line (tensors written / total, bytes), redrawn at most twice a second."""
+    last = [0.0]
+
+    def show(done, total, nbytes):
+        now = time.monotonic()
+        if done == total or now - last[0] >= 0.5:
+            last[0] = now
+            stream.write(f"\rmake-tiny: {done}/{total} tensors, {nbytes / 2**30:.2f} GiB written"
+                         + ("\n" if done == total else ""))
+            stream.flush()
+    return show
+
+
 def make_tiny(args) -> int:
     from dataclasses import replace
 
+    from .checkpoint import format as fmt
     from .tiny.generate import PRESETS, TinyConfigError, generate, tiny_config
 
     size = PRESETS[args.preset]
@@ -215,83 +306,149 @@ def make_tiny(args) -> int:
     try:
         config = tiny_config(replace(size, **overrides), vision=args.vision)
     except TinyConfigError as e:
-        print(f"make-tiny: {e}", file=sys.stderr)
-        return 2
-    generate(args.out_dir, config, seed=args.seed, head_scale=args.head_scale,
-             fast_experts=args.fast_experts or args.preset == "wide")
+        raise UsageError(f"make-tiny: {e}") from None
+    _target_dir(args.out_dir, args.force)
+    total = sum(s.nbytes for s in fmt.inventory(config))
+    print(f"make-tiny: writing {total / 2**30:.2f} GiB ({args.preset} preset) into {args.out_dir}", flush=True)
+    try:
+        generate(args.out_dir, config, seed=args.seed, head_scale=args.head_scale,
+                 fast_experts=args.fast_experts or args.preset == "wide",
+                 progress=_progress(sys.stderr) if sys.stderr.isatty() else None)
+    except OSError as e:
+        raise UsageError(f"make-tiny: writing {args.out_dir} failed ({e.strerror or e}: {e.filename or ''}); "
+                         "expected room and write access there") from None
     return 0
 
 
 # --- footprint ----------------------------------------------------------------------------------
 
-def footprint(args) -> int:
-    import json as _json
+def _footprint_config(path: str) -> dict:
+    from .gate import model_checks
 
+    if not os.path.isfile(path):
+        what = "does not exist" if not os.path.lexists(path) else "is not a regular file"
+        raise UsageError(f"footprint: {path} {what}; expected a checkpoint's config.json")
+    try:
+        with open(path, "rb") as f:
+            cfg = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"footprint: {path} cannot be read as JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"footprint: {path} holds a JSON {type(cfg).__name__}, expected an object (a config.json)")
+    problems = model_checks.config_type_problems(cfg) or model_checks.config_value_problems(cfg)
+    if problems:
+        raise UsageError(f"footprint: {path}: {problems[0]}")
+    return cfg
+
+
+def footprint(args) -> int:
     from . import footprint as fp
     from .checkpoint import format as fmt
 
     if args.model_path or args.config:
+        if args.model_path and not args.config:
+            _model_dir("footprint", args.model_path)
         path = args.config or os.path.join(args.model_path, "config.json")
-        with open(path) as f:
-            configs = {path: _json.load(f)}
+        configs = {path: _footprint_config(path)}
     else:
         configs = {"DeepSeek-V4-Flash-0731 (config from dsv4_sm80.checkpoint.format)": fmt.flash_0731_config(),
                    "DeepSeek-V4-Flash-Vision-Exp": fmt.vision_exp_config()}
     kw = dict(tp=args.tp, gpu_gib=args.gpu_gib, draft=not args.no_draft, speculative=not args.no_draft,
               max_running_requests=args.max_running_requests, context=args.context)
     for name, cfg in configs.items():
+        try:
+            text = fp.report(cfg, **kw)
+        except (fmt.FormatError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
+            raise UsageError(f"footprint: {name}: the arithmetic stopped on {type(e).__name__}: {e}") from None
         print(f"== {name}")
-        print(fp.report(cfg, **kw))
+        print(text)
     return 0
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dsv4_sm80")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("doctor", help="the gate and the seam status")
-    d.add_argument("--model-path")
-    d.add_argument("--json", action="store_true")
+# --- prebuild-jit ---------------------------------------------------------------------------------
+
+def prebuild_jit(args) -> int:
+    if args.out:
+        parent = os.path.dirname(os.path.abspath(args.out))
+        if os.path.isdir(args.out) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise UsageError(f"prebuild-jit: --out {args.out}: expected a file path in a writable directory")
+    from . import jit_prebuild
+
+    return jit_prebuild.run(args)
+
+
+# --- the parser -----------------------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="python -m dsv4_sm80", description="DeepSeek-V4-Flash on SGLang 0.5.16 on SM80 (A800/A100).")
+    ap.add_argument("--version", action="version", version=f"dsv4-sm80 {__version__}",
+                    help="print the version and exit")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    d = sub.add_parser("doctor", help="will `serve` start here? the gate's checks and the seam status",
+                       description="The gate's checks as `serve` would run them (its launch environment: the patch "
+                                   "switch and PYTHONPATH it sets), then the seam status.")
+    d.add_argument("--model-path", help="the checkpoint directory to check")
+    d.add_argument("--json", action="store_true", help="the report as JSON")
     d.add_argument("--apply", action="store_true", help="import every seam target now (imports SGLang)")
+    d.add_argument("--as-is", action="store_true",
+                   help="evaluate this shell's environment as it is, not the one `serve` launches in")
     s = sub.add_parser("serve", help="gate, then SGLang's launch_server with the patch on; "
                                      "unknown arguments go to SGLang")
-    s.add_argument("--model-path")
+    s.add_argument("--model-path", help="the official checkpoint directory (lab mode: a tiny one by default)")
     t = sub.add_parser("make-tiny", help="write a tiny official-format checkpoint")
-    t.add_argument("out_dir")
-    t.add_argument("--preset", default="tiny", choices=("tiny", "unit", "wide"))
-    for k in ("hidden", "layers", "heads", "o_groups", "q_lora", "o_lora", "moe_inter", "experts", "vocab"):
-        t.add_argument("--" + k.replace("_", "-"), dest=k, type=int)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("out_dir", help="a new or empty directory to write into")
+    t.add_argument("--preset", default="tiny", choices=("tiny", "unit", "wide"),
+                   help="tiny: the GPU bed's (~0.5 GB); unit: CPU tests' (~20 MB); wide: the real widths (~26 GB)")
+    widths = {"hidden": "hidden size (multiple of 128)", "layers": "decoder layers (at least 4)",
+              "heads": "attention heads", "o_groups": "output-projection groups", "q_lora": "query LoRA rank "
+              "(multiple of 128)", "o_lora": "output LoRA rank (multiple of 128)", "moe_inter": "expert intermediate "
+              "size (multiple of 128)", "experts": "routed experts (at least 6)", "vocab": "vocabulary size "
+              "(--vision needs 129280)"}
+    for k, what in widths.items():
+        t.add_argument("--" + k.replace("_", "-"), dest=k, type=positive_int, help=f"override the preset's {what}")
+    t.add_argument("--seed", type=count, default=0, help="the weights' random seed (default 0)")
     t.add_argument("--vision", action="store_true", help="add the Vision-Exp tensors and config fields")
-    t.add_argument("--head-scale", type=float, default=1.0,
+    t.add_argument("--head-scale", type=positive_float, default=1.0,
                    help="scale the LM head for peaked next-token distributions (e.g. 12)")
     t.add_argument("--fast-experts", action="store_true",
                    help="random MXFP4 expert codes instead of quantized draws (default for --preset wide)")
+    t.add_argument("--force", action="store_true", help="write into a directory that is not empty")
     f = sub.add_parser("footprint", help="per-GPU memory arithmetic for a checkpoint config on this datapath")
-    f.add_argument("--model-path")
-    f.add_argument("--config")
-    f.add_argument("--tp", type=int, default=4)
-    f.add_argument("--gpu-gib", type=float, default=80.0)
+    f.add_argument("--model-path", help="a checkpoint directory (its config.json)")
+    f.add_argument("--config", help="a config.json (default: the release's own two configs)")
+    f.add_argument("--tp", type=positive_int, default=4, help="tensor-parallel size (default 4)")
+    f.add_argument("--gpu-gib", type=positive_float, default=80.0, help="memory per GPU in GiB (default 80)")
     f.add_argument("--no-draft", action="store_true", help="without the DSPARK draft (no speculative decoding)")
-    f.add_argument("--context", type=int, default=524288)
-    f.add_argument("--max-running-requests", type=int, default=256)
+    f.add_argument("--context", type=positive_int, default=524288, help="tokens per request (default 524288)")
+    f.add_argument("--max-running-requests", type=positive_int, default=256,
+                   help="SGLang's --max-running-requests (default 256)")
     j = sub.add_parser("prebuild-jit", help="build SGLang's JIT modules this path calls, for sm_80 by default, "
                                             "several at a time, before the first start (no GPU needed)")
-    j.add_argument("--arch", default="8.0",
+    j.add_argument("--arch", default="8.0", type=_arch,
                    help="target arch, SGLang's spelling: 8.0 (A800/A100), 9.0a (H200); gpu: the visible GPU's")
-    j.add_argument("--jobs", type=int, help="builds at a time (default: the CPU count)")
+    j.add_argument("--jobs", type=positive_int, help="builds at a time (default: the CPU count)")
     j.add_argument("--all-modes", action="store_true",
                    help="also the modules of the modes not chosen now (fp8_marlin dense, marlin experts)")
-    j.add_argument("--only", help="comma-separated parts of module labels")
+    j.add_argument("--only", type=_label_parts, help="comma-separated parts of module labels")
     j.add_argument("--out", help="a JSON record of each build, errors in full")
-    args, rest = ap.parse_known_args(argv)
-    if args.cmd == "serve":
-        return serve(args, rest)
-    if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.cmd == "footprint":
-        return footprint(args)
-    if args.cmd == "prebuild-jit":
-        from . import jit_prebuild
+    return ap
 
-        return jit_prebuild.run(args)
-    return doctor(args) if args.cmd == "doctor" else make_tiny(args)
+
+def main(argv=None) -> int:
+    ap = parser()
+    args, rest = ap.parse_known_args(argv)
+    if args.cmd != "serve" and rest:
+        ap.error(f"{args.cmd}: unrecognized arguments: {' '.join(rest)}")
+    run = {"serve": lambda: serve(args, rest), "doctor": lambda: doctor(args), "make-tiny": lambda: make_tiny(args),
+           "footprint": lambda: footprint(args), "prebuild-jit": lambda: prebuild_jit(args)}[args.cmd]
+    try:
+        return run()
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{args.cmd}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader (e.g. `| head`) went away: stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

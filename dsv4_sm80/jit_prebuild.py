@@ -147,12 +147,12 @@ def run(args, environ: Optional[Mapping[str, str]] = None) -> int:
         print(f"prebuild-jit: {e}", file=sys.stderr)
         return 2
     # the gate's own checks of what the builds need: nvcc 12+, SGLang's JIT cache writable with room
-    import compat_check
+    from .gate import check_jit_cache, check_jit_compiler
 
     nvcc = jitcache.nvcc_facts(environ)
     label, cache = next((k, v) for k, v in jitcache.cache_dirs(environ).items() if k.startswith("SGLang JIT"))
-    refused = [f for f in [compat_check.check_jit_compiler(nvcc),
-                           *compat_check.check_jit_cache([jitcache.probe(label, cache)])] if f.status == "fail"]
+    refused = [f for f in [check_jit_compiler(nvcc), *check_jit_cache([jitcache.probe(label, cache)])]
+               if f.status == "fail"]
     for f in refused:
         print(f"prebuild-jit: {f.line()}", file=sys.stderr)
     if refused:

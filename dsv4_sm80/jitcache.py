@@ -5,12 +5,12 @@ Triton kernels), SGLang's tvm-ffi JIT modules (`load_jit`) and TileLang's. On th
 caches held about 117 MB after a cold start (the H200 test bed); the real model compiles more shapes. A
 disk that fills half-way through shows up deep in a compiler as a linker or ninja failure; here:
 
-- `facts()` / `compat_check.check_jit_cache`: before start, each cache directory must be writable and
+- `facts()` / `gate.check_jit_cache`: before start, each cache directory must be writable and
   its filesystem must have at least MIN_FREE_BYTES free, or the gate refuses, naming the directory.
 - `load_jit_clear_disk_error` (seam `jit.disk_full`, around SGLang's `load_jit`): a build that fails
   because the disk is full is re-raised as `JitCacheFull`, naming the module, the directory, what is
   free and what to do, instead of the compiler's output.
-- `nvcc_facts()` / `compat_check.check_jit_compiler`: before start, the nvcc those builds run must exist
+- `nvcc_facts()` / `gate.check_jit_compiler`: before start, the nvcc those builds run must exist
   and be a 12.x+ release, or the gate refuses (instead of the first build failing while the model loads).
 - `triton_cache.DiskFullClearCacheManager` (Triton's own `TRITON_CACHE_MANAGER` hook, set by the
   bootstrap): the same for a Triton kernel file that cannot be written.

@@ -78,7 +78,7 @@ SEAMS: tuple[Seam, ...] = (
         name="launch.gate",
         target="sglang.srt.entrypoints.engine:Engine._launch_subprocesses",
         kind="before",
-        replacement="dsv4_sm80.launch_gate:before_launch",
+        replacement="dsv4_sm80.gate:before_launch",
         reason=(
             "Users who inject the overlay with PYTHONPATH and run `python -m sglang.launch_server` "
             "(or sglang.Engine) bypass `serve` and the entrypoint; the compatibility gate must still "

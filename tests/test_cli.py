@@ -1,4 +1,4 @@
-"""python -m dsv4_sm80 doctor | serve | make-tiny, run as a user runs them."""
+"""python -m dsv4_sm80 doctor | serve | make-tiny | footprint | prebuild-jit, run as a user runs them."""
 
 import json
 import os
@@ -66,7 +66,7 @@ def test_doctor_json(no_gpu):
 @pytest.mark.sglang
 def test_doctor_patch_off_applies_no_seam(no_gpu):
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; --apply imports it")
-    p = cli("doctor", "--apply", ENABLE_SGLANG_DSV4_A100_PATCH="0")
+    p = cli("doctor", "--apply", "--as-is", ENABLE_SGLANG_DSV4_A100_PATCH="0")
     assert "seams: 0 applied in this process (patch off and no overlay switched on: none is applied)" in p.stdout
     assert "OFF      launch.gate" in p.stdout and "FAIL patch.active" in p.stdout
     p = cli("doctor", "--apply", ENABLE_SGLANG_DSV4_A100_PATCH="1")
@@ -153,3 +153,135 @@ def test_a_cold_first_start_gets_a_longer_watchdog(tmp_path):
     assert "--watchdog-timeout" in rest and "Triton" not in note and str(tmp_path / "tvm") in note
     (tmp_path / "tvm" / "sgl_compress").mkdir(parents=True)
     assert first_start_args(["--port", "30000"], cold) == (["--port", "30000"], None)
+
+
+# --- a tool's manners: one line for a bad input, never a traceback ------------------------------------
+
+def run_main(capsys, *argv):
+    from dsv4_sm80.cli import main
+
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _options():
+    """(subcommand, argparse action) for every option and positional of every subcommand."""
+    import argparse
+
+    from dsv4_sm80.cli import parser
+
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for cmd, p in sub.choices.items():
+        for a in p._actions:
+            if not isinstance(a, argparse._HelpAction):
+                yield cmd, a
+
+
+def test_every_option_has_help_and_there_is_a_version(capsys):
+    missing = [f"{cmd} {a.dest}" for cmd, a in _options() if not a.help]
+    assert not missing, missing
+    rc, out, _ = run_main(capsys, "--version")
+    assert rc == 0 and out.startswith("dsv4-sm80 ")
+
+
+def test_every_option_of_every_subcommand_refuses_a_bad_value_in_one_line(capsys, tmp_path):
+    """Each option gets a value it cannot take; the answer is one line on stderr and a non-zero exit."""
+    import argparse
+
+    from dsv4_sm80 import cli
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("[]")
+    by_type = {cli.positive_int: "0", cli.positive_float: "-1", cli.count: "-1", cli._arch: "banana",
+               cli._label_parts: ","}
+    by_dest = {"model_path": str(a_file), "config": str(a_file), "out": str(tmp_path / "no" / "x.json"),
+               "out_dir": str(a_file)}
+    target = str(tmp_path / "new")  # make-tiny's positional where another option is under test
+    walked = []
+    for cmd, a in _options():
+        if isinstance(a, argparse._StoreTrueAction):
+            value = None
+        elif a.choices:
+            value = "no-such-choice"
+        elif a.type in by_type:
+            value = by_type[a.type]
+        else:
+            assert a.dest in by_dest, f"{cmd} {a.dest}: give it a bad value in this test"
+            value = by_dest[a.dest]
+        if not a.option_strings:
+            argv = [cmd, value]
+        else:
+            opt = a.option_strings[-1]
+            argv = [cmd, f"{opt}=yes" if value is None else f"{opt}={value}"]
+            if cmd == "make-tiny":
+                argv.insert(1, target)
+        rc, out, err = run_main(capsys, *argv)
+        assert rc not in (0, None), (argv, out, err)
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, (argv, err)
+        assert not os.path.exists(target), argv
+        walked.append(f"{cmd} {a.dest}")
+    assert len(walked) >= 25, walked
+    for argv in (["nosuch"], [], ["doctor", "extra"], ["footprint", "--tp"]):
+        rc, out, err = run_main(capsys, *argv)
+        assert rc == 2 and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+def test_footprint_errors_are_one_line(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    for text, phrase in (("[1]", "holds a JSON list, expected an object"),
+                         ('{"hidden_size": "4096"}', "architectures is absent, expected a list"),
+                         ("{", "cannot be read as JSON")):
+        cfg.write_text(text)
+        rc, _, err = run_main(capsys, "footprint", "--config", str(cfg))
+        assert rc == 2 and phrase in err and len(err.strip().splitlines()) == 1, err
+    from dsv4_sm80.checkpoint import format as fmt
+
+    bad = dict(fmt.flash_0731_config(), hidden_size="4096")
+    cfg.write_text(json.dumps(bad))
+    rc, _, err = run_main(capsys, "footprint", "--config", str(cfg))
+    assert rc == 2 and "hidden_size is a string ('4096'), expected an integer" in err, err
+    rc, _, err = run_main(capsys, "footprint", "--model-path", str(tmp_path / "nope"))
+    assert rc == 2 and "does not exist" in err
+    rc, out, _ = run_main(capsys, "footprint", "--tp", "8")
+    assert rc == 0 and "TP8" in out
+
+
+def test_make_tiny_refuses_a_non_empty_target_and_shows_progress_on_a_terminal(capsys, tmp_path, monkeypatch):
+    import io
+
+    target = tmp_path / "t"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    rc, _, err = run_main(capsys, "make-tiny", str(target), "--preset", "unit")
+    assert rc == 2 and "is not empty" in err and "--force" in err
+    assert os.listdir(target) == ["notes.txt"]
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    rc, out, _ = run_main(capsys, "make-tiny", str(target), "--preset", "unit", "--force")
+    assert rc == 0 and "make-tiny: writing 0.08 GiB (unit preset)" in out
+    assert "\rmake-tiny: 658/658 tensors, 0.08 GiB written\n" in tty.getvalue()
+    assert (target / "notes.txt").read_text() == "mine" and (target / "config.json").is_file()
+    monkeypatch.undo()
+    rc, _, err = run_main(capsys, "make-tiny", str(tmp_path / "v"), "--preset", "unit", "--vision")
+    assert rc == 2 and "pass --vocab 129280" in err
+
+
+def test_doctor_answers_for_serve_by_default(no_gpu, unit_ckpt):
+    """Without the patch switch exported, doctor still evaluates what `serve` will launch (serve sets it)
+    and says so; --as-is evaluates this shell, where the patch is off."""
+    p = cli("doctor", "--model-path", unit_ckpt)
+    assert "PASS patch.active: the launch environment" in p.stdout, p.stdout
+    assert p.stdout.startswith("doctor: evaluated for the environment `serve` launches SGLang in, assuming "
+                               "ENABLE_SGLANG_DSV4_A100_PATCH=1")
+    p = cli("doctor", "--model-path", unit_ckpt, "--as-is")
+    assert "FAIL patch.active: found ENABLE_SGLANG_DSV4_A100_PATCH='' in this interpreter" in p.stdout
+    assert p.stdout.startswith("doctor: evaluated for this shell's environment as it is (--as-is)")

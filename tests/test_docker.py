@@ -138,7 +138,7 @@ def test_env_and_pythonpath_order(built):
 
 
 def test_entrypoint_gate_fails_fast_without_gpus(built):
-    r = sh("docker", "run", "--rm", "--network", "none", built[0], "--model-path", "/nonexistent", "--port", "30000",
+    r = sh("docker", "run", "--rm", "--network", "none", built[0], "--model-path", "/tmp", "--port", "30000",
            check=False, timeout=120)
     assert r.returncode != 0
     assert "FAIL gpu.count: found 0 visible GPUs" in r.stdout, r.stdout + r.stderr

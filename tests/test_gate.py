@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import compat_check as cc
-from compat_check import Facts, GpuFacts, PatchFacts, SGLangFacts
+from dsv4_sm80 import gate as cc
+from dsv4_sm80.gate import Facts, GpuFacts, PatchFacts, SGLangFacts
 from dsv4_sm80.checkpoint.safetensors_io import read_header, write_shard
 
 A800 = [{"index": i, "name": "NVIDIA A800-SXM4-80GB", "cc": "8.0", "memory_gib": 79.3} for i in range(4)]
@@ -223,7 +223,7 @@ def edit_config(ckpt, **changes):
 
 
 def test_model_path_missing(tmp_path):
-    assert_only(facts(str(tmp_path / "nope")), "model.path", "is not a directory")
+    assert_only(facts(str(tmp_path / "nope")), "model.path", "does not exist, not a directory")
 
 
 def test_wrong_architecture(unit_ckpt, tmp_path):
@@ -247,7 +247,7 @@ def test_quantization_config_removed(unit_ckpt, tmp_path):
 def test_index_missing(unit_ckpt, tmp_path):
     ck = clone(unit_ckpt, tmp_path / "c")
     os.unlink(os.path.join(ck, "model.safetensors.index.json"))
-    assert_only(facts(ck), "model.index", "model.safetensors.index.json unreadable")
+    assert_only(facts(ck), "model.index", "model.safetensors.index.json: missing")
 
 
 def test_missing_shard(unit_ckpt, tmp_path):
@@ -371,7 +371,9 @@ def test_collect_git_facts(tmp_path, monkeypatch):
     run("init", "-q")
     run("-c", "user.email=t@t", "-c", "user.name=t", "add", ".")
     run("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x")
-    monkeypatch.setattr(cc.upstream, "locate_sglang", lambda: str(root / "python" / "sglang"))
+    from dsv4_sm80 import upstream
+
+    monkeypatch.setattr(upstream, "locate_sglang", lambda: str(root / "python" / "sglang"))
     f = cc.collect_sglang({"SGLANG_ROOT": str(root)})
     assert f.under_root and f.version == "0.5.16" and len(f.git_commit) == 40 and f.git_dirty == []
     (root / "python" / "sglang" / "__init__.py").write_text("# edited\n")
@@ -420,7 +422,7 @@ def test_nextn_on_a_dspark_checkpoint_refused(unit_ckpt):
         assert f.line().endswith("fix: use --speculative-algorithm DSPARK"), f.line()
     assert cc.check_speculative("DSPARK", m).status == "pass"
     assert cc.check_speculative(None, m).status == "pass"
-    m.index = {"weight_map": dict(m.index["weight_map"], **{"mtp.0.e_proj.weight": "x", "mtp.0.h_proj.weight": "x"})}
+    m.index.value = {"weight_map": dict(m.weight_map, **{"mtp.0.e_proj.weight": "x", "mtp.0.h_proj.weight": "x"})}
     assert cc.check_speculative("NEXTN", m).status == "pass"  # the original V4-Flash layout
 
 
@@ -530,3 +532,185 @@ def test_knob_outside_its_values_refused():
 def test_knobs_collected_from_the_launch_environment():
     assert cc.collect(patch_environ={"SGLANG_DSV4_A100_DENSE": "fp8_marlin", "PATH": "/bin"}).knobs == \
         {"SGLANG_DSV4_A100_DENSE": "fp8_marlin"}
+
+
+# --- every input class the loader meets: one FAIL line naming the check, never a traceback ------------
+
+def raw_shard(path, header, payload=b""):
+    """A shard with exactly this header (an object to JSON-encode, or raw bytes) and payload."""
+    import struct
+
+    blob = header if isinstance(header, bytes) else json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    if os.path.lexists(path):
+        os.unlink(path)  # never write through a hard link into the shared test checkpoint
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob + payload)
+
+
+def replace_json(ckpt, name, value):
+    p = os.path.join(ckpt, name)
+    if os.path.lexists(p):
+        os.unlink(p)
+    with open(p, "w") as f:
+        f.write(value if isinstance(value, str) else json.dumps(value))
+
+
+def one_shard(ckpt):
+    """The checkpoint's first layer shard: (path, header entries, payload bytes)."""
+    p = os.path.join(ckpt, "model-00002-of-00010.safetensors")
+    h = read_header(p)
+    data = open(p, "rb").read()[8 + h.header_len:]
+    return p, dict(h.tensors), data
+
+
+def test_config_top_level_not_an_object(unit_ckpt, tmp_path):
+    ck = clone(unit_ckpt, tmp_path / "c")
+    replace_json(ck, "config.json", [1, 2])
+    assert_only(facts(ck), "model.config", "config.json holds a list at the top, not an object", "restore config.json")
+
+
+def test_config_wrong_type_and_altered_value(unit_ckpt, tmp_path):
+    ck = clone(unit_ckpt, tmp_path / "c")
+    edit_config(ck, hidden_size="256")
+    assert_only(facts(ck), "model.config_types", "config.json: hidden_size is a string ('256'), expected an integer")
+    edit_config(ck, hidden_size=256, torch_dtype="float16")
+    assert_only(facts(ck), "model.config_values", "torch_dtype 'float16'", "'bfloat16'", "restore those fields")
+    edit_config(ck, torch_dtype="bfloat16", num_hidden_layers=0)
+    assert_only(facts(ck), "model.config_values", "num_hidden_layers 0 (must be at least 1)")
+    edit_config(ck, num_hidden_layers=5, n_routed_experts=2 ** 40)  # refused before the inventory walks them
+    assert_only(facts(ck), "model.config_values", "n_routed_experts 1099511627776 (at most 4096)")
+    edit_config(ck, n_routed_experts=8, vocab_size=None)
+    assert_only(facts(ck), "model.config_types", "vocab_size is absent, expected an integer")
+
+
+@pytest.mark.parametrize("header, phrase", [
+    ([1, 2, 3], "header JSON is not an object"),
+    ({"x": {"shape": [1], "data_offsets": [0, 2]}}, "x: dtype None is not a safetensors dtype"),
+    ({"x": {"dtype": "F7", "shape": [1], "data_offsets": [0, 2]}}, "x: dtype 'F7' is not a safetensors dtype"),
+    ({"x": {"dtype": "BF16", "shape": [-1], "data_offsets": [0, 2]}}, "x: shape [-1] is not a list of non-negative"),
+    ({"x": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 2]}}, "x: data_offsets [0, 2] span 2 bytes, BF16 [2] is 4"),
+    ({"x": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]},
+      "y": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}}, "y: data_offsets overlap another tensor's"),
+    ({"x": {"dtype": "BF16", "shape": [1], "data_offsets": [2, 4]}}, "x: 2 bytes of gap before it"),
+    ({"x": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}, "__metadata__": {"format": 1}},
+     "__metadata__ is not an object of strings"),
+    (b'{"x": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}, "x": {"dtype": "BF16", "shape": [1], '
+     b'"data_offsets": [0, 2]}}', "tensor x is listed twice in the header"),
+    (b' {"x": 1}', "header JSON is not an object (it does not start with '{')"),
+    (b'{"x": ', "header is not JSON"),
+])
+def test_bad_safetensors_headers_refused(unit_ckpt, tmp_path, header, phrase):
+    """As strict as the safetensors library: SGLang's loader would refuse each of these files."""
+    ck = clone(unit_ckpt, tmp_path / "c")
+    raw_shard(os.path.join(ck, "model-00002-of-00010.safetensors"), header, b"\0" * 4)
+    assert_only(facts(ck), "model.shards", "model-00002-of-00010.safetensors: " + phrase, "re-download")
+
+
+def test_overlapping_offsets_in_a_real_shard(unit_ckpt, tmp_path):
+    ck = clone(unit_ckpt, tmp_path / "c")
+    p, tensors, data = one_shard(ck)
+    a, b = sorted(tensors, key=lambda n: tensors[n]["data_offsets"])[:2]
+    tensors[b] = dict(tensors[b], data_offsets=[0, tensors[b]["data_offsets"][1] - tensors[b]["data_offsets"][0]])
+    raw_shard(p, tensors, data)
+    line = assert_only(facts(ck), "model.shards", "data_offsets overlap another tensor's")
+    from safetensors import safe_open
+
+    with pytest.raises(Exception):  # the library agrees
+        safe_open(p, "pt")
+    assert "model-00002" in line
+
+
+def test_index_entries_outside_the_model_folder(unit_ckpt, tmp_path):
+    """Absolute or '..' entries: SGLang keeps only the folder's own *.safetensors files, so it would load
+    none of those tensors, even where the named file exists elsewhere."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    for entry in (str(outside / "model-00004-of-00010.safetensors"), "../elsewhere/model-00004-of-00010.safetensors",
+                  "sub/model-00004-of-00010.safetensors", "model-00004-of-00010.bin", 4):
+        ck = clone(unit_ckpt, tmp_path / f"c{abs(hash(str(entry)))}")
+        shutil.copy(os.path.join(ck, "model-00004-of-00010.safetensors"), outside)
+        os.unlink(os.path.join(ck, "model-00004-of-00010.safetensors"))
+        index = json.load(open(os.path.join(ck, "model.safetensors.index.json")))
+        index["weight_map"] = {n: (entry if s == "model-00004-of-00010.safetensors" else s)
+                               for n, s in index["weight_map"].items()}
+        replace_json(ck, "model.safetensors.index.json", index)
+        assert_only(facts(ck), "model.index", "entries that SGLang would not load", "keep the shards in the model folder")
+
+
+def test_tensor_stored_in_two_shards(unit_ckpt, tmp_path):
+    ck = clone(unit_ckpt, tmp_path / "c")
+    p, tensors, data = one_shard(ck)
+    extra = "embed.weight"
+    emb = read_header(os.path.join(ck, "model-00001-of-00010.safetensors")).tensors[extra]
+    n = emb["data_offsets"][1] - emb["data_offsets"][0]
+    end = len(data)
+    tensors[extra] = dict(emb, data_offsets=[end, end + n])
+    raw_shard(p, tensors, data + b"\0" * n)
+    assert_only(facts(ck), "model.shards", "embed.weight is also stored in model-00001-of-00010.safetensors",
+                "one shard only")
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_tokenizer_files_missing_or_unparsable(unit_ckpt, tmp_path, name):
+    ck = clone(unit_ckpt, tmp_path / "c")
+    os.unlink(os.path.join(ck, name))
+    assert_only(facts(ck), "model.tokenizer", f"{name}: missing", "--skip-tokenizer-init")
+    replace_json(ck, name, '{"model": ')
+    assert_only(facts(ck), "model.tokenizer", f"{name} is not JSON")
+    f = facts(ck)
+    f.model = cc.collect_model(ck, tokenizer=False)  # the server skips the tokenizer: nothing to check
+    assert failed(f) == {}
+
+
+def test_tokenizer_json_the_library_refuses(unit_ckpt, tmp_path):
+    ck = clone(unit_ckpt, tmp_path / "c")
+    replace_json(ck, "tokenizer.json", {"model": {"type": "NoSuchModel"}})
+    assert_only(facts(ck), "model.tokenizer", "tokenizer.json does not load in the tokenizers library")
+
+
+def test_a_directory_or_device_where_a_shard_should_be(unit_ckpt, tmp_path):
+    ck = clone(unit_ckpt, tmp_path / "c")
+    p = os.path.join(ck, "model-00004-of-00010.safetensors")
+    os.unlink(p)
+    os.mkdir(p)
+    assert_only(facts(ck), "model.shards", "model-00004-of-00010.safetensors: a directory, not a file",
+                f"remove the directory {p}")
+    os.rmdir(p)
+    os.symlink("/dev/null", p)
+    assert_only(facts(ck), "model.shards", "a character device, not a regular file", f"replace {p}")
+
+
+def test_permission_problems_get_a_permission_fix(unit_ckpt, tmp_path):
+    from dsv4_sm80.gate import model_checks
+    from dsv4_sm80.gate.facts import FileFact
+
+    found, fix = model_checks.file_problem(FileFact("config.json", "denied", detail="PermissionError: Permission "
+                                                                                     "denied"), "/m")
+    assert found == "not readable (PermissionError: Permission denied)"
+    assert "chmod a+r /m/config.json" in fix and "chown" in fix and "download" not in fix
+    if os.geteuid() == 0:
+        pytest.skip("root reads any file: the collector's side needs an unprivileged user")
+    ck = clone(unit_ckpt, tmp_path / "c")
+    os.chmod(os.path.join(ck, "config.json"), 0)
+    assert_only(facts(ck), "model.config", "config.json: not readable", "chmod a+r")
+
+
+def test_a_check_that_raises_is_its_own_fail_line(monkeypatch):
+    def boom(m):
+        raise KeyError("weight_map")
+
+    monkeypatch.setattr(cc, "check_tokenizer", boom)
+    line = assert_only(facts(), "model.tokenizer", "the check stopped on KeyError: 'weight_map'")
+    assert "Traceback" not in line
+
+
+def test_json_report_for_a_broken_checkpoint(unit_ckpt, tmp_path, capsys):
+    """--json prints the report (never nothing) for inputs that used to raise inside the gate."""
+    ck = clone(unit_ckpt, tmp_path / "c")
+    raw_shard(os.path.join(ck, "model-00003-of-00010.safetensors"), {"x": {"shape": [1], "data_offsets": [0, 2]}},
+              b"\0\0")
+    replace_json(ck, "config.json", "[]")
+    assert cc.main(["--model-path", ck, "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert {"model.config"} <= {c["check"] for c in doc["checks"] if c["status"] == "fail"}

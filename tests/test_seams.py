@@ -180,7 +180,7 @@ def test_missing_target_is_refused(sglang_dir):
     import sglang.srt.entrypoints.engine as m
 
     ghost = Seam("test.ghost", "sglang.srt.entrypoints.engine:Engine.no_such_method", "replace",
-                 "dsv4_sm80.launch_gate:before_launch", "test", "srt/entrypoints/engine.py:1")
+                 "dsv4_sm80.gate:before_launch", "test", "srt/entrypoints/engine.py:1")
     with pytest.raises(apply.SeamRefusal, match=r"test.ghost: target .*no_such_method not found"):
         apply.apply_seam(ghost, m)
     assert not isinstance(apply.SeamRefusal("x"), Exception)  # survives SGLang's `except Exception`

@@ -30,7 +30,7 @@ import sys
 import torch
 
 from .. import env
-from ..launch_gate import refusal
+from ..gate import refusal
 
 HEAD_DIM = 512
 

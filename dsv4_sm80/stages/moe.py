@@ -26,7 +26,7 @@ import time
 import torch
 
 from .. import env
-from ..launch_gate import refusal
+from ..gate import refusal
 
 
 # --- launch: runner backend and expert parallelism ----------------------------------------------

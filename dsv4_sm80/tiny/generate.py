@@ -74,6 +74,9 @@ VISION_TINY = OrderedDict([
 ])
 
 
+MIN_VOCAB = 270  # tiny.tokenizer: 14 special tokens + 256 byte tokens
+
+
 class TinyConfigError(ValueError):
     pass
 
@@ -95,7 +98,10 @@ def tiny_config(size: TinySize = TinySize(), vision: bool = False) -> OrderedDic
     if s.experts < 6:
         problems.append(f"experts {s.experts} < num_experts_per_tok 6")
     if vision and s.vocab < 129262:
-        problems.append("a --vision checkpoint keeps the real vocabulary (image placeholder ids 129257-129261)")
+        problems.append(f"vocab {s.vocab} with --vision: a vision checkpoint keeps the real vocabulary (image "
+                        "placeholder ids 129257-129261); pass --vocab 129280")
+    elif s.vocab < MIN_VOCAB:
+        problems.append(f"vocab {s.vocab} < {MIN_VOCAB} (the stand-in tokenizer's special tokens and 256 bytes)")
     if problems:
         raise TinyConfigError("; ".join(problems))
     cfg = fmt.vision_exp_config() if vision else fmt.flash_0731_config()
@@ -184,10 +190,11 @@ def _check_head_scale(out_dir: str, wanted) -> None:
 
 
 def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=print,
-             fast_experts: bool = False, tokenizer: bool = True) -> dict:
+             fast_experts: bool = False, tokenizer: bool = True, progress=None) -> dict:
     """Write config.json, the shards and model.safetensors.index.json into out_dir, and (tokenizer=True) the
     stand-in tokenizer of `tiny.tokenizer`. fast_experts: routed experts get random MXFP4 codes instead of
-    quantized N(0, 0.02) draws (for full-width checkpoints)."""
+    quantized N(0, 0.02) draws (for full-width checkpoints). progress(tensors done, tensors, bytes done) is
+    called after each tensor."""
     specs = fmt.inventory(config)
     n_shards = fmt.shard_count(config)
     vocab, experts = int(config["vocab_size"]), int(config["n_routed_experts"])
@@ -219,6 +226,8 @@ def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=p
             tensors.append((s.name, s.dtype, s.shape, data))
             weight_map[s.name] = name
             total += len(data)
+            if progress is not None:
+                progress(len(weight_map), len(specs), total)
         assert not pending_scale, pending_scale
         write_shard(os.path.join(out_dir, name), tensors)
     if tokenizer:

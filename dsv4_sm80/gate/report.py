@@ -1,0 +1,97 @@
+"""The gate's findings and its one report: one line per check; a failed one names what was found,
+what was expected and what to do."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+from .. import env
+
+OFFICIAL = "the official, unconverted checkpoint (deepseek-ai/DeepSeek-V4-Flash-0731 or DeepSeek-V4-Flash-Vision-Exp)"
+
+
+@dataclass
+class Finding:
+    check: str
+    status: str  # pass | fail | skip
+    found: str = ""
+    expected: str = ""
+    fix: str = ""
+
+    def line(self) -> str:
+        if self.status == "fail":
+            return f"FAIL {self.check}: found {self.found}; expected {self.expected}; fix: {self.fix}"
+        return f"{self.status.upper()} {self.check}: {self.found}"
+
+
+def ok(check, found) -> Finding:
+    return Finding(check, "pass", found)
+
+
+def fail(check, found, expected, fix) -> Finding:
+    return Finding(check, "fail", " ".join(str(found).split()), expected, fix)
+
+
+def skip(check, why) -> Finding:
+    return Finding(check, "skip", why)
+
+
+def guarded(check: str, fn, *args) -> list:
+    """fn(*args) as a list of findings; an exception inside a check becomes that check's FAIL line,
+    never a traceback (an input the checks do not foresee is still refused, by name)."""
+    try:
+        out = fn(*args)
+    except BaseException as e:  # a Rust panic from a parsing library arrives as a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        text = str(e).splitlines()[0][:200] if str(e) else ""
+        return [fail(check, f"the check stopped on {type(e).__name__}: {text}", "an input this check can judge",
+                     "compare the input named by the check with the official release; report this line if it "
+                     "matches the release")]
+    return out if isinstance(out, list) else [out]
+
+
+class GateRefused(RuntimeError):
+    """The gate failed; the message holds one line per failed check."""
+
+
+def refusal(lines) -> GateRefused:
+    """The refusal every launch-time check raises: its lines on stderr, then GateRefused, before any
+    scheduler process starts (the gate here; the MoE and attention launch checks too)."""
+    text = "dsv4-sm80 gate refused to launch SGLang:\n" + "\n".join(lines)
+    print(text, file=sys.stderr, flush=True)
+    return GateRefused(text)
+
+
+def failures(findings) -> list:
+    return [f for f in findings if f.status == "fail"]
+
+
+def report(facts, findings, as_json=False) -> str:
+    if as_json:
+        m = facts.model
+        cfg = m.config_dict or {}
+        return json.dumps({
+            "ok": not failures(findings),
+            "lab_overrides": facts.lab,
+            "checks": [asdict(f) for f in findings],
+            "facts": {
+                "sglang": asdict(facts.sglang), "gpus": asdict(facts.gpus), "patch": asdict(facts.patch),
+                "model": {"path": m.path, "shards_read": sum(h.entries is not None for h in m.shards.values()),
+                          "architectures": cfg.get("architectures")},
+                "jit_caches": [asdict(d) for d in facts.jit] if facts.jit is not None else None,
+                "nvcc": asdict(facts.nvcc) if facts.nvcc is not None else None,
+            },
+        }, indent=2, default=str)
+    lines = [f.line() for f in findings]
+    bad = failures(findings)
+    lines.append(f"gate: {'REFUSED, ' + str(len(bad)) + ' check(s) failed' if bad else 'passed'}")
+    return "\n".join(lines)
+
+
+def banner_once(stream=None):
+    b = env.lab_banner()
+    if b:
+        print(b, file=stream or sys.stderr, flush=True)
