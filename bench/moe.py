@@ -9,7 +9,7 @@ per rank, top-6), both SM80 backends in one run:
 Printed per token count: microseconds; decode (1-64 tokens): GB/s of expert bytes touched against the
 measured HBM (device copy) peak, and the floor = empty-kernel time + bytes / peak; prefill (512-16384):
 TOP/s against the measured INT8 and BF16 tensor-core peaks. Plus the relative difference between the two
-backends' outputs (the accuracy of each against an exact reference is in tests/test_w4a8_moe.py).
+backends' outputs (the accuracy of each against an exact reference is in tests/kernels/test_w4a8_moe.py).
 
 Each timed call routes its tokens afresh (one of ROUTINGS random routings, in turn): the experts one call reads
 at decode (6 at one token: 19 MB at TP4 shapes) fit in an H200's 50 MB L2 (an A800's 40 MB), so calls that all

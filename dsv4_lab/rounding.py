@@ -1,6 +1,6 @@
 """Lab: native SGLang's FP8 roundings replayed on the SM80 datapath (DSV4_SM80_LAB_NATIVE_ROUNDING).
 
-The H200 parity run of 2026-11-30 (docs/gpu-runs.md, `steps.sh parity`) put the patched path 2-5x the native noise
+The H200 parity run of 2026-11-30 (docs/results/README.md, `steps.sh parity`) put the patched path 2-5x the native noise
 floor from native, with the dense mode and the expert backend making no difference. What every SM80 combination shares
 against native is precision, not arithmetic. On SM90 with default arguments native rounds in three places a BF16 path
 does not (read from the 0.5.16 sources; file:line into the wheel):
@@ -30,7 +30,7 @@ does not (read from the 0.5.16 sources; file:line into the wheel):
   Triton GEMM is 1.9e-6 from it, which still flips a BF16 rounding of the pre-mix now and then: layer 0's first linear
   saw inputs 2.9e-5 apart). It calls DeepGEMM, so runs with the tripwire off (an SM90 GPU: the H200 only). With it
   (2026-12-02, `steps.sh trace` with TRACE_RUNS naming gemm) layer 0's first linears are bit-equal to native's and
-  every traced module sits at native's perturbation floor (docs/parity.md).
+  every traced module sits at native's perturbation floor (docs/results/README.md).
 - idx: the indexer's keys and queries are FP8 with an fp32 scale amax / 448 per 128 (against the SM80 path's
   INT8), scored in fp32 by DeepGEMM; it only changes which compressed entries the top-512 selection keeps,
   i.e. prompts past 2048 tokens. Replayed by running SGLang's own FP8 query kernel and FP8 index store (SM90

@@ -2,7 +2,7 @@
 
 SGLang builds each of these modules with nvcc at its first call, one after another, inside the first forward (a cold
 native start on an H200 host was still building them 16 minutes after launch; the SM80 path's own cold start took
-222 s: docs/gpu-runs.md). `python -m dsv4_sm80 prebuild-jit` builds this path's list into SGLang's own cache
+222 s: docs/results/README.md). `python -m dsv4_sm80 prebuild-jit` builds this path's list into SGLang's own cache
 (`TVM_FFI_CACHE_DIR`, default `~/.cache/tvm-ffi`), `--jobs` at a time, for an arch given on the command line
 (default sm_80): no GPU is needed, only nvcc and the CUDA runtime library, so it runs in the image build
 (docker/Dockerfile) or on an A800 host before its first start. Each module is built by SGLang's own module function

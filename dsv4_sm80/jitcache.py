@@ -120,7 +120,7 @@ def ours_built(triton_dir: str) -> bool:
 
 # SGLang JIT (tvm-ffi) modules a mode builds at its first forward, not while loading: (knob, value, module). The
 # load builds others (the repacks, the mHC prewarm), and a cold cache is caught as a whole by cold_reasons; these
-# are what a host that has served another mode before still lacks. Session 28 (H200 host, 16 cores, TP1, no CUDA
+# are what a host that has served another mode before still lacks. On an H200 host (2026-12-04; 16 cores, TP1, no CUDA
 # graphs): with SGLANG_DSV4_A100_DENSE=fp8_marlin the first forward was still building gptq_marlin 3 minutes in.
 FIRST_FORWARD_MODULES = (
     (env.DENSE, "fp8_marlin", "gptq_marlin"),  # jit_kernel/gptq_marlin.py:19, the FP8-Marlin W8A16 GEMM

@@ -1,7 +1,7 @@
 """What SGLang 0.5.16 @ fdebc938 looks like on disk, and how to recognise it without importing it.
 
-The fingerprints are the wheel's RECORD hashes (sha256, urlsafe base64, no padding); reference 01
-Appendix A lists the same values. `tools/fingerprint_upstream.py` regenerates the table from a
+The fingerprints are the wheel's RECORD hashes (sha256, urlsafe base64, no padding).
+`tools/fingerprint_upstream.py` regenerates the table from a
 wheel. Importing this module imports neither torch nor sglang.
 """
 

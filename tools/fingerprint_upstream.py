@@ -44,7 +44,7 @@ FILES = [
     "srt/environ.py",
     "srt/entrypoints/engine.py",
     "jit_kernel/csrc/gemm/marlin_moe/moe_wna16_marlin.cuh",
-    "kernels/ops/layernorm/mhc.py",  # the TileLang mHC kernels tests/test_mhc.py builds for sm_80
+    "kernels/ops/layernorm/mhc.py",  # the TileLang mHC kernels tests/kernels/test_mhc.py builds for sm_80
 ]
 
 

@@ -2,7 +2,7 @@
 
 SGLang 0.5.16 builds each tvm-ffi JIT module (`sglang.jit_kernel.utils.compile.load_jit`) the first time a
 forward calls it, one `nvcc` after another: a native DSV4 start on empty caches was still building, on one of the
-H200 host's 16 cores, 16 minutes after launch (docs/gpu-runs.md, 2026-12-03). Each module is a directory of the
+H200 host's 16 cores, 16 minutes after launch (docs/results/README.md, 2026-12-03). Each module is a directory of the
 tvm-ffi cache (`$TVM_FFI_CACHE_DIR`, default `~/.cache/tvm-ffi`) holding the generated sources (`main.cpp`,
 `cuda.cu`), a `build.ninja` and, once built, `<module>.so`; `load_jit` loads a present `.so` without building.
 

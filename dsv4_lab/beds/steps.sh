@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The recorded GPU runs (docs/gpu-runs.md), in steps that each fit one device call.
+# The recorded GPU runs (docs/results/README.md), in steps that each fit one device call.
 # On a GPU host where SGLang 0.5.16 is importable, from the repository root:
 #   dsv4_lab/beds/steps.sh check       dense_check in both dense modes (in-process ModelRunner, module state;
 #                                  CHECK_MODES picks modes, CHECK_T the limit, 280 s: a cold Marlin build needs 540)
@@ -11,16 +11,14 @@
 #   dsv4_lab/beds/steps.sh moe-bench   bench/moe.py
 #   dsv4_lab/beds/steps.sh moe-close   the wide path's GPU tests, then bench/moe.py at every MoE size with Marlin
 #                                  beside the defaults (run it after `seed`: bg moe-close)
-#   dsv4_lab/beds/steps.sh moe-sweep   bench/moe.py at decode sizes (MOE_TOKENS, 1,4,16,64): the decode tile sweep
-#                                  (MOE_ONLY picks variants, decode-) and a per-kernel profile
-#   dsv4_lab/beds/steps.sh moe-prefill bench/moe.py's prefill sweep (MOE_ONLY variants, prefill-; MOE_TOKENS 512-16384) with Marlin
+#   dsv4_lab/beds/steps.sh moe-sweep   bench/moe.py at decode sizes (MOE_TOKENS, 1-64): the decode rows of the W4A8
+#                                  table (MOE_ONLY picks rows) and a per-kernel profile
+#   dsv4_lab/beds/steps.sh moe-prefill bench/moe.py's prefill rows (MOE_ONLY; MOE_TOKENS 512-16384) with Marlin
 #                                  beside it (mma.sync only unless MMA=v3, as moe-bench; MOE_T s, 540: a cold
 #                                  machine compiles SGLang's JIT Marlin MoE for ~5 minutes first)
 #   dsv4_lab/beds/steps.sh moe-ncu     Nsight Compute of the W4A8 launches at NCU_TOKENS (8192) for NCU_VARIANTS (default and
-#                                  the 8-warp prefill tile): occupancy, issue slots, warp stalls, DRAM (no SGLang needed)
-#   dsv4_lab/beds/steps.sh moe-wide    the same at TP1 full width (intermediate 2048: e2e-bench's experts)
-#   dsv4_lab/beds/steps.sh moe-onetoken  moe-sweep at 1-64 tokens: the default against the MMA configs gemv replaced
-#                                  and the gemv tiles (the switch points of default_config), gemv profiled too
+#                                  the expanded path): occupancy, issue slots, warp stalls, DRAM (no SGLang needed)
+#   dsv4_lab/beds/steps.sh moe-wide    every W4A8 table row at TP1 full width (intermediate 2048: e2e-bench's experts)
 #   dsv4_lab/beds/steps.sh engine-wide the one-token MoE path (wide) inside the engine in CUDA graphs, tripwire on
 #   dsv4_lab/beds/steps.sh vision-gemm vision-replay with native's DeepGEMM linears (kv,gemm,idx; tripwire off)
 #   dsv4_lab/beds/steps.sh attention   SGLang's DSV4 attention test kit on the patched backend + BF16 pool (tripwire on)
@@ -194,7 +192,7 @@ case ${1:?step} in
       run "moe-$b" env $LAB SGLANG_DSV4_MXFP4_MOE_BACKEND=$b timeout 200 \
         python -u dsv4_lab/beds/moe_check.py --out "$OUT/moe-$b.pt" --compare "$OUT/moe-native.pt"
     done
-    # 1024 tokens x top-6 = 6144 pairs: default_config's prefill tile, where the W4A8 shift path runs
+    # 1024 tokens x top-6 = 6144 pairs: the W4A8 table's 32x64 shift tile
     run moe-native-1024 env ENABLE_SGLANG_DSV4_A100_PATCH=0 timeout 200 python -u dsv4_lab/beds/moe_check.py \
       --tokens 1024 --out "$OUT/moe-native-1024.pt"
     run moe-mxfp4_int8-1024 env $LAB SGLANG_DSV4_MXFP4_MOE_BACKEND=mxfp4_int8 timeout 200 \
@@ -604,47 +602,39 @@ case ${1:?step} in
   kernels)
     # (not the every-bench-variant MoE test: ~90 Triton builds; the moe benches run those variants on the GPU)
     run kernels timeout 400 python -m pytest -q -p no:cacheprovider \
-      tests/test_w4a8_moe.py tests/test_sparse_attn.py tests/test_indexer_kv_store.py tests/test_mhc.py \
+      tests/kernels/test_w4a8_moe.py tests/kernels/test_sparse_attn.py tests/kernels/test_indexer_kv_store.py tests/kernels/test_mhc.py \
       -k "'not every_bench_variant_computes_the_moe'"  # run() evals: the inner quotes keep it one argument
     run mhc-check timeout 120 python dsv4_lab/beds/mhc_check.py --out "$OUT/mhc_check.json" ;;
   mhc-bench)
     run mhc-bench timeout 420 python bench/mhc.py --variants --out "$OUT/mhc.json" ;;
   moe-bench)
-    # every size, with the launches fused and the per-pair outputs in BF16 beside the default (fused io
-    # is the decode default; prefill decides with these rows)
+    # every size, every row's kernel of the W4A8 table beside the default (the switch points)
     # (MMA=v3 lets Triton take wgmma on an H200; by default mma.sync only, an A800's instruction)
-    run moe-bench $MMA_ENV timeout 540 python bench/moe.py --variants --only "'fused io|pair bf16'" --out "$OUT/moe.json" ;;
+    run moe-bench $MMA_ENV timeout 540 python bench/moe.py --variants --out "$OUT/moe.json" ;;
   moe-close)
     # the MoE table in one run: the one-token wide path's kernel tests on this GPU at this commit, then every size
     # (decode 1-64, prefill 512-16384) with the defaults and SGLang's Marlin in the same process (its JIT
     # Marlin MoE built by `seed` first: cold, ~5 minutes on its own, which a bench limit must not have to absorb)
     run moe-close-tests timeout 400 python -m pytest -q -p no:cacheprovider \
-      tests/test_w4a8_moe.py -k "'wide or one_token or gemv_equals or kernel_equals or routed_scaling'"
+      tests/kernels/test_w4a8_moe.py -k "'wide or one_token or gemv_equals or kernel_equals or routed_scaling'"
     run moe-close $MMA_ENV timeout ${MOE_T:-900} python bench/moe.py --out "$OUT/moe-close.json" ;;
   moe-wide)
     # the experts of bench/e2e.py's full-width checkpoint on one GPU (intermediate 2048, TP1): the decode tiles and
     # each kernel's time against Marlin at the batch where e2e-bench's decode fell behind (16 tokens)
-    run moe-wide timeout 540 python bench/moe.py --inter 2048 --tokens 1,16,64 --variants --only decode- --profile \
+    run moe-wide timeout 540 python bench/moe.py --inter 2048 --tokens 1,16,64 --variants --profile \
       --out "$OUT/moe-wide.json" ;;
-  moe-onetoken)
-    # moe-sweep at the switch points of default_config (the wide path at one token; gemv from
-    # 2 to 32 tokens, the aligned MMA tile beyond): the default against the MMA configs they replaced, the gemv tiles
-    # and the wide tiles
-    MOE_TOKENS=${MOE_TOKENS:-1,2,4,8,16,24,32,48,64} MOE_ONLY="mma|gemv, split_k 8|wide" \
-      MOE_PROFILE_ONLY="gemv, split_k 8, block_n2 128|split_k 4, mma|wide 16x8w, down 16x8w, quant in" OUT=$OUT \
-      NO_JIT_TAR=1 "$0" moe-sweep || rc=1 ;;
   moe-prefill)
-    # the prefill sweep: bench/moe.py's prefill- variants at
-    # MOE_TOKENS (512,2048,8192,16384), Marlin beside the default where SGLang is importable, kernels profiled
+    # the prefill sweep: the table's prefill rows (MOE_ONLY) at MOE_TOKENS (512,2048,8192,16384), Marlin beside the
+    # default where SGLang is importable, kernels profiled
     run moe-prefill $MMA_ENV timeout ${MOE_T:-540} python bench/moe.py --tokens ${MOE_TOKENS:-512,2048,8192,16384} --variants \
-      --only "'${MOE_ONLY:-prefill-}'" --profile --out "$OUT/moe-prefill.json" ;;
+      --only "'${MOE_ONLY:-mma|expand}'" --profile --out "$OUT/moe-prefill.json" ;;
   moe-ncu)
     # Nsight Compute of the W4A8 launches (the second of two eager calls: gate-up and down) per variant at
-    # NCU_TOKENS (8192): occupancy, issue slots, warp stalls, DRAM; NCU_VARIANTS '|'-separated (default and the
-    # 8-warp prefill tile); no SGLang needed (torch alignment fallback; its launches are not profiled)
+    # NCU_TOKENS (8192): occupancy, issue slots, warp stalls, DRAM; NCU_VARIANTS '|'-separated table rows (default
+    # and the expanded path); no SGLang needed (torch alignment fallback; its launches are not profiled)
     NCU=${NCU:-$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)}
     [ -n "$NCU" ] || { echo "=== moe-ncu: no ncu on this host"; exit 1; }
-    IFS='|' read -ra vs <<< "${NCU_VARIANTS:-default|prefill-64x128, warps 8}"
+    IFS='|' read -ra vs <<< "${NCU_VARIANTS:-default|expand}"
     i=0
     for v in "${vs[@]}"; do
       run "moe-ncu-$i" timeout 280 "$NCU" --target-processes all -k regex:_w4a8 --launch-skip 2 --launch-count 2 \
@@ -654,9 +644,9 @@ case ${1:?step} in
       i=$((i + 1))
     done ;;
   moe-sweep)
-    # MOE_TOKENS: the sizes (e.g. 1,4: batch-1 decode at TP4 shapes); MOE_ONLY: the variants
-    run moe-sweep timeout 540 python bench/moe.py --tokens ${MOE_TOKENS:-1,4,16,64} --variants \
-      --only "'${MOE_ONLY:-decode-}'" --profile --profile-only "'${MOE_PROFILE_ONLY:-}'" --out "$OUT/moe-sweep.json" ;;
+    # MOE_TOKENS: the sizes (e.g. 1,4: batch-1 decode at TP4 shapes); MOE_ONLY: the table rows (default: the decode ones)
+    run moe-sweep timeout 540 python bench/moe.py --tokens ${MOE_TOKENS:-1,2,4,8,16,24,32,48,64} --variants \
+      --only "'${MOE_ONLY:-wide|gemv|mma 16x32}'" --profile --profile-only "'${MOE_PROFILE_ONLY:-}'" --out "$OUT/moe-sweep.json" ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac
 # keep the JIT caches this step built (restore with: cat jit.tar.xz* | tar -C ~ -xJf -)

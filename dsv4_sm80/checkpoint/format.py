@@ -3,7 +3,7 @@
 `inventory(config)` lists every tensor the official checkpoint holds: native name, safetensors
 dtype string, shape, the shard it lives in and its family. The tiny-checkpoint generator writes
 exactly this list; the gate compares a checkpoint on disk against it. Rebuilt from the published
-inventories (`tests/test_checkpoint_format.py` checks this code against the published totals:
+inventories (`tests/unit/test_checkpoint_format.py` checks this code against the published totals:
 72,317 tensors / 166,878,536,440 bytes for -0731 and 69,187 / 159,609,485,896 for the original release).
 
 Rules:

@@ -163,7 +163,7 @@ def q_rope_hadamard_int8(q: torch.Tensor, weight: torch.Tensor, weight_scale: fl
     w_out = torch.empty((t_total, heads, 1), dtype=torch.float32, device=q.device)
     if t_total:
         # 32 heads a program: at 64, sm_80's build spills the fp32 accumulator and the three BF16 parts to local
-        # memory (455 LDL / 353 STL in its SASS, Triton 3.6); at 32 none (tests/test_indexer_kv_store.py)
+        # memory (455 LDL / 353 STL in its SASS, Triton 3.6); at 32 none (tests/kernels/test_indexer_kv_store.py)
         block_h = 32 if heads >= 32 else 16
         _q_rope_hadamard_int8_kernel[(t_total, triton.cdiv(heads, block_h))](
             q, q.stride(0), q.stride(1), weight, weight.stride(0), freqs, positions, he, ho, q_out, w_out, heads,

@@ -1,4 +1,4 @@
-"""Plain-PyTorch reference for DSV4's sparse attention with a sink (reference 02 §1.2, §8 S6.1), written
+"""Plain-PyTorch reference for DSV4's sparse attention with a sink, written
 from the math for the Triton kernel's tests; per query, no paging tricks.
 
 For query token t and head h, the key set is the multiset of cache rows named by the valid entries of

@@ -5,7 +5,7 @@ combine (one launch).
 Activations are quantized to INT8 dynamically, one fp32 scale per row (or row and group of columns), s = max|x| / 127
 by IEEE division, half away from zero: the layer input per token, the intermediate per (token, expert) pair and
 gate-up tile width, computed in the gate-up epilogue (no extra pass). The intermediate's rounding dominates the
-error (silu(gate) * up is heavy-tailed); measured in tests/test_w4a8_moe.py against `w4a8_moe_ref.py`.
+error (silu(gate) * up is heavy-tailed); measured in tests/kernels/test_w4a8_moe.py against `w4a8_moe_ref.py`.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def _e8m0(e):
 # (0,1,2,3,4,6,8,12 and their negatives) give the positive and negative values; a third PRMT in sign-replicate mode
 # builds the mask 0xFF per byte whose code is negative (x << 4 brings the even nibbles' sign bits to byte msbs, x has
 # the odd nibbles'); one LOP3 (0xD8: c ? b : a) blends. 11 instructions per word = 8 codes. Emulated instruction by
-# instruction in tests/test_w4a8_moe.py (test_swar_decode_algorithm).
+# instruction in tests/kernels/test_w4a8_moe.py (test_swar_decode_algorithm).
 #
 # Relies on the 4 bytes Triton packs into one register (pack=4) being 4 consecutive k of one column, aligned to 4:
 # true in the INT8 MMA operand layout the decode runs in (the m16n8k32 B fragment holds exactly such words; the

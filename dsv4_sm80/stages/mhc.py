@@ -7,7 +7,7 @@ SGLang 0.5.16 mixes DSV4's hc_mult residual streams around every attention and M
 kernel; `hc_post` is a TileLang kernel. The model also calls `mhc_pre` at load, to prewarm its JIT
 (`deepseek_v4.py:2659`), so on an A800 the DeepGEMM call would stop the server before it serves.
 
-The TileLang kernels compile for sm_80 (`tests/test_mhc.py` builds them for sm_80 with nvcc, no GPU needed);
+The TileLang kernels compile for sm_80 (`tests/kernels/test_mhc.py` builds them for sm_80 with nvcc, no GPU needed);
 the DeepGEMM GEMM is replaced here by a Triton kernel on SM80's TF32 tensor cores with the same contract and
 numerics class (`kernels/hc_prenorm.py`). SGLang's call sites import `tf32_hc_prenorm_gemm` from
 `deep_gemm_wrapper.entrypoint` when they run, so replacing that module attribute reaches both (`mhc.py:846`

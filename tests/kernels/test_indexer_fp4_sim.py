@@ -14,6 +14,7 @@ from conftest import dev, last_json, run_python
 from dsv4_sm80.kernels import block_rounding_ref as br
 from dsv4_sm80.kernels import kv_store_ref as ref
 from dsv4_sm80.kernels.block_rounding import fp4_codes
+from conftest import REPO
 
 
 @triton.jit
@@ -270,7 +271,7 @@ def test_real_sglang_indexer_routes_through_fp4_sim():
     """With the patch on and the option set: SGLang's indexer Q function returns 132-byte rows equal to the
     reference, its compressor store writes FP4 codes and exponents where the plan stores, and its paged-logits
     function scores them as the reference does."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(REPO)
     out = last_json(run_python(INDEXER.format(root=root), ENABLE_SGLANG_DSV4_A100_PATCH="1", TRITON_INTERPRET="1",
                                SGLANG_DSV4_A100_INDEXER_ROUNDING="fp4_sim"))
     assert out["q"] == [[3, 64, 132], "torch.int8"] and out["q_rows"], out

@@ -15,6 +15,7 @@ import triton.language as tl
 from conftest import dev, last_json, run_python
 from dsv4_sm80.kernels import block_rounding_ref as br
 from dsv4_sm80.kernels.block_rounding import fp8_sim
+from conftest import REPO
 
 
 @triton.jit
@@ -317,7 +318,7 @@ print(json.dumps(out))
 def test_real_sglang_pool_rounds_with_the_option():
     """SGLang's own DeepSeekV4SingleKVPool row store and SWA store method, patched, started with
     SGLANG_DSV4_A100_KV_ROUNDING=fp8_sim: the stored rows are rounded; set to none, they are not."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(REPO)
     out = last_json(run_python(POOL.format(root=root), ENABLE_SGLANG_DSV4_A100_PATCH="1",
                                SGLANG_DSV4_A100_KV_ROUNDING="fp8_sim", TRITON_INTERPRET="1"))
     assert out["fp8_sim"] == {"rows_rounded": True, "rows_plain": False, "swa_rounded": True, "swa_plain": False}

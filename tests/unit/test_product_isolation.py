@@ -1,5 +1,5 @@
 """The product never reaches the laboratory: importing every product module and applying every product seam
-(against the real sglang==0.5.16, as tests/test_seams.py does) imports no `dsv4_lab` module; the only import of
+(against the real sglang==0.5.16, as tests/unit/test_seams.py does) imports no `dsv4_lab` module; the only import of
 it in product code is the applier's, behind the lab switch; with DSV4_SM80_LAB=1 the lab's seams are applied
 after the product's on every shared target, and a missing lab package is a clear error."""
 

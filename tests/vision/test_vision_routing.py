@@ -154,7 +154,7 @@ def test_hooks_route_image_rows_by_bias_vl_in_sglangs_topk(unit_ckpt, tmp_path):
 
     from conftest import last_json, run_python
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from conftest import REPO as root
     out = last_json(run_python(HOOKS.format(root=root, ckpt=unit_ckpt, tmp=str(tmp_path)), TORCHDYNAMO_DISABLE="1"))
     for key in ("topk0",):
         r = out[key]

@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dsv4_lab", "beds"))
+sys.path.insert(0, os.path.join(REPO, "dsv4_lab", "beds"))
 import compare  # noqa: E402
+from conftest import REPO
 
 
 def record(tops, seq=(1, 2, 3)):

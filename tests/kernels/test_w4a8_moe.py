@@ -11,6 +11,7 @@ import torch
 
 from conftest import dev
 from dsv4_sm80.kernels import w4a8_moe_ref as ref
+from conftest import REPO
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +228,7 @@ def test_table_picks_a_kernel_for_every_batch(k):
         assert row.reason and re.search(r"H200, mma\.sync only, bench/moe\.py[^)]*, 2026-\d\d-\d\d\)", row.figure), row
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_moe_rows", os.path.join(os.path.dirname(__file__), "..",
-                                                                               "bench", "moe.py"))
+    spec = importlib.util.spec_from_file_location("bench_moe_rows", os.path.join(REPO, "bench", "moe.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert set(bench.alternatives().values()) == {row.kernel for row in k.TABLE}

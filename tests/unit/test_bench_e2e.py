@@ -91,7 +91,7 @@ def test_step_bytes_from_the_checkpoint_arithmetic():
     assert w_nat["experts"] == experts  # MXFP4 either way
     assert abs((b16["patched"] - b1["patched"]) - experts * ((1 - (250 / 256) ** 16) - 6 / 256)
                - 15 * 4096 * 2) < 1.0
-    assert 80 < 256 * (1 - (250 / 256) ** 16) < 81  # ~80 experts of each layer at batch 16 (docs/gpu-runs.md)
+    assert 80 < 256 * (1 - (250 / 256) ** 16) < 81  # ~80 experts of each layer at batch 16 (docs/results/README.md)
     assert 5e9 < b16["patched"] < 8e9  # the wide model's step at batch 16: ~6.6 GB
 
 

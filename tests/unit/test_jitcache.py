@@ -9,7 +9,7 @@ import re
 import pytest
 
 import compat_check as cc
-from conftest import last_json, run_python
+from conftest import REPO, last_json, run_python
 from dsv4_sm80 import jitcache
 from test_gate import facts, failed
 
@@ -304,7 +304,7 @@ def test_the_seeds_module_names_are_the_layout_module_built_reads(tmp_path):
     had finished when it was packed), and that one stays missing."""
     import lzma
 
-    seed = json.loads(lzma.open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dsv4_lab", "beds", "jit-seed", "tvm-ffi.json.xz")).read())
+    seed = json.loads(lzma.open(os.path.join(REPO, "dsv4_lab", "beds", "jit-seed", "tvm-ffi.json.xz")).read())
     for name, files in seed["modules"].items():
         (tmp_path / name).mkdir()
         target = re.search(r"^default (\S+)", files["build.ninja"], re.M).group(1)

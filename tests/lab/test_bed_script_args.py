@@ -108,7 +108,7 @@ def test_http_check_refused_start_harness():
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dsv4_lab", "beds"))
+    sys.path.insert(0, os.path.join(REPO, "dsv4_lab", "beds"))
     import http_check
 
     lab = {"DSV4_SM80_LAB_GPU_COUNT": "1", "DSV4_SM80_LAB_CC": "9.0"}

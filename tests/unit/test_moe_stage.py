@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import last_json, run_python
+from conftest import REPO, last_json, run_python
 
 pytestmark = pytest.mark.sglang
 
@@ -82,7 +82,7 @@ print(json.dumps(out))
 
 def test_w4a8_method_in_a_real_fused_moe_layer(unit_ckpt):
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
-    code = LAYER.format(tests=os.path.dirname(__file__), port=29571, ckpt=unit_ckpt)
+    code = LAYER.format(tests=os.path.join(REPO, "tests"), port=29571, ckpt=unit_ckpt)
     out = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", TRITON_INTERPRET="1",
                                SGLANG_DSV4_MXFP4_MOE_BACKEND="mxfp4_int8"))
     assert out["method"] == "Sm80W4A8MoEMethod" and out["bytes_same"], out

@@ -17,7 +17,6 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDIN = "dsv4-sm80-test/sglang-standin:v0.5.16"
 PREVIEW = "dsv4-sm80-test/sglang-standin:v0.5.17-dev"
 BUILT = "dsv4-sm80-test/overlay:test"
@@ -97,7 +96,7 @@ def built(standin):
 
 def test_the_jit_prebuild_fails_the_build_loudly_on_a_base_without_the_cuda_toolkit(standin):
     """By default the Dockerfile compiles SGLang's JIT modules for sm_80 (python -m dsv4_sm80 prebuild-jit); on a
-    base without nvcc that step refuses by name and the image is not built (tests/test_jit_prebuild.py builds the
+    base without nvcc that step refuses by name and the image is not built (tests/unit/test_jit_prebuild.py builds the
     modules themselves, for sm_80, on a machine with the toolkit)."""
     tag = "dsv4-sm80-test/overlay:prebuild"
     r = sh(os.path.join(REPO, "docker", "build.sh"), standin, tag, cwd=REPO, check=False)

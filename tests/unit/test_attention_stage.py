@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import dev, last_json, run_python
+from conftest import REPO, dev, last_json, run_python
 from dsv4_sm80.kernels import kv_store_ref as ref
 
 pytestmark = pytest.mark.sglang
@@ -117,7 +117,7 @@ print(json.dumps({"patched": round(fn(flash), 1), "original": round(getattr(fn, 
 
 def test_pool_sizing_uses_the_bf16_row():
     """DSV4-Flash geometry (43 layers: 21 C4, 20 C128, SWA ratio 0.1): 7,705.5 bytes per full token with the
-    FP8 row, 11,976.2 with the BF16 row (+55 %, reference 02 §0 item 4)."""
+    FP8 row, 11,976.2 with the BF16 row (+55 %)."""
     out = last_json(run_python(SIZING, ENABLE_SGLANG_DSV4_A100_PATCH="1"))
     assert out == {"patched": 11976.2, "original": 7705.5}
 
@@ -172,7 +172,7 @@ print(json.dumps(out))
 def test_backend_forward_on_dsv4_metadata():
     """The patched DeepseekV4AttnBackend.forward on DSV4's own metadata object, for ratio 0, 4 and 128 (a
     C128 list with fewer rows than queries is padded as the backend pads it), against the reference."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO
     out = last_json(run_python(FORWARD.format(root=root), ENABLE_SGLANG_DSV4_A100_PATCH="1", TRITON_INTERPRET="1"))
     for ratio in ("0", "4", "128"):
         assert out[ratio] == [[5, 32, 512], "torch.bfloat16", True], (ratio, out[ratio])

@@ -73,7 +73,7 @@ def test_matches_reference(k, ext_w, use_sink, splits):
 @pytest.mark.parametrize("ext_w", [0, 40, 77], ids=["ratio0-swa-only", "c4-topk", "c128-all"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_fp32_partials_variant_matches_reference(k, ext_w, splits):
-    """The other split-partial workspace (fp32, each split's unnormalised sum; the default since session 16 keeps
+    """The other split-partial workspace (fp32, each split's unnormalised sum; the default keeps
     them normalised in BF16, half the bytes, and runs in every other test here): the same tolerance, with the
     sink, odd and empty lists (the empty ones in test_fp32_partials_variant_on_empty_lists); one split never
     uses a workspace."""
@@ -219,7 +219,7 @@ def test_default_splits_depend_on_static_shapes_only(k):
 
 def test_default_splits_on_a_gpu_shape(k, monkeypatch):
     """With a GPU's SM count (132: an H200; an A800 has 108): about two waves of programs, at least 64
-    list entries per split, at most 32 splits (the counts session 4's H200 bench measured fastest)."""
+    list entries per split, at most 32 splits (the counts the H200 bench of 2026-11-30 measured fastest)."""
     monkeypatch.setattr(k, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)  # a device object only
     assert k.default_splits(1, 16, 640, cuda) == 10  # batch-1 decode, C4 layer: 640 // 64
@@ -233,15 +233,15 @@ def test_default_splits_on_a_gpu_shape(k, monkeypatch):
 
 def test_decode_plan_on_gpu_shapes(k, monkeypatch):
     """decode_plan (sparse_attn's splits=None): few query tokens take a program per 32-entry step while one wave holds
-    them (short lists too, session 21), and from 8 splits on the tiled combine, reading the two lists as one where a
-    split's share is at most 64 entries; batch 64 keeps session 16's plan (the loop combine, lists apart)."""
+    them (short lists too), and from 8 splits on the tiled combine, reading the two lists as one where a
+    split's share is at most 64 entries; batch 64 keeps the plan of 4 splits (the loop combine, lists apart)."""
     monkeypatch.setattr(k, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     assert k.decode_plan(1, 16, 640, cuda) == {"splits": 20, "joint": True, "combine": "tiles"}
     assert k.decode_plan(8, 16, 640, cuda) == {"splits": 10, "joint": True, "combine": "tiles"}  # 160 > 132
     assert k.decode_plan(64, 16, 640, cuda) == {"splits": 4, "joint": False, "combine": "loop"}
     assert k.decode_plan(1, 16, 4224, cuda) == {"splits": 32, "joint": False, "combine": "tiles"}  # 132 a split
-    assert k.decode_plan(1, 16, 160, cuda) == {"splits": 4, "joint": False, "combine": "loop"}  # 2 before session 21
+    assert k.decode_plan(1, 16, 160, cuda) == {"splits": 4, "joint": False, "combine": "loop"}
     assert k.decode_plan(8, 16, 256, cuda) == {"splits": 8, "joint": True, "combine": "tiles"}
     assert k.decode_plan(1, 16, 384, cuda) == {"splits": 12, "joint": True, "combine": "tiles"}
     assert k.decode_plan(64, 16, 160, cuda) == {"splits": 2, "joint": False, "combine": "loop"}  # 64 x 4 > 132
@@ -255,7 +255,7 @@ def test_default_plan_matches_reference(k, monkeypatch):
     args = setup(t=1, ext_w=400, lens=[100], ext_lens=[350], seed=61)
     assert k.decode_plan(1, 16, 128 + 400, "cuda") == {"splits": 16, "joint": True, "combine": "tiles"}
     check(k, args, heads=16, use_sink=True, splits=None)
-    # short lists doubled (session 21): an SWA-only layer's 128 entries in 4 splits (loop combine), and 128 + 256
+    # short lists doubled: an SWA-only layer's 128 entries in 4 splits (loop combine), and 128 + 256
     # in 12 (joint, tiles), shorter lengths than the widths
     assert k.decode_plan(1, 16, 128, "cuda") == {"splits": 4, "joint": False, "combine": "loop"}
     check(k, setup(t=1, lens=[90], seed=62), heads=16, use_sink=True, splits=None)

@@ -1,5 +1,7 @@
 """Page hygiene (lab): the pool poison of dsv4_lab.hygiene; the GPU run is dsv4_lab/beds/hygiene.py."""
 
+from conftest import REPO
+
 
 def test_poison_fills_every_pool_buffer_of_target_and_draft(monkeypatch):
     """dsv4_lab.hygiene on pool-shaped objects (the attribute names of sglang 0.5.16's
@@ -52,7 +54,7 @@ def test_gpu_hygiene_verdict_holds_the_poisoned_run_to_the_clean_floor():
     import math
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dsv4_lab", "beds", "hygiene.py")
+    path = os.path.join(REPO, "dsv4_lab", "beds", "hygiene.py")
     spec = importlib.util.spec_from_file_location("gpu_hygiene", path)
     H = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(H)

@@ -5,6 +5,7 @@ import glob
 import os
 
 import pytest
+from conftest import REPO
 import torch
 
 from vision_backport import model as M
@@ -120,7 +121,7 @@ def test_installed_with_the_experimental_switch(unit_vision_ckpt, unit_ckpt, vis
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
     from conftest import last_json, run_python
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO
     out = last_json(run_python(INSTALLED.format(root=root, vckpt=unit_vision_ckpt, tckpt=unit_ckpt),
                                ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_VISION=vision))
     stock, vl = "sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM", "vision_backport.model.DeepseekV4ForCausalLM"

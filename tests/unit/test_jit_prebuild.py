@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
+from conftest import REPO
 from dsv4_sm80 import env, jit_prebuild, jitcache
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARLIN = ("gptq_marlin", "gptq_marlin_repack", "moe_wna16_marlin")
 
 

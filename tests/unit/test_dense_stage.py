@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import last_json, run_python
+from conftest import REPO, last_json, run_python
 from reference import dequant_fp8_bf16 as reference, e4m3_table, load_raw
 
 
@@ -147,7 +147,7 @@ print(json.dumps(out))
 
 
 def _run_layers(ckpt, outdir, dense, port):
-    code = LAYERS.format(tests=os.path.dirname(__file__), port=port, ckpt=ckpt, outdir=str(outdir))
+    code = LAYERS.format(tests=os.path.join(REPO, "tests"), port=port, ckpt=ckpt, outdir=str(outdir))
     return last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", SGLANG_DSV4_A100_DENSE=dense,
                                 DSV4_SM80_LOAD_REPORT=str(outdir / "report.jsonl")))
 

@@ -171,14 +171,14 @@ def test_compile_for_sm80():
         # no local-memory spills in any (LDL/STL in the sm_80 SASS; the fp32 Hadamard products spilled thousands)
         assert r["sm80"] and not r["fp8"] and r["shared"] <= 163 * 1024 and r["spills"] == 0, (name, r)
     assert out["logits"]["int8_mma"] and out["logits prefetch"]["int8_mma"], out
-    # the Hadamard on tensor cores (BF16 MMA, three parts), not an fp32 product on CUDA cores (session 13: 208 us)
+    # the Hadamard on tensor cores (BF16 MMA, three parts), not an fp32 product on CUDA cores (208 us on the H200, 2026-12-01)
     for name in ("q_rope_hadamard_int8", "compress_store_index_k"):
         assert out[name]["bf16_mma"], (name, out[name])
 
 
 def test_logits_grid_is_bounded_by_the_device_not_the_max_length():
     """Programs per token: about 4 per SM over the batch (8 SMs stand in on the CPU) and enough that none walks
-    more than 16 pages, at least one, never more than the pages of the static max length (session 13: a program
+    more than 16 pages, at least one, never more than the pages of the static max length (H200, 2026-12-01: a program
     per page of 262,144 entries, 16 x 4097 programs, 40 us per decode step on the H200)."""
     from dsv4_sm80.kernels.indexer_int8 import LOGITS_PAGES_PER_PROGRAM, logits_splits
 

@@ -12,6 +12,7 @@ import torch
 
 from conftest import dev, last_json, nvcc_home, run_python
 from dsv4_sm80.kernels import hc_prenorm_ref as ref
+from conftest import REPO
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +70,7 @@ def test_every_bench_variant_computes_the_same(kern):
     the larger K tile; a tile that is not a power of two is refused by name."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_mhc", os.path.join(os.path.dirname(__file__), "..",
-                                                                            "bench", "mhc.py"))
+    spec = importlib.util.spec_from_file_location("bench_mhc", os.path.join(REPO, "bench", "mhc.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     a, b = inputs(70, 1000, seed=3)
