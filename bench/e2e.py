@@ -163,7 +163,7 @@ def child(args) -> dict:
     import sglang
     import torch
 
-    from tests.gpu.engine_bed import BED_WATCHDOG_S
+    from dsv4_lab.beds.engine_bed import BED_WATCHDOG_S
 
     vocab = int(json.load(open(os.path.join(args.ckpt, "config.json")))["vocab_size"])
     rng = random.Random(0)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4_sm80.stages.attention import match_rows
+
 from .visible_window import MAX_IMAGE_TOKENS, WINDOW
 
 VISIBLE_WIDTH = WINDOW + MAX_IMAGE_TOKENS  # 128 causal + up to 384 image-block keys
@@ -26,15 +28,6 @@ VISIBLE_WIDTH = WINDOW + MAX_IMAGE_TOKENS  # 128 causal + up to 384 image-block 
 
 class NativeWindowUnsupported(RuntimeError):
     pass
-
-
-def _match_rows(x, rows: int, fill: int):
-    """The backend's match_num_queries (deepseek_v4_backend.py:1662-1672): trim, or pad with `fill`."""
-    if x is None or x.shape[0] == rows:
-        return x
-    if x.shape[0] > rows:
-        return x[:rows]
-    return torch.cat([x, x.new_full((rows - x.shape[0], *x.shape[1:]), fill)], dim=0)
 
 
 def visible_swa_lists(swa_ids, swa_lens, spans_per_req, positions, req_tokens, req_rows, req_to_token,
@@ -92,8 +85,8 @@ def _forward_with_window(original, native, self, q, k, v, layer, forward_batch, 
                 "which builds its own window without the image block: use --chunked-prefill-size 8192 or less and "
                 "leave SGLANG_OPT_FLASHMLA_SPARSE_PREFILL unset for native A/B with images")
     pool = self.token_to_kv_pool
-    ids = _match_rows(core.swa_page_indices, rows, 0)
-    lens = _match_rows(core.swa_topk_lengths, rows, 1)
+    ids = match_rows(core.swa_page_indices, rows, 0)
+    lens = match_rows(core.swa_topk_lengths, rows, 1)
     ids, lens = visible_swa_lists(ids, lens, spans, forward_batch.positions, forward_batch.extend_seq_lens_cpu,
                                   forward_batch.req_pool_indices, self.req_to_token, pool.full_to_swa_index_mapping)
     saved = core.swa_page_indices, core.swa_topk_lengths

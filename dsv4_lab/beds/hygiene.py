@@ -46,7 +46,7 @@ def child(args) -> dict:
 
     import sglang
 
-    from tests.gpu.engine_bed import BED_WATCHDOG_S, prompt_ids
+    from dsv4_lab.beds.engine_bed import BED_WATCHDOG_S, prompt_ids
 
     vocab = int(json.load(open(os.path.join(args.ckpt, "config.json")))["vocab_size"])
     fill = [prompt_ids(n, vocab, seed=100 + i) for i, n in enumerate([6000, 4000, 3000, 2500])]

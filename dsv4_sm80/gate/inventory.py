@@ -4,7 +4,7 @@ keys, dense FP8 pairs, MXFP4 experts, vision tensors, the rest; a converted chec
 from __future__ import annotations
 
 from ..checkpoint import format as fmt
-from .report import OFFICIAL, fail, ok, skip
+from .report import OFFICIAL, Finding, fail, ok, skip
 
 
 def compare_inventory(specs, actual: dict, vision: bool) -> list[Finding]:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .w4a8_moe_io import _add_groups, _glu_quant, glu_finish
-from .w4a8_moe_layout import CHUNK, GROUP, _col_base, _scale_word, _word_products, _word_scales
+from .w4a8_moe_layout import CHUNK, GROUP, _col_base, _pair_tile, _scale_word, _word_products, _word_scales
 
 
 @dataclass(frozen=True)
@@ -132,15 +132,9 @@ def _w4a8_gemv_kernel(
     the row is p // a_row_div. Outputs as the MMA kernel's epilogues: split-K partials [SPLIT_K, pairs, 2, N], or
     the GLU and the intermediate's INT8 rounding per BLOCK_N columns, or (down) the pair row times its router
     weight."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    p = pid // n_tiles
-    pid_n = pid % n_tiles
-    expert = tl.load(expert_ptr + p).to(tl.int64)
+    p, pid_n, expert, row, offs_n = _pair_tile(expert_ptr, N, a_row_div, BLOCK_N)
     if expert < 0:
         return
-    row = (p // a_row_div).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     k_lo = 0
     k_hi = K

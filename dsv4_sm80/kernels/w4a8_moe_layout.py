@@ -212,3 +212,15 @@ def _word_products(words, x_lo, x_hi, DECODE_ASM: tl.constexpr):
             p_lo += _e2m1x2((words >> (4 * i)) & 0xF) * ((x_lo << (24 - 8 * i)) >> 24)
             p_hi += _e2m1x2((words >> (16 + 4 * i)) & 0xF) * ((x_hi << (24 - 8 * i)) >> 24)
     return p_lo, p_hi
+
+
+@triton.jit
+def _pair_tile(expert_ptr, N, a_row_div, BLOCK_N: tl.constexpr):
+    """A pair-block program's (pair, BLOCK_N-column tile) from its program id: the pair p, the tile's index, the
+    pair's expert (int64; < 0: nothing to do), its activation row (p // a_row_div) and the tile's columns."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    p = pid // n_tiles
+    pid_n = pid % n_tiles
+    expert = tl.load(expert_ptr + p).to(tl.int64)
+    return p, pid_n, expert, (p // a_row_div).to(tl.int64), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .common import round_int8
 from .w4a8_moe_io import _glu_quant, _int8_scale
-from .w4a8_moe_layout import CHUNK, _scale_word, _word_products, _word_scales
+from .w4a8_moe_layout import CHUNK, _pair_tile, _scale_word, _word_products, _word_scales
 
 
 @dataclass(frozen=True)
@@ -100,15 +100,9 @@ def _wide_gate_up_kernel(
     and the up rows over the pair's whole K (C: K/64 rounded up to a power of two; chunks past K/64 read the last
     chunk's memory and add 0), the clamped SiLU-GLU and the intermediate's INT8 rounding per BLOCK_N columns. N (the
     intermediate) a multiple of BLOCK_N, K (hidden) of 64."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    p = pid // n_tiles
-    pid_n = pid % n_tiles
-    expert = tl.load(expert_ptr + p).to(tl.int64)
+    p, pid_n, expert, row, offs_n = _pair_tile(expert_ptr, N, a_row_div, BLOCK_N)
     if expert < 0:
         return
-    row = (p // a_row_div).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, C)
     ok = offs_c < K // 64
     c_at = tl.minimum(offs_c, K // 64 - 1)  # (padded chunks read the last one's memory; their scales read as 0)
@@ -117,7 +111,7 @@ def _wide_gate_up_kernel(
     offs_k = tl.arange(0, 64 * C)
     xv = tl.load(x_ptr + row * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     sa = _int8_scale(tl.max(tl.abs(xv), axis=0))
-    scratch = xq_ptr + pid.to(tl.int64) * (64 * C)
+    scratch = xq_ptr + tl.program_id(0).to(tl.int64) * (64 * C)
     tl.store(scratch + offs_k, round_int8(tl.math.div_rn(xv, sa)))
     tl.debug_barrier()  # each thread reads words the others wrote
     x_words = scratch.to(tl.pointer_type(tl.int32))

@@ -187,7 +187,7 @@ def refuse_sparse_prefill(self, *args, **kwargs):
                        "extend itself - this is a bug in the seam table")
 
 
-def _match_rows(x, rows: int, fill: int):
+def match_rows(x, rows: int, fill: int):
     """The backend's match_num_queries (deepseek_v4_backend.py:1662-1672): trim, or pad with `fill`."""
     if x is None or x.shape[0] == rows:
         return x
@@ -229,8 +229,8 @@ def sm80_forward(self, q, k, v, layer, forward_batch, compress_ratio, save_kv_ca
     if q.dim() == 4:
         q = q.squeeze(1)
     rows = q.shape[0]
-    swa_ids = _match_rows(core.swa_page_indices, rows, 0)
-    swa_lens = _match_rows(core.swa_topk_lengths, rows, 1)
-    extra_ids, extra_lens = _match_rows(extra_ids, rows, -1), _match_rows(extra_lens, rows, 1)
+    swa_ids = match_rows(core.swa_page_indices, rows, 0)
+    swa_lens = match_rows(core.swa_topk_lengths, rows, 1)
+    extra_ids, extra_lens = match_rows(extra_ids, rows, -1), match_rows(extra_lens, rows, 1)
     return sparse_attn(q.contiguous(), swa_cache, swa_ids, swa_lens, extra_cache, extra_ids, extra_lens,
                        attn_sink, scale=self.softmax_scale, heads=layer.tp_q_head_num, splits=None)

@@ -5,10 +5,10 @@ import os
 import sys
 
 import pytest
+from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "dsv4_lab", "beds"))
 import compare  # noqa: E402
-from conftest import REPO
 
 
 def record(tops, seq=(1, 2, 3)):
