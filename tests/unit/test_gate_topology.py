@@ -175,3 +175,18 @@ def test_sglang_server_args_have_the_field_the_launch_sets():
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     assert parser.parse_args(["--model-path", "m", "--disable-custom-all-reduce"]).disable_custom_all_reduce is True
+
+
+def test_the_launch_seam_sets_the_argument_and_prints_the_warning(monkeypatch, capsys):
+    """`before_launch` (the launch.gate seam) applies the launch arguments of the facts it collected."""
+    from types import SimpleNamespace
+
+    for nvml, want in ((FakeNvml(), True), (FakeNvml(nvlink=ALL_PAIRS, links={i: 8 for i in range(4)}), False)):
+        f = gate.collect_interconnect(gpus(), nvml)
+        facts = Facts(sglang=SGLangFacts(), gpus=gpus(), patch=PatchFacts(), model=gate.collect_model(None),
+                      interconnect=f)
+        monkeypatch.setattr(gate, "run_gate", lambda *a, **k: (facts, [gate.check_interconnect(f)]))
+        args = SimpleNamespace(model_path="/model", disable_custom_all_reduce=False)
+        assert gate.before_launch(None, args) is None
+        assert args.disable_custom_all_reduce is want
+        assert ("dsv4-sm80: WARN gpu.interconnect: no NVLink" in capsys.readouterr().err) is want
