@@ -83,7 +83,9 @@ SEAMS: tuple[Seam, ...] = (
             "Users who inject the overlay with PYTHONPATH and run `python -m sglang.launch_server` "
             "(or sglang.Engine) bypass `serve` and the entrypoint; the compatibility gate must still "
             "refuse before any scheduler process starts. Every launch path (Engine, HTTP server) "
-            "goes through this classmethod."
+            "goes through this classmethod. Without NVLink between every pair of GPUs it also turns "
+            "SGLang's custom all-reduce off (disable_custom_all_reduce) before the schedulers get the "
+            "arguments."
         ),
         upstream="srt/entrypoints/engine.py:765-790",
     ),

@@ -4,7 +4,7 @@ entrypoint runs them), `compat_check.py` and SGLang's own launch (the `launch.ga
 `before_launch`) all run `run_gate`.
 
 Order: compatibility (SGLang 0.5.16 @ fdebc938, exactly 4 visible GPUs of compute capability 8.0,
-the knobs, the JIT caches and compiler), the config, the patch, then the checkpoint files (index,
+their interconnect, the knobs, the JIT caches and compiler), the config, the patch, then the checkpoint files (index,
 every shard's header, the native inventory) and the tokenizer. Lab overrides (DSV4_SM80_LAB_GPU_COUNT,
 DSV4_SM80_LAB_CC) relax only the GPU checks, are never defaults, and print a banner on every run.
 """
@@ -19,18 +19,19 @@ from dataclasses import asdict
 from typing import Optional
 
 from .. import env
-from .checks import (COUNT_MODES, UNVERIFIED_MODES, check_bind, check_env_knobs, check_gpus, check_jit_cache,
-                     check_jit_compiler, check_modes, check_patch, check_sglang, check_sglang_knobs,
-                     check_speculative)
-from .facts import Facts, GpuFacts, ModelFacts, PatchFacts, SGLangFacts, collect, collect_gpus, collect_model, \
-    collect_sglang
+from .checks import (COUNT_MODES, UNVERIFIED_MODES, check_bind, check_env_knobs, check_gpus, check_interconnect,
+                     check_jit_cache, check_jit_compiler, check_modes, check_patch, check_sglang, check_sglang_knobs,
+                     check_speculative, interconnect_launch_args)
+from .facts import Facts, GpuFacts, InterconnectFacts, ModelFacts, PatchFacts, SGLangFacts, collect, collect_gpus, \
+    collect_interconnect, collect_model, collect_sglang
 from .model_checks import check_model_config, check_model_files, check_tokenizer
 from .report import Finding, GateRefused, banner_once, failures, guarded, refusal, report
 
-__all__ = ["COUNT_MODES", "UNVERIFIED_MODES", "Facts", "Finding", "GateRefused", "GpuFacts", "ModelFacts",
-           "PatchFacts", "SGLangFacts", "before_launch", "check_bind", "check_jit_cache", "check_jit_compiler",
-           "check_model_files", "check_modes", "check_speculative", "collect", "collect_gpus", "collect_model",
-           "collect_sglang", "evaluate", "failures", "launch_environ", "refusal", "report", "run", "run_gate",
+__all__ = ["COUNT_MODES", "UNVERIFIED_MODES", "Facts", "Finding", "GateRefused", "GpuFacts", "InterconnectFacts",
+           "ModelFacts", "PatchFacts", "SGLangFacts", "before_launch", "check_bind", "check_interconnect",
+           "check_jit_cache", "check_jit_compiler", "check_model_files", "check_modes", "check_speculative", "collect",
+           "collect_gpus", "collect_interconnect", "collect_model", "collect_sglang", "evaluate", "failures",
+           "interconnect_launch_args", "launch_environ", "refusal", "report", "run", "run_gate",
            "run_sglang_only"]
 
 
@@ -40,6 +41,7 @@ def evaluate(facts: Facts, server_args=None) -> list[Finding]:
     m = facts.model
     out = (guarded("sglang.installed", check_sglang, facts.sglang)
            + guarded("gpu.count", check_gpus, facts.gpus, facts.lab)
+           + guarded("gpu.interconnect", check_interconnect, facts.interconnect)
            + guarded("env.knobs", check_env_knobs, facts.knobs)
            + guarded("jit.cache", check_jit_cache, facts.jit)
            + guarded("jit.compiler", check_jit_compiler, facts.nvcc)
@@ -116,14 +118,19 @@ def tokenizer_wanted(server_args) -> bool:
 
 def before_launch(cls, server_args, *args, **kwargs):
     """The `launch.gate` seam: `Engine._launch_subprocesses` (srt/entrypoints/engine.py:765) is the one path by
-    which `sglang.Engine` and `python -m sglang.launch_server` start their schedulers, so a PYTHONPATH-injected
-    SGLang refuses here exactly like `serve` does."""
-    _, findings = run_gate(server_args.model_path, tokenizer=tokenizer_wanted(server_args), server_args=server_args)
+    which `sglang.Engine` and `python -m sglang.launch_server` (so `serve` too) start their schedulers, so a
+    PYTHONPATH-injected SGLang refuses here exactly like `serve` does. Then it sets the server arguments the
+    facts call for (SGLang's custom all-reduce off unless NVLink joins every pair of GPUs), before the scheduler
+    processes receive them."""
+    facts, findings = run_gate(server_args.model_path, tokenizer=tokenizer_wanted(server_args),
+                               server_args=server_args)
     bad = failures(findings)
     if bad:
         raise refusal(f.line() for f in bad)
+    for name, value in interconnect_launch_args(facts.interconnect).items():
+        setattr(server_args, name, value)
     for f in findings:
-        if f.check == "server.bind" and "WITHOUT" in f.found:
+        if f.status == "warn" or (f.check == "server.bind" and "WITHOUT" in f.found):
             print(f"dsv4-sm80: {f.line()}", file=sys.stderr, flush=True)
     return None
 

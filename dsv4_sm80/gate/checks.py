@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import env, jitcache, upstream
-from .facts import GpuFacts, ModelFacts, PatchFacts, SGLangFacts
-from .report import Finding, fail, ok, skip
+from .facts import GpuFacts, InterconnectFacts, ModelFacts, PatchFacts, SGLangFacts
+from .report import Finding, fail, ok, skip, warn
 
 A800_MIN_MEMORY_GIB = 75.0  # an 80 GB card reports ~79.2 GiB; 40 GB A100s cannot hold the weights
 
@@ -93,6 +93,59 @@ def check_gpus(f: GpuFacts, lab: dict) -> list[Finding]:
     else:
         out.append(ok("gpu.memory", f"min {min(d['memory_gib'] for d in devs)} GiB"))
     return out
+
+
+# SGLang 0.5.16 builds its custom all-reduce (the JIT kernel by default, the legacy one otherwise; both ask
+# can_use_custom_all_reduce_with_nvlink) only where NVLink joins every pair of GPUs, or on exactly two GPUs whose
+# P2P over PCIe passes its test; above two GPUs without full NVLink it falls back to NCCL by itself, here:
+CUSTOM_AR_RULE = "srt/distributed/device_communicators/custom_all_reduce_utils.py:465"
+
+
+def custom_all_reduce_allowed(f: Optional[InterconnectFacts]) -> bool:
+    """SGLang's custom all-reduce may run only where NVML shows NVLink between every pair of the visible GPUs:
+    over PCIe it can return a wrong sum without any error, NCCL costs only speed. An interconnect NVML cannot
+    read counts as PCIe."""
+    return f is not None and f.error is None and all(p["nvlink"] for p in f.pairs)
+
+
+def interconnect_launch_args(f: Optional[InterconnectFacts]) -> dict:
+    """The server arguments the launch sets for the interconnect (the `launch.gate` seam applies them)."""
+    return {} if custom_all_reduce_allowed(f) else {"disable_custom_all_reduce": True}
+
+
+def _links_text(links: list) -> str:
+    if not links:
+        return ""
+    if len(set(links)) == 1:
+        return f" ({links[0]} active NVLinks per GPU)"
+    return f" (active NVLinks per GPU: {', '.join(map(str, links))})"
+
+
+def check_interconnect(f: Optional[InterconnectFacts]) -> Finding:
+    """NVLink between all visible GPUs: SGLang's custom all-reduce on; anything else: turned off at launch,
+    with the reason and what it costs."""
+    name = "gpu.interconnect"
+    off = "SGLang's custom all-reduce turned off (the launch sets --disable-custom-all-reduce"
+    if f is None:
+        return skip(name, "not collected")
+    if f.error:
+        return warn(name, f"unknown ({f.error}): {off}; it runs only where NVLink between all GPUs is known); "
+                          "`nvidia-smi topo -m` shows the links (NV# between every pair of GPUs, not PIX/PXB/PHB/"
+                          "NODE/SYS)")
+    if f.gpus < 2:
+        return ok(name, f"{f.gpus} GPU: no all-reduce between GPUs")
+    if custom_all_reduce_allowed(f):
+        return ok(name, f"{f.gpus} GPUs, NVLink between all pairs{_links_text(f.links)}: SGLang's custom "
+                        "all-reduce on")
+    pcie = [f"{p['a']}-{p['b']}" for p in f.pairs if not p["nvlink"]]
+    nvlink = [f"{p['a']}-{p['b']}" for p in f.pairs if p["nvlink"]]
+    where = (f"GPU {', '.join(pcie)} PCIe only (NVLink: {', '.join(nvlink)})" if nvlink
+             else f"no NVLink between any of the {f.gpus} GPUs (PCIe only)")
+    sglang = (f"SGLang 0.5.16 also turns it off above two GPUs without NVLink between all, {CUSTOM_AR_RULE}"
+              if f.gpus > 2 else f"SGLang 0.5.16 would keep it on two PCIe GPUs: {CUSTOM_AR_RULE} turns it off "
+                                 "only above two")
+    return warn(name, f"{where}: {off}; {sglang}); the tensor-parallel all-reduce runs on NCCL over PCIe, expect "
+                      "it to take a large share of decode time (the intended machine has NVLink between all four)")
 
 
 def check_env_knobs(knobs: Optional[dict]) -> Finding:

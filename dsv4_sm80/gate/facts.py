@@ -43,6 +43,16 @@ class GpuFacts:
 
 
 @dataclass
+class InterconnectFacts:
+    """NVLink between the visible GPUs, read from NVML the way SGLang decides whether its custom all-reduce may
+    run (srt/distributed/device_communicators/custom_all_reduce_utils.py:352-391, `is_full_nvlink`)."""
+    gpus: int = 0
+    pairs: list = field(default_factory=list)  # [{"a", "b", "nvlink"}] over visible GPU indices, a < b
+    links: list = field(default_factory=list)  # active NVLinks per visible GPU
+    error: Optional[str] = None  # NVML could not answer: the interconnect is unknown
+
+
+@dataclass
 class PatchFacts:
     where: str = "this interpreter"
     env_value: str = ""
@@ -114,6 +124,7 @@ class Facts:
     jit: Optional[list] = None  # [jitcache.CacheDirFacts]; None: not collected
     knobs: Optional[dict] = None  # dsv4-sm80's own env knobs as the launch sees them; None: not collected
     nvcc: Optional[jitcache.NvccFacts] = None  # None: not collected
+    interconnect: Optional[InterconnectFacts] = None  # None: not collected
 
 
 # --- SGLang, GPUs, patch --------------------------------------------------------------------------
@@ -163,9 +174,12 @@ else:
             cu.cuDeviceGetAttribute(ctypes.byref(minor), 76, d)
             cu.cuDeviceGetName(name, 256, d)
             cu.cuDeviceTotalMem_v2(ctypes.byref(mem), d)
+            bus = ctypes.create_string_buffer(32)
+            cu.cuDeviceGetPCIBusId(bus, 32, d)
             out["devices"].append({"index": i, "name": name.value.decode(errors="replace"),
                                    "cc": "%d.%d" % (major.value, minor.value),
-                                   "memory_gib": round(mem.value / 2**30, 1)})
+                                   "memory_gib": round(mem.value / 2**30, 1),
+                                   "pci_bus_id": bus.value.decode(errors="replace")})
 print(json.dumps(out))
 """
 
@@ -178,6 +192,60 @@ def collect_gpus() -> GpuFacts:
         return GpuFacts(**json.loads(r.stdout.strip().splitlines()[-1]))
     except Exception as e:  # the probe itself broke: report it as the GPU fact
         return GpuFacts(error=f"GPU probe failed: {type(e).__name__}: {e}")
+
+
+def collect_interconnect(gpus: GpuFacts, nvml=None) -> InterconnectFacts:
+    """NVLink or not between each pair of the visible GPUs (`gpus`, matched to NVML by PCI bus id, so
+    CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER apply), in this process: NVML creates no CUDA context. `nvml`
+    is the pynvml module (nvidia-ml-py, what SGLang itself imports); an error leaves the interconnect unknown."""
+    if gpus.error or not gpus.devices:
+        return InterconnectFacts(error=gpus.error or "no visible GPU")
+    f = InterconnectFacts(gpus=len(gpus.devices))
+    if any(not d.get("pci_bus_id") for d in gpus.devices):
+        f.error = "the GPU probe gave no PCI bus id to find the GPUs in NVML by"
+        return f
+    try:
+        if nvml is None:
+            import pynvml as nvml
+        nvml.nvmlInit()
+    except Exception as e:
+        f.error = f"NVML unavailable ({type(e).__name__}: {e})"
+        return f
+    try:
+        handles = [nvml.nvmlDeviceGetHandleByPciBusId(d["pci_bus_id"]) for d in gpus.devices]
+        index = [d["index"] for d in gpus.devices]
+        for i in range(len(handles)):
+            for j in range(i + 1, len(handles)):
+                f.pairs.append({"a": index[i], "b": index[j], "nvlink": _nvlink(nvml, handles[i], handles[j])})
+        f.links = [_active_links(nvml, h) for h in handles]
+    except Exception as e:
+        f.pairs, f.links, f.error = [], [], f"NVML query failed ({type(e).__name__}: {e})"
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:  # the answer is already read
+            pass
+    return f
+
+
+def _nvlink(nvml, a, b) -> bool:
+    """SGLang's own test (custom_all_reduce_utils.py:380-390): P2P over NVLink reported OK; an NVML error
+    (what a GPU without NVLink may answer) counts as no NVLink."""
+    try:
+        return nvml.nvmlDeviceGetP2PStatus(a, b, nvml.NVML_P2P_CAPS_INDEX_NVLINK) == nvml.NVML_P2P_STATUS_OK
+    except nvml.NVMLError:
+        return False
+
+
+def _active_links(nvml, handle) -> int:
+    """The GPU's active NVLinks. Counted per GPU, not per pair: behind an NVSwitch a link's far end is the switch."""
+    n = 0
+    for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+        try:
+            n += nvml.nvmlDeviceGetNvLinkState(handle, link) == nvml.NVML_FEATURE_ENABLED
+        except nvml.NVMLError:  # past the GPU's last link, or no NVLink at all
+            break
+    return n
 
 
 def collect_patch_here() -> PatchFacts:
@@ -376,11 +444,13 @@ def _tokenizers_parse(path: str) -> Optional[str]:
 
 def collect(model_path: Optional[str] = None, patch_environ: Optional[dict] = None, tokenizer: bool = True) -> Facts:
     environ = patch_environ if patch_environ is not None else os.environ
+    gpus = collect_gpus()
     return Facts(
         sglang=collect_sglang(),
-        gpus=collect_gpus(),
+        gpus=gpus,
         patch=collect_patch_in(patch_environ) if patch_environ is not None else collect_patch_here(),
         model=collect_model(model_path, tokenizer),
+        interconnect=collect_interconnect(gpus),
         lab=env.lab_overrides(),
         jit=jitcache.facts(patch_environ),
         nvcc=jitcache.nvcc_facts(patch_environ),

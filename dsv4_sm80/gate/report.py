@@ -15,7 +15,7 @@ OFFICIAL = "the official, unconverted checkpoint (deepseek-ai/DeepSeek-V4-Flash-
 @dataclass
 class Finding:
     check: str
-    status: str  # pass | fail | skip
+    status: str  # pass | warn | fail | skip (warn: the launch goes ahead, with what the line says)
     found: str = ""
     expected: str = ""
     fix: str = ""
@@ -32,6 +32,10 @@ def ok(check, found) -> Finding:
 
 def fail(check, found, expected, fix) -> Finding:
     return Finding(check, "fail", " ".join(str(found).split()), expected, fix)
+
+
+def warn(check, found) -> Finding:
+    return Finding(check, "warn", " ".join(str(found).split()))
 
 
 def skip(check, why) -> Finding:
@@ -79,6 +83,7 @@ def report(facts, findings, as_json=False) -> str:
             "checks": [asdict(f) for f in findings],
             "facts": {
                 "sglang": asdict(facts.sglang), "gpus": asdict(facts.gpus), "patch": asdict(facts.patch),
+                "interconnect": asdict(facts.interconnect) if facts.interconnect is not None else None,
                 "model": {"path": m.path, "shards_read": sum(h.entries is not None for h in m.shards.values()),
                           "architectures": cfg.get("architectures")},
                 "jit_caches": [asdict(d) for d in facts.jit] if facts.jit is not None else None,
