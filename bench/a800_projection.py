@@ -140,7 +140,7 @@ def dense_us(linears, tokens: int, rule: str) -> float:
     total = 0.0
     for _, n, k, stand_in in linears:
         nbytes = 2.0 * n * k
-        sn, sk = BENCHED[stand_in]  # a larger linear than its stand-in: the stand-in's time per byte
+        sn, sk = BENCHED[stand_in]  # a linear larger than its stand-in: the stand-in's time per byte
         h200 = f["us"][stand_in] * max(nbytes / (2.0 * sn * sk), 1.0)
         total += carry(h200, nbytes, f["copy"], rule, flops=2.0 * tokens * n * k,
                        a800_peak=A800["bf16_tflops"] * 1e12 * A("gemm_efficiency"))
@@ -200,7 +200,9 @@ def dspark_iteration(batch: int, rule: str, link: str) -> dict:
     verify = forward_stages(batch * (DSPARK_GAMMA + 1), rule, link)
     draft = forward_stages(batch * DSPARK_GAMMA, rule, link, layers={"c4": 0, "c128": 0, "swa": DSPARK_STAGES})
     draft.pop("host")
-    extra = dense_us([("main_proj", MAIN_PROJ[0], MAIN_PROJ[1], "wo_b")], batch * (DSPARK_GAMMA + 1), rule)
+    # the verified tokens' target hidden states: main_proj, then each stage's wkv for the draft's KV injection
+    extra = dense_us([("main_proj", MAIN_PROJ[0], MAIN_PROJ[1], "wo_b")]
+                     + [("draft wkv", 512, HIDDEN, "shared_down")] * DSPARK_STAGES, batch * (DSPARK_GAMMA + 1), rule)
     markov = DSPARK_GAMMA * (dense_us([("markov_w2", MARKOV_W2[0], MARKOV_W2[1], "shared_down")], batch, rule)
                              + carry(A("small_kernel_us") * 2, 0.0, 2773.0, rule))
     return {"verify": sum(verify.values()), "draft": sum(draft.values()) + extra, "markov": markov}
