@@ -1,13 +1,14 @@
 """A PROJECTION, not a measurement: decode tokens/s of DeepSeek-V4-Flash at TP4 on 4 x A800 80 GB SXM, on paper.
 
 Per decode forward of T tokens, one TP4 rank runs 43 layers of kernels whose times were measured on an H200 with
-the SM80 path at TP4 per-rank shapes (`mma.sync` only where it matters; FIGURES below: value, date, command). Each
-time is carried to the A800 by keeping its measured fraction of the H200 peak that bounds it (the device copy of
-the same run for memory- and latency-bound kernels; a tensor-core peak for compute-bound ones) and applying that
-fraction to the A800's published peaks (A800 below). Then: two all-reduces per layer plus the embedding's and the
-logits' collectives, over NVLink or PCIe, and a host overhead per forward. DSPARK: one iteration is a 6-token
-verify per request, a 5-token draft block through the 3 DSPARK stages, and 5 Markov-head steps; it yields TAU
-accepted tokens per request. Every input that is not a measurement is in ASSUMPTIONS.
+the SM80 path at TP4 per-rank shapes (`mma.sync` only where it matters; FIGURES below: value, date, command). Rule
+"fraction" carries each time to the A800 by keeping its measured fraction of the device copy peak of its own run,
+applied to the A800's published HBM rate (A800 below); rule "clock" moves the bytes at the A800's copy rate and
+scales the rest by the SM clock ratio. A GEMM that turns compute-bound takes at least its FLOPs at an assumed
+fraction of the A800's BF16 peak. Then: two all-reduces per layer plus the embedding's and the logits' collectives,
+over NVLink or PCIe, and a host overhead per forward. DSPARK: one iteration is a 6-token verify per request, a
+5-token draft block through the 3 DSPARK stages, and 5 Markov-head steps; it yields tau accepted tokens per
+request. Every input that is not a measurement is in ASSUMPTIONS.
 
     python bench/a800_projection.py [--out docs/results/performance.json]
 
