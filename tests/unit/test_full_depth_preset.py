@@ -47,8 +47,8 @@ def test_full_preset_is_one_tp4_rank(config):
                 assert 0 < b - a < 0.1 * GIB, (part, cat, a, b)
             else:
                 assert a == pytest.approx(b, rel=1e-12), (part, cat, a, b)
-    main = sum(ours["main"].values()) / GIB
-    assert 38.8 < main < 39.0 and main + sum(ours["draft"].values()) / GIB < 141 * 1e9 / GIB / 3
+    main, draft = (sum(ours[p].values()) / GIB for p in ("main", "draft"))
+    assert 38.8 < main < 39.0 and main + draft < 42  # of a 141 GB H200: the rest is KV and reserves
 
 
 def test_footprint_command_reads_the_preset(config, tmp_path, capsys):
