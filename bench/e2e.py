@@ -1,5 +1,6 @@
 """End to end: decode tokens/s and time to first token, the patched SM80 datapath vs native SGLang, in
-one run, on a full-width checkpoint (DSV4-Flash widths, few layers: `make-tiny --preset wide`).
+one run, on a full-width checkpoint (DSV4-Flash widths, few layers: `make-tiny --preset wide`) or, patched modes
+only, the full-depth one at one TP4 rank's widths (`--preset full`: 43 layers, TP1).
 
 Each path runs in its own process (the patch state is read at interpreter start): `--child native`
 with ENABLE_SGLANG_DSV4_A100_PATCH=0 (SGLang's SM90 path: FP8, MXFP4 Marlin, FlashMLA) and `--child
@@ -9,6 +10,7 @@ Both use CUDA graphs (SGLang's defaults for DSV4), TP1, the tokenizer skipped, g
 ignored so every request decodes exactly --decode tokens.
 
     python bench/e2e.py --ckpt /tmp/dsv4-wide --out e2e.json      (an H200 prints H200 numbers)
+    python bench/e2e.py --preset full --ckpt /tmp/dsv4-full --modes patched,patched-fp8 --batches 1,16,64 --out full.json
 
 Measured per batch size (1 and 16 by default), best of --reps:
   TTFT      wall time of a generate() of --prompt-len ids with max_new_tokens=1 (the batch at once)
@@ -75,6 +77,16 @@ def mode_env(mode: str, tp: int, base: dict, cc: str | None = None) -> dict:
     if tp != 4:  # 4 is the gate's production count: no override needed
         env["DSV4_SM80_LAB_GPU_COUNT"] = str(tp)
     return env
+
+
+def native_refusal(config: dict, tp: int) -> str | None:
+    """Why native SGLang cannot decode this checkpoint at this TP size, or None. FlashMLA's sparse decode takes 64
+    or 128 query heads, and SGLang pads a rank's heads to 64 only above TP1 (deepseek_v4.py:1110-1115): the `full`
+    preset's 16 heads at TP1 would reach FlashMLA unpadded."""
+    heads = int(config["num_attention_heads"])
+    if tp == 1 and heads not in (64, 128):
+        return f"{heads} query heads at TP1 (FlashMLA takes 64 or 128; SGLang pads only above TP1)"
+    return None
 
 
 DENSE_OF_MODE = {"native": "native", "patched": "bf16", "patched-marlin": "bf16", "patched-fp8": "fp8_marlin"}
@@ -217,6 +229,9 @@ def child(args) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", default="/tmp/dsv4-wide")
+    ap.add_argument("--preset", default="wide", choices=("wide", "full"),
+                    help="what --ckpt is generated from when it holds no checkpoint: wide (4 layers at full width) "
+                         "or full (43 layers at one TP4 rank's widths, patched modes only: --modes patched,...)")
     ap.add_argument("--out")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--prompt-len", type=int, default=1024)
@@ -237,16 +252,20 @@ def main(argv=None) -> int:
         return 0
 
     sys.path.insert(0, ROOT)
-    from dsv4_sm80.tiny.generate import PEAKED_HEAD_SCALE, ensure
+    from dsv4_sm80.tiny.generate import PEAKED_HEAD_SCALE, PRESETS, ensure, tiny_config
 
     modes = args.modes.split(",")
     for mode in modes:
         mode_env(mode, args.tp, {})  # unknown modes refused before anything is generated or started
-    ensure(args.ckpt, "wide", fast_experts=True, head_scale=PEAKED_HEAD_SCALE["wide"])  # as steps.sh wide makes it
+    config_path = os.path.join(args.ckpt, "config.json")
+    planned = json.load(open(config_path)) if os.path.isfile(config_path) else tiny_config(PRESETS[args.preset])
+    if "native" in modes and (why := native_refusal(planned, args.tp)):  # before tens of GB are generated
+        raise SystemExit(f"e2e bench: native mode: {why}; run --modes patched,... on this checkpoint")
+    ensure(args.ckpt, args.preset, fast_experts=True, head_scale=PEAKED_HEAD_SCALE[args.preset])  # as steps.sh makes it
+    config = json.load(open(config_path))
     results = {}
     cc = gpu_cc()
     peak = measured_copy_gbps()
-    config = json.load(open(os.path.join(args.ckpt, "config.json")))
     for mode in modes:
         env = mode_env(mode, args.tp, dict(os.environ), cc)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--ckpt", args.ckpt,

@@ -298,7 +298,7 @@ def make_tiny(args) -> int:
     from dataclasses import replace
 
     from .checkpoint import format as fmt
-    from .tiny.generate import PRESETS, TinyConfigError, generate, tiny_config
+    from .tiny.generate import FAST_EXPERT_PRESETS, PRESETS, TinyConfigError, generate, tiny_config
 
     size = PRESETS[args.preset]
     overrides = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "o_groups", "q_lora", "o_lora",
@@ -312,7 +312,7 @@ def make_tiny(args) -> int:
     print(f"make-tiny: writing {total / 2**30:.2f} GiB ({args.preset} preset) into {args.out_dir}", flush=True)
     try:
         generate(args.out_dir, config, seed=args.seed, head_scale=args.head_scale,
-                 fast_experts=args.fast_experts or args.preset == "wide",
+                 fast_experts=args.fast_experts or args.preset in FAST_EXPERT_PRESETS,
                  progress=_progress(sys.stderr) if sys.stderr.isatty() else None)
     except OSError as e:
         raise UsageError(f"make-tiny: writing {args.out_dir} failed ({e.strerror or e}: {e.filename or ''}); "
@@ -397,8 +397,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model-path", help="the official checkpoint directory (lab mode: a tiny one by default)")
     t = sub.add_parser("make-tiny", help="write a tiny official-format checkpoint")
     t.add_argument("out_dir", help="a new or empty directory to write into")
-    t.add_argument("--preset", default="tiny", choices=("tiny", "unit", "wide"),
-                   help="tiny: the GPU bed's (~0.5 GB); unit: CPU tests' (~20 MB); wide: the real widths (~26 GB)")
+    t.add_argument("--preset", default="tiny", choices=("tiny", "unit", "wide", "full"),
+                   help="tiny: the GPU bed's (~0.5 GB); unit: CPU tests' (~20 MB); wide: the real widths, 4 layers "
+                        "(~26 GB); full: the real depth at one TP4 rank's widths, for TP1 (~43 GB)")
     widths = {"hidden": "hidden size (multiple of 128)", "layers": "decoder layers (at least 4)",
               "heads": "attention heads", "o_groups": "output-projection groups", "q_lora": "query LoRA rank "
               "(multiple of 128)", "o_lora": "output LoRA rank (multiple of 128)", "moe_inter": "expert intermediate "
@@ -411,7 +412,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--head-scale", type=positive_float, default=1.0,
                    help="scale the LM head for peaked next-token distributions (e.g. 12)")
     t.add_argument("--fast-experts", action="store_true",
-                   help="random MXFP4 expert codes instead of quantized draws (default for --preset wide)")
+                   help="random MXFP4 expert codes instead of quantized draws (default for --preset wide and full)")
     t.add_argument("--force", action="store_true", help="write into a directory that is not empty")
     f = sub.add_parser("footprint", help="per-GPU memory arithmetic for a checkpoint config on this datapath")
     f.add_argument("--model-path", help="a checkpoint directory (its config.json)")

@@ -28,9 +28,10 @@ HC_STD = 0.01
 BIAS_VL_STD = 0.1
 # The LM-head scale that makes a preset's next-token distributions peaked like the GPU bed's tiny model: logits
 # have std sqrt(hidden) * WEIGHT_STD * scale over a unit-RMS final state, 5.4 for the tiny preset at 12; the wide
-# preset (hidden 4096) gets that std at 12 * sqrt(512 / 4096). At 1.0 the wide checkpoint gave logit std
+# and full presets (hidden 4096) get that std at 12 * sqrt(512 / 4096). At 1.0 the wide checkpoint gave logit std
 # 1.3, top-1 log-probability -6.9, 143 confident positions of 7000 (a parity measure with little to hold).
-PEAKED_HEAD_SCALE = {"tiny": 12.0, "unit": 12.0, "wide": round(12.0 * (512 / 4096) ** 0.5, 3)}
+PEAKED_HEAD_SCALE = {"tiny": 12.0, "unit": 12.0, "wide": round(12.0 * (512 / 4096) ** 0.5, 3),
+                     "full": round(12.0 * (512 / 4096) ** 0.5, 3)}
 
 
 def head_scale_for(preset: str, asked: float | None) -> float:
@@ -63,7 +64,18 @@ PRESETS = {
     # benchmarks. ~24 GB with the DSPARK stages; generate with fast_experts (random MXFP4 codes).
     "wide": TinySize(hidden=4096, layers=4, heads=64, o_groups=8, q_lora=1024, o_lora=1024, moe_inter=2048,
                      experts=256, vocab=129280, markov_rank=256),
+    # DSV4-Flash's depth (43 layers: the release's SWA / C4 / C128 pattern, 3 hash layers, DSPARK on 40-42) at ONE
+    # TP4 rank's widths, served at TP1: 16 query heads and 2 output groups (64 and 8 over 4), expert and shared
+    # intermediate 512 (2048 over 4), vocabulary 32,320 (the vocab-parallel head's and embedding's share); hidden,
+    # LoRA ranks, the indexer and all 256 experts as released. At TP1 it holds what one real TP4 rank holds, byte
+    # for byte, but the hash layers' tid2eid and DSPARK's markov_w1, whole on a real rank and a quarter here (57 MB
+    # less; a step reads only its tokens' rows of them); a decode step reads the rank's bytes and runs no
+    # collective. 43 GB on disk; 38.9 GiB main + 2.7 GiB draft resident (bf16 dense). docs/performance.md.
+    "full": TinySize(hidden=4096, layers=43, heads=16, o_groups=2, q_lora=1024, o_lora=1024, moe_inter=512,
+                     experts=256, vocab=32320, markov_rank=256),
 }
+# presets whose routed experts get random MXFP4 codes (quantizing N(0, 0.02) draws would take minutes per layer)
+FAST_EXPERT_PRESETS = ("wide", "full")
 
 VISION_TINY = OrderedDict([
     # ViT head_dim 64 and rope_dim 32 as in the real model; patch, merge and pixel bounds real so
