@@ -56,6 +56,13 @@ for dense in bf16 fp8_marlin; do
     paths+=(--path "sm80-$dense-$moe=$OUT/sm80-$dense-$moe.json")
   done
 done
+# the model's own KV and indexer roundings (docs/attention.md), each alone and together, on the default mode
+for r in "kv-fp8=SGLANG_DSV4_A100_KV_ROUNDING=fp8_sim" "idx-fp4=SGLANG_DSV4_A100_INDEXER_ROUNDING=fp4_sim" \
+         "qat=SGLANG_DSV4_A100_KV_ROUNDING=fp8_sim SGLANG_DSV4_A100_INDEXER_ROUNDING=fp4_sim"; do
+  # shellcheck disable=SC2086
+  bed "sm80-${r%%=*}" $SM80_ENV ${r#*=} --
+  paths+=(--path "sm80-${r%%=*}=$OUT/sm80-${r%%=*}.json")
+done
 bed sm80-alone $SM80_ENV -- --teacher-mode alone
 bed sm80-chunked $SM80_ENV -- --chunked-prefill-size "$CHUNK"
 bed sm80-prefix-hit $SM80_ENV -- --prefix-hit
