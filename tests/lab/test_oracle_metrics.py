@@ -167,11 +167,13 @@ def test_accuracy_script_steps_use_existing_options(tmp_path):
     assert proc.returncode == 0, proc.stderr
     steps = [line[2:] for line in proc.stdout.splitlines() if line.startswith("+ ")]
     beds = [s for s in steps if "dsv4_lab/beds/engine_bed.py" in s]
-    assert len(beds) == 1 + 2 + 4 + 3 + 2  # sequences, native x2, four modes, alone/chunked/prefix-hit, mutants
+    # sequences, native x2, four modes, the KV/indexer roundings (alone, both), alone/chunked/prefix-hit, mutants
+    assert len(beds) == 1 + 2 + 4 + 3 + 3 + 2
     bed_src = open(os.path.join(REPO, "dsv4_lab/beds/engine_bed.py")).read()
     for flag in {f for s in beds for f in re.findall(r"(--[a-z][a-z-]+)", s)}:
         assert f'"{flag}"' in bed_src, flag
     assert any("DSV4_SM80_LAB_MUTANT=m2" in s for s in beds)
+    assert sum("SGLANG_DSV4_A100_KV_ROUNDING=fp8_sim SGLANG_DSV4_A100_INDEXER_ROUNDING=fp4_sim" in s for s in beds) == 1
     assert sum("SGLANG_DSV4_A100_DENSE=fp8_marlin SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin" in s for s in beds) == 1
     assert any("dsv4_lab.oracle score" in s for s in steps) and "dsv4_lab.oracle compare" in steps[-1]
 
