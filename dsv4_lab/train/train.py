@@ -39,7 +39,7 @@ def train_target(model, batches, steps, device, peak_lr=2e-3, log=print) -> list
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % max(1, steps // 20) == 0 or step == steps - 1:
             log(f"target step {step}/{steps} len {ids.shape[1]} x{ids.shape[0]} loss {losses[-1]:.4f} "
                 f"({losses[-1] / math.log(2):.3f} bits/id)")
