@@ -68,7 +68,7 @@ def train_draft(draft, target, batches, steps, device, anchors_per_row=64, peak_
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
-        out.append(float(ce))
+        out.append(float(ce.detach()))
         if step % max(1, steps // 20) == 0 or step == steps - 1:
             log(f"draft step {step}/{steps} ce {float(ce):.4f} top-1 {float(acc):.3f}")
     return out
