@@ -25,9 +25,13 @@ Facts taken from SGLang 0.5.16 (paths under `sglang/srt/`):
 - Confidence: sigmoid(proj([hc-head output, markov_w1(previous token)])), no bias
   (`models/dspark.py:287-328`, `models/deepseek_v4_dspark.py:416-440`, `:741-765`).
 
+- Scale head_dim^-0.5 (`models/deepseek_v4.py:419`); the hc head is transformers' `DeepseekV4HyperHead`'s
+  arithmetic (`models/deepseek_v4.py:273-288`).
+
 Training: teacher-forced (previous tokens are the text's), cross-entropy of each block position's logits,
 plus the confidence head's BCE against whether that position's argmax is the text's token. The target is
-frozen and run with the QAT roundings; the draft trains without rounding simulation.
+frozen; both run with the QAT roundings (`model.qat`: the stages' KV, FP8 activations into their FP8
+linears and experts, and into main_proj, FP8 in the checkpoint).
 """
 
 from __future__ import annotations

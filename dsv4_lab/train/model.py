@@ -185,12 +185,13 @@ def _experts_forward_qat(self, hidden_states, top_k_index, top_k_weights):
 
 
 @contextlib.contextmanager
-def qat(model, numerics: Numerics = QAT):
-    """The oracle's rounding sites (`dsv4_lab.oracle.numerics.applied`), differentiable."""
+def qat(model, numerics: Numerics = QAT, layers=None, fp8_inputs=()):
+    """The oracle's rounding sites (`dsv4_lab.oracle.numerics.applied`), differentiable, on the decoder
+    blocks `layers` (default: the model's), plus FP8 input rounding on the linears `fp8_inputs`."""
     nope = model.config.head_dim - rope_dim(model.config)
     handles, patched = [], []
     try:
-        for layer in model.model.layers:
+        for layer in (model.model.layers if layers is None else layers):
             attn, comp = layer.self_attn, layer.self_attn.compressor
             if numerics.kv:
                 handles.append(attn.kv_norm.register_forward_hook(_round_nope(nope)))
@@ -207,6 +208,8 @@ def qat(model, numerics: Numerics = QAT):
                 handles += [m.register_forward_pre_hook(_act_input) for m in linears]
                 layer.mlp.experts.forward = types.MethodType(_experts_forward_qat, layer.mlp.experts)
                 patched.append(layer.mlp.experts)
+        if numerics.activations:
+            handles += [m.register_forward_pre_hook(_act_input) for m in fp8_inputs]
         yield model
     finally:
         for h in handles:

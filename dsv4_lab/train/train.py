@@ -63,14 +63,15 @@ def train_draft(draft, target, batches, steps, device, anchors_per_row=64, peak_
         rows = torch.arange(B).repeat_interleave(anchors_per_row)
         pref = torch.randint(1, S - draft.gamma, (B * anchors_per_row,), generator=g)
         anchors = torch.stack([rows, pref], dim=1).to(device)
-        loss, ce, acc = draft.loss(target, ids, feats, anchors)
+        with qat(target, layers=draft.stages, fp8_inputs=[draft.main_proj]):
+            loss, ce, acc = draft.loss(target, ids, feats, anchors)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
         out.append(float(ce.detach()))
         if step % max(1, steps // 20) == 0 or step == steps - 1:
-            log(f"draft step {step}/{steps} ce {float(ce):.4f} top-1 {float(acc):.3f}")
+            log(f"draft step {step}/{steps} ce {out[-1]:.4f} top-1 {float(acc.detach()):.3f}")
     return out
 
 

@@ -117,3 +117,44 @@ def test_draft_tensors_are_written_under_the_official_names(trained):
     mtp = {n for n in names if n.startswith("mtp.")}
     assert mtp and "mtp.0.main_proj.weight" in mtp and "mtp.2.markov_head.markov_w2.weight" in mtp
     assert len(draft.official_weights(target)) == len([n for n in mtp if not n.endswith(".scale")])
+
+
+def test_draft_block_sees_a_128_entry_window_and_itself_in_any_order(trained):
+    """The draft attention facts taken from SGLang: block queries see the last 128 context positions (not
+    earlier ones) and every block entry, later ones included; the first position's prediction is the
+    token after the bonus token."""
+    cfg, target, draft, _, _, _, _ = trained
+    g = draft.gamma
+    torch.manual_seed(1)
+    S = 200
+    ids = torch.randint(data.BYTE_BASE, 270, (1, S))
+    feats = torch.randn(1, S, draft.n, int(cfg["hidden_size"]))
+    anchors = torch.tensor([[0, 150]])
+    with torch.no_grad():
+        base, _, labels = draft(target, ids, feats, anchors)
+        far = feats.clone()
+        far[:, :150 - 128] += 5.0                     # context older than the window: no effect
+        assert torch.equal(draft(target, ids, far, anchors)[0], base)
+        near = feats.clone()
+        near[:, 150 - 1] += 5.0                       # the newest context entry: every block position moves
+        moved = (draft(target, ids, near, anchors)[0] - base).abs().amax(-1)[0]
+        assert bool((moved > 0).all())
+    assert labels[0].tolist() == ids[0, 151:151 + g].tolist()
+    # no causal order inside the block: position 0 depends on block entries after it (the noise rows)
+    blocks = []
+    orig = target.model.embed_tokens.forward
+
+    def embed(x):
+        e = orig(x)
+        if x.shape[-1] == g:
+            e = e.clone()
+            e[:, -1] += 1.0
+        blocks.append(e)
+        return e
+    target.model.embed_tokens.forward = embed
+    try:
+        with torch.no_grad():
+            late = draft(target, ids, feats, anchors)[0]
+    finally:
+        del target.model.embed_tokens.forward
+    assert blocks and float((late[0, 0] - base[0, 0]).abs().amax()) > 0
