@@ -15,7 +15,7 @@ pytest.importorskip("accelerate")  # transformers' FP8 dequantizing loader needs
 
 from dsv4_lab.train import data  # noqa: E402
 from dsv4_lab.train.draft import Draft, init_draft  # noqa: E402
-from dsv4_lab.train.model import build, official_config, official_names  # noqa: E402
+from dsv4_lab.train.model import build, official_config, official_names, official_weights  # noqa: E402
 from dsv4_lab.train.train import train_draft, train_target, write_checkpoint  # noqa: E402
 
 
@@ -158,3 +158,25 @@ def test_draft_block_sees_a_128_entry_window_and_itself_in_any_order(trained):
     finally:
         del target.model.embed_tokens.forward
     assert blocks and float((late[0, 0] - base[0, 0]).abs().amax()) > 0
+
+
+def test_batches_are_seeded_and_mix_short_and_long_windows():
+    stream = torch.arange(10_000)
+    b = data.Batches(stream, seed=3, short_len=16, short_batch=4, long_len=2100, long_every=4)
+    shapes = [tuple(b(i).shape) for i in range(8)]
+    assert shapes == [(4, 16)] * 3 + [(1, 2100)] + [(4, 16)] * 3 + [(1, 2100)]
+    assert torch.equal(b(5), data.Batches(stream, 3, 16, 4, 2100, 4)(5))
+    assert not torch.equal(b(5), data.Batches(stream, 4, 16, 4, 2100, 4)(5))
+    with pytest.raises(ValueError, match="lower --seq"):
+        data.Batches(torch.arange(100), 0, 16, 4, 2100, 4)
+
+
+def test_writer_refuses_weights_that_do_not_match_the_inventory(trained, tmp_path):
+    from dsv4_sm80.tiny.generate import TinyConfigError, generate
+
+    cfg, target, draft, _, _, _, _ = trained
+    weights = {**official_weights(target), **draft.official_weights(target)}
+    del weights["embed.weight"]
+    with pytest.raises(TinyConfigError, match=r"given weights: 1 missing \['embed.weight'\]"):
+        generate(str(tmp_path / "ckpt"), cfg, weights=weights, log=lambda *_: None)
+    assert not (tmp_path / "ckpt").exists()  # refused before anything is written
