@@ -9,8 +9,11 @@ exported under the official checkpoint names.
   linears N(0, 0.02), mHC mixers N(0, 0.01)), drawn from the seed.
 - QAT (`qat`): the hooks of `dsv4_lab.oracle.numerics` R_q (KV FP8, indexer Hadamard + FP4, FP8 activations
   into the FP8 linears and experts, the routing weight before w2's rounding), each rounding with a
-  straight-through gradient (forward rounded, backward identity). The indexer's top-k choice has no
-  gradient in transformers' model; its weights keep their init (the choice still runs, and is rounded).
+  straight-through gradient (forward rounded, backward identity).
+- Indexer (`indexer_distillation`): its top-k choice has no gradient, so, as DeepSeek trains its lightning
+  indexer, it learns from a KL loss towards the main attention's weight on the compressed entries (summed
+  over heads, renormalised over the chosen entries), on inputs detached from the model: only the indexer's
+  own weights learn from it, and the language-model loss never reaches them.
 - Export (`official_weights`): the library's own reverse key mapping (`revert_weight_conversion`) gives the
   official names; experts come back split into w1/w2/w3.
 """
@@ -216,3 +219,49 @@ def qat(model, numerics: Numerics = QAT, layers=None, fp8_inputs=()):
             h.remove()
         for m in patched:
             del m.forward
+
+
+@contextlib.contextmanager
+def indexer_distillation(model):
+    """Yields a list that, after a forward, holds one KL term per C4 layer (mean over queries that see a
+    compressed entry): KL(attention's weights on the chosen entries || softmax of the index scores over them)."""
+    terms, handles, scores = [], [], {}
+
+    def detach_inputs(_m, args):
+        return tuple(a.detach() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+    def keep_scores(i):
+        def hook(_m, _a, out):
+            scores[i] = out
+        return hook
+
+    def kl(i):
+        def hook(_m, args, out):
+            attn = out[1]  # [B, H, S, S + T]: the window's entries, then the compressed ones
+            if attn is None or i not in scores:
+                return
+            idx = scores.pop(i)  # [B, S, T]
+            t = idx.shape[-1]
+            p = attn[..., -t:].detach().float().sum(1)  # [B, S, T]
+            chosen = p > 0
+            rows = chosen.any(-1)
+            if not bool(rows.any()):
+                return
+            p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+            logq = torch.log_softmax(idx.float().masked_fill(~chosen, float("-inf")), dim=-1)
+            per = torch.where(chosen, p * (torch.log(p.clamp_min(1e-30)) - logq), torch.zeros_like(p)).sum(-1)
+            terms.append(per[rows].mean())
+        return hook
+
+    try:
+        for i, layer in enumerate(model.model.layers):
+            comp = layer.self_attn.compressor
+            if comp is None or not hasattr(comp, "indexer"):
+                continue
+            handles.append(comp.indexer.register_forward_pre_hook(detach_inputs))
+            handles.append(comp.indexer.scorer.register_forward_hook(keep_scores(i)))
+            handles.append(layer.self_attn.register_forward_hook(kl(i)))
+        yield terms
+    finally:
+        for h in handles:
+            h.remove()

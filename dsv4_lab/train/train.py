@@ -14,7 +14,7 @@ from dsv4_sm80.tiny.generate import generate
 
 from . import data
 from .draft import Draft, capture_features, init_draft
-from .model import build, official_config, official_weights, qat
+from .model import build, indexer_distillation, official_config, official_weights, qat
 
 ARCHIVE_LIMIT = 32 * 2**20
 
@@ -33,16 +33,17 @@ def train_target(model, batches, steps, device, peak_lr=2e-3, log=print) -> list
         for grp in opt.param_groups:
             grp["lr"] = lr_at(step, steps, peak_lr, max(1, steps // 20))
         ids = batches(step).to(device)
-        with qat(model):
+        with qat(model), indexer_distillation(model) as kl:
             loss = model(input_ids=ids, labels=ids).loss
+        index_kl = torch.stack(kl).mean() if kl else torch.zeros(())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss + index_kl).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(float(loss.detach()))
         if step % max(1, steps // 20) == 0 or step == steps - 1:
             log(f"target step {step}/{steps} len {ids.shape[1]} x{ids.shape[0]} loss {losses[-1]:.4f} "
-                f"({losses[-1] / math.log(2):.3f} bits/id)")
+                f"({losses[-1] / math.log(2):.3f} bits/id) indexer KL {float(index_kl.detach()):.4f}")
     model.eval()
     return losses
 

@@ -180,3 +180,20 @@ def test_writer_refuses_weights_that_do_not_match_the_inventory(trained, tmp_pat
     with pytest.raises(TinyConfigError, match=r"given weights: 1 missing \['embed.weight'\]"):
         generate(str(tmp_path / "ckpt"), cfg, weights=weights, log=lambda *_: None)
     assert not (tmp_path / "ckpt").exists()  # refused before anything is written
+
+
+def test_only_the_distillation_loss_reaches_the_indexer(trained):
+    from dsv4_lab.train.model import indexer_distillation, qat
+
+    cfg, target, _, _, _, _, batch = trained
+    indexer = target.model.layers[2].self_attn.compressor.indexer
+    for p in target.parameters():  # the draft's training froze the target
+        p.requires_grad_(True)
+    with qat(target), indexer_distillation(target) as kl:
+        lm = target(input_ids=batch, labels=batch).loss
+    assert len(kl) == cfg["compress_ratios"][: cfg["num_hidden_layers"]].count(4)
+    assert all(bool(torch.isfinite(x)) for x in kl)
+    lm_grads = torch.autograd.grad(lm, list(indexer.parameters()), allow_unused=True, retain_graph=True)
+    assert all(g is None or not bool(g.any()) for g in lm_grads)
+    kl_grads = torch.autograd.grad(torch.stack(kl).sum(), list(indexer.parameters()), allow_unused=True)
+    assert any(g is not None and bool(g.any()) for g in kl_grads)
