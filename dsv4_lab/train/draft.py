@@ -6,9 +6,10 @@ Facts taken from SGLang 0.5.16 (paths under `sglang/srt/`):
   concatenated, projected by `mtp.0.main_proj` and normed by `mtp.0.main_norm`
   (`models/deepseek_v4_dspark.py:649-652`); every stage's own `wkv` + `kv_norm` + RoPE turns that into the
   stage's window KV at the target's positions (`:654-678`).
-- The block: gamma = `dspark_block_size` ids, the last accepted (bonus) token then the noise id
-  `dspark_noise_token_id` (`speculative/dspark_components/dspark_draft.py:364-367`), at positions
-  prefix..prefix+gamma-1 (`:368`), embedded by the target's embedding and repeated over the hc streams
+- The block: gamma = `dspark_block_size` ids, the last accepted (bonus) token then the mask id
+  (`speculative/dspark_components/dspark_draft.py:355-358`), which is `dspark_noise_token_id`
+  (`speculative/dspark_components/dspark_config.py:250-252`), at positions prefix..prefix+gamma-1 (`:359`),
+  embedded by the target's embedding and repeated over the hc streams
   (`models/deepseek_v4_dspark.py:680-688`).
 - Attention: every block query sees the last min(prefix, 128) context entries and all gamma block entries,
   no causal order inside the block (`speculative/dspark_components/kernels/dspark_attn_metadata.py:143-151`,
@@ -16,15 +17,14 @@ Facts taken from SGLang 0.5.16 (paths under `sglang/srt/`):
   model's MQA with sink, per-head RMS-normed query, partial RoPE on the last 64 dims, inverse RoPE on the
   output, grouped wo_a, wo_b (`models/deepseek_v4_dspark.py:154-266`), plain RoPE (`rope_original_seq_len=0`,
   `:97`).
-- A stage is a decoder block with mHC around attention and the MoE (`:521-542`); the stages run in order on
+- A stage is a decoder block with mHC around attention and the MoE (`:528-549`); the stages run in order on
   the block (`:700-706`).
 - Logits: the last stage's hc head, its `norm`, the target's LM head (`:708-739`), plus the Markov bias
   `markov_w2(markov_w1(previous token))`, the previous token being the bonus token for the first position and
-  the sampled one after (`models/dspark.py:32-62`, `models/deepseek_v4_dspark.py:346-371`); block position j
+  the sampled one after (`models/dspark.py:32-62`, `models/deepseek_v4_dspark.py:346-373`); block position j
   predicts the token at prefix + j + 1 (`dspark_draft.py:81-92`).
 - Confidence: sigmoid(proj([hc-head output, markov_w1(previous token)])), no bias
-  (`models/dspark.py:287-328`, `models/deepseek_v4_dspark.py:416-440`, `:741-765`).
-
+  (`models/dspark.py:287-328`, `models/deepseek_v4_dspark.py:417-440`, `:741-765`).
 - Scale head_dim^-0.5 (`models/deepseek_v4.py:419`); the hc head is transformers' `DeepseekV4HyperHead`'s
   arithmetic (`models/deepseek_v4.py:273-288`).
 

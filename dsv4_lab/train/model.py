@@ -2,9 +2,10 @@
 initialised by the tiny generator's rules, trained with the model's own roundings simulated (QAT), and
 exported under the official checkpoint names.
 
-- Shape: `PRESETS` (hidden 256, 5 layers: 2 sliding + hash, C4 with indexer, C128, C4; 16 heads of 512
-  (SGLang pads fewer than 64 heads to FlashMLA's 64: `models/deepseek_v4.py:1115`); 8 experts of 128, top 6; a vocabulary of 384 ids: the stand-in
-  tokenizer's 14 special tokens, 256 bytes and fillers). `toy` is the CPU tests' (fewer heads, shorter).
+- Shape: `PRESETS` (hidden 256, 5 layers: 2 sliding + hash, C4 with indexer, C128, C4; 16 heads of 512,
+  which SGLang pads to FlashMLA's 64 (`sglang/srt/models/deepseek_v4.py:1115`); 8 experts of 128, top 6;
+  384 ids: the stand-in tokenizer's 14 special tokens, 256 bytes and fillers). `toy` is the CPU tests'
+  (narrower, fewer heads, 4 layers).
 - Init: each tensor by its rule in `dsv4_sm80.checkpoint.format` (norms 1, biases 0, hash table id*7+k mod E,
   linears N(0, 0.02), mHC mixers N(0, 0.01)), drawn from the seed.
 - QAT (`qat`): the hooks of `dsv4_lab.oracle.numerics` R_q (KV FP8, indexer Hadamard + FP4, FP8 activations
