@@ -54,6 +54,7 @@ class Draft(nn.Module):
         self.noise = int(cfg["dspark_noise_token_id"])
         self.cfg = dict(cfg, num_hidden_layers=self.n, compress_ratios=[0] * self.n, num_hash_layers=0)
         lib = library_config(self.cfg)
+        lib._experts_implementation = "eager"  # stages built outside a model get no dispatch of their own
         self.lib = lib
         H, V, R = int(cfg["hidden_size"]), int(cfg["vocab_size"]), int(cfg["dspark_markov_rank"])
         self.stages = nn.ModuleList(mdl.DeepseekV4DecoderLayer(lib, s) for s in range(self.n))
