@@ -202,12 +202,16 @@ def _check_head_scale(out_dir: str, wanted) -> None:
 
 
 def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=print,
-             fast_experts: bool = False, tokenizer: bool = True, progress=None) -> dict:
+             fast_experts: bool = False, tokenizer: bool = True, progress=None, weights=None) -> dict:
     """Write config.json, the shards and model.safetensors.index.json into out_dir, and (tokenizer=True) the
     stand-in tokenizer of `tiny.tokenizer`. fast_experts: routed experts get random MXFP4 codes instead of
     quantized N(0, 0.02) draws (for full-width checkpoints). progress(tensors done, tensors, bytes done) is
-    called after each tensor."""
+    called after each tensor. weights: {official name: full-precision tensor} for every weight of the
+    inventory (scales excluded), written instead of the seeded draws: FP8 and MXFP4 weights are quantized
+    here, the others cast to their dtype (a trained model's export)."""
     specs = fmt.inventory(config)
+    if weights is not None:
+        _check_given(specs, weights)
     n_shards = fmt.shard_count(config)
     vocab, experts = int(config["vocab_size"]), int(config["n_routed_experts"])
     os.makedirs(out_dir, exist_ok=True)
@@ -223,6 +227,13 @@ def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=p
         for s in by_shard[shard]:
             if s.init == "pair":
                 data = pending_scale.pop(s.name)
+            elif weights is not None and s.init in ("fp8", "mxfp4"):
+                w = weights[s.name].detach().float().cpu()
+                q, scale = fp8_block_quantize(w) if s.init == "fp8" else mxfp4_quantize(w)
+                data = _raw(q)
+                pending_scale[s.name[: -len(".weight")] + ".scale"] = _raw(scale)
+            elif weights is not None:
+                data = _raw(_given(s, weights[s.name]))
             elif s.init == "mxfp4" and fast_experts:
                 q, scale = _random_mxfp4(s, seed)
                 data = _raw(q)
@@ -258,6 +269,23 @@ def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=p
     log(f"dsv4-sm80 make-tiny: {summary['tensors']} tensors, {n_shards} shards, "
         f"{total / 2**20:.1f} MiB -> {out_dir}")
     return summary
+
+
+def _check_given(specs, weights) -> None:
+    wanted = {s.name: (_dense_shape(s) if s.init in ("fp8", "mxfp4") else s.shape) for s in specs if s.init != "pair"}
+    missing = sorted(set(wanted) - set(weights))
+    extra = sorted(set(weights) - set(wanted))
+    wrong = sorted(k for k in set(wanted) & set(weights) if tuple(weights[k].shape) != tuple(wanted[k]))
+    if missing or extra or wrong:
+        raise TinyConfigError(
+            f"given weights: {len(missing)} missing {missing[:3]}, {len(extra)} not in the format {extra[:3]}, "
+            f"{len(wrong)} of another shape {[(k, tuple(weights[k].shape), wanted[k]) for k in wrong[:3]]}; "
+            "expected exactly the inventory of the config (dsv4_sm80.checkpoint.format), unquantized shapes")
+
+
+def _given(spec: fmt.TensorSpec, t: torch.Tensor) -> torch.Tensor:
+    dtype = {"BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64}[spec.dtype]
+    return t.detach().cpu().to(dtype).contiguous()
 
 
 def _dense_shape(spec: fmt.TensorSpec) -> tuple:

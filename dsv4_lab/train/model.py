@@ -1,0 +1,268 @@
+"""The tiny DeepSeek-V4 the lab trains: transformers' `DeepseekV4ForCausalLM` at a tiny preset's shape,
+initialised by the tiny generator's rules, trained with the model's own roundings simulated (QAT), and
+exported under the official checkpoint names.
+
+- Shape: `PRESETS` (hidden 256, 5 layers: 2 sliding + hash, C4 with indexer, C128, C4; 16 heads of 512,
+  which SGLang pads to FlashMLA's 64 (`sglang/srt/models/deepseek_v4.py:1115`); 8 experts of 128, top 6;
+  384 ids: the stand-in tokenizer's 14 special tokens, 256 bytes and fillers). `toy` is the CPU tests'
+  (narrower, fewer heads, 4 layers).
+- Init: each tensor by its rule in `dsv4_sm80.checkpoint.format` (norms 1, biases 0, hash table id*7+k mod E,
+  linears N(0, 0.02), mHC mixers N(0, 0.01)), drawn from the seed.
+- QAT (`qat`): the hooks of `dsv4_lab.oracle.numerics` R_q (KV FP8, indexer Hadamard + FP4, FP8 activations
+  into the FP8 linears and experts, the routing weight before w2's rounding), each rounding with a
+  straight-through gradient (forward rounded, backward identity).
+- Indexer (`indexer_distillation`): its top-k choice has no gradient, so, as DeepSeek trains its lightning
+  indexer, it learns from a KL loss towards the main attention's weight on the compressed entries (summed
+  over heads, renormalised over the chosen entries), on inputs detached from the model: only the indexer's
+  own weights learn from it, and the language-model loss never reaches them.
+- Export (`official_weights`): the library's own reverse key mapping (`revert_weight_conversion`) gives the
+  official names; experts come back split into w1/w2/w3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import zlib
+
+import torch
+import torch.nn.functional as F
+
+from dsv4_lab.oracle.numerics import ACT_BLOCK, INDEXER_BLOCK, KV_BLOCK, Numerics, rope_dim
+from dsv4_lab.oracle.rounding import fp4_e2m1_simulate, fp8_e4m3_simulate, hadamard
+from dsv4_sm80.checkpoint import format as fmt
+from dsv4_sm80.tiny.generate import HC_STD, WEIGHT_STD, TinySize, tiny_config
+
+VOCAB = 384
+PRESETS = {
+    # what the H200 trains: the `unit` generator preset's widths over a byte vocabulary
+    "tiny": TinySize(hidden=256, layers=5, heads=16, o_groups=4, q_lora=128, o_lora=128, moe_inter=128,
+                     experts=8, vocab=VOCAB, markov_rank=64),
+    # CPU tests: fewer heads, narrower (same layer pattern and formats)
+    "toy": TinySize(hidden=128, layers=4, heads=8, o_groups=4, q_lora=128, o_lora=128, moe_inter=128,
+                    experts=6, vocab=272, markov_rank=32),
+}
+QAT = Numerics(kv=True, indexer=True, activations=True)
+
+
+def official_config(preset: str):
+    return tiny_config(PRESETS[preset])
+
+
+def library_config(cfg):
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(**{k: v for k, v in cfg.items() if k != "quantization_config"})
+
+
+def build(cfg, seed: int):
+    """The library model of the official config `cfg`, fp32, every tensor by the generator's init rule."""
+    from transformers import DeepseekV4ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(library_config(cfg)).float()
+    model.config.use_cache = False
+    specs = {s.name: s for s in fmt.inventory(cfg)}
+    names = official_names(model)
+    with torch.no_grad():
+        for lib_name, t in list(model.state_dict().items()):
+            for off_name, part in names[lib_name]:
+                _init(t if part is None else t[part], specs[off_name], seed, int(cfg["n_routed_experts"]))
+    return model
+
+
+def _init(t: torch.Tensor, spec: fmt.TensorSpec, seed: int, experts: int) -> None:
+    rule = spec.init
+    if rule == "ones":
+        t.fill_(1.0)
+    elif rule == "zeros":
+        t.zero_()
+    elif rule == "tid2eid":
+        k = t.shape[1]
+        t.copy_((torch.arange(t.shape[0])[:, None] * 7 + torch.arange(k)) % experts)
+    else:
+        std = HC_STD if rule == "hc_fn" else WEIGHT_STD
+        g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{spec.name}".encode()))
+        t.copy_(torch.randn(t.shape, generator=g) * std)
+
+
+def official_names(model, state_dict=None) -> dict:
+    """{library state-dict name: [(official name, index into the library tensor or None)]}: the library's
+    reverse key mapping, applied to the whole state dict at once (its rules are ordered); each result is
+    matched back to its source by tensor identity (a renaming does not copy). The fused experts are sliced
+    here: gate_up_proj[e] is w1 over w3, down_proj[e] is w2."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state_dict = model.state_dict() if state_dict is None else state_dict
+    out, plain = {}, {}
+    for name, t in state_dict.items():
+        bare = name[len("model."):] if name.startswith("model.") else name
+        if bare.endswith("mlp.experts.gate_up_proj"):
+            layer, half = bare.split(".mlp.")[0], t.shape[1] // 2
+            out[name] = [(f"{layer}.ffn.experts.{e}.w{k}.weight", (e, slice(lo, hi)))
+                         for e in range(t.shape[0]) for k, lo, hi in ((1, 0, half), (3, half, None))]
+        elif bare.endswith("mlp.experts.down_proj"):
+            layer = bare.split(".mlp.")[0]
+            out[name] = [(f"{layer}.ffn.experts.{e}.w2.weight", e) for e in range(t.shape[0])]
+        else:
+            plain[name] = t
+    source = {id(t): name for name, t in plain.items()}
+    rev = revert_weight_conversion(model, {k[len("model."):] if k.startswith("model.") else k: t
+                                           for k, t in plain.items()})
+    for off_name, t in rev.items():
+        out[source[id(t)]] = [(_fix_compressor_name(off_name), None)]
+    if len(out) != len(state_dict):
+        raise RuntimeError(f"official names: {len(out)} of {len(state_dict)} library tensors mapped; "
+                           "expected all (has transformers' DeepSeek-V4 key mapping changed?)")
+    return out
+
+
+# transformers 5.12.1's reverse mapping leaves these compressor and indexer leaves in its own spelling (its
+# forward rules for them are not one-to-one); the official spelling, from the forward rules' sources:
+_COMPRESSOR_LEAVES = (
+    (".attn.indexer.gate_proj.", ".attn.indexer.compressor.wgate."),
+    (".attn.indexer.kv_proj.", ".attn.indexer.compressor.wkv."),
+    (".attn.indexer.kv_norm.", ".attn.indexer.compressor.norm."),
+    (".attn.indexer.q_b_proj.", ".attn.indexer.wq_b."),
+    (".attn.compressor.gate_proj.", ".attn.compressor.wgate."),
+    (".attn.compressor.kv_proj.", ".attn.compressor.wkv."),
+)
+
+
+def _fix_compressor_name(name: str) -> str:
+    if name.endswith(".attn.indexer.position_bias"):
+        return name.replace(".attn.indexer.position_bias", ".attn.indexer.compressor.ape")
+    for lib, off in _COMPRESSOR_LEAVES:
+        if lib in name:
+            return name.replace(lib, off)
+    return name
+
+
+def official_weights(model, state_dict=None) -> dict:
+    """{official name: fp32 tensor} of the library model's weights (no scales: the writer quantizes)."""
+    out = {}
+    sd = model.state_dict() if state_dict is None else state_dict
+    for lib_name, pairs in official_names(model, sd).items():
+        t = sd[lib_name].detach()
+        for off_name, part in pairs:
+            out[off_name] = (t if part is None else t[part]).clone()
+    return out
+
+
+# --- QAT: the oracle's R_q roundings with straight-through gradients ---------------------------------------
+
+def ste(rounded: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return x + (rounded.to(x.dtype) - x).detach()
+
+
+def fp8_ste(x, block):
+    return ste(fp8_e4m3_simulate(x.detach(), block), x)
+
+
+def _round_nope(nope: int):
+    def hook(_module, _args, out):
+        return torch.cat([fp8_ste(out[..., :nope], KV_BLOCK), out[..., nope:]], dim=-1)
+    return hook
+
+
+def _indexer_inputs(_module, args):
+    q, keys, hidden = args
+    hq, hk = hadamard(q), hadamard(keys)
+    return (ste(fp4_e2m1_simulate(hq.detach(), INDEXER_BLOCK), hq).to(q.dtype),
+            ste(fp4_e2m1_simulate(hk.detach(), INDEXER_BLOCK), hk).to(keys.dtype), hidden)
+
+
+def _act_input(_module, args):
+    return (fp8_ste(args[0], ACT_BLOCK), *args[1:])
+
+
+def _experts_forward_qat(self, hidden_states, top_k_index, top_k_weights):
+    final = torch.zeros_like(hidden_states)
+    xq = fp8_ste(hidden_states, ACT_BLOCK)
+    for expert in torch.unique(top_k_index).tolist():
+        token, slot = torch.where(top_k_index == expert)
+        act = self._apply_gate(F.linear(xq[token], self.gate_up_proj[expert]))
+        act = act * top_k_weights[token, slot, None]
+        out = F.linear(fp8_ste(act, ACT_BLOCK), self.down_proj[expert])
+        final = final.index_add(0, token, out.to(final.dtype))
+    return final
+
+
+@contextlib.contextmanager
+def qat(model, numerics: Numerics = QAT, layers=None, fp8_inputs=()):
+    """The oracle's rounding sites (`dsv4_lab.oracle.numerics.applied`), differentiable, on the decoder
+    blocks `layers` (default: the model's), plus FP8 input rounding on the linears `fp8_inputs`."""
+    nope = model.config.head_dim - rope_dim(model.config)
+    handles, patched = [], []
+    try:
+        for layer in (model.model.layers if layers is None else layers):
+            attn, comp = layer.self_attn, layer.self_attn.compressor
+            if numerics.kv:
+                handles.append(attn.kv_norm.register_forward_hook(_round_nope(nope)))
+                if comp is not None:
+                    handles.append(comp.kv_norm.register_forward_hook(_round_nope(nope)))
+            if numerics.indexer and comp is not None and hasattr(comp, "indexer"):
+                handles.append(comp.indexer.scorer.register_forward_pre_hook(_indexer_inputs))
+            if numerics.activations:
+                linears = [attn.q_a_proj, attn.q_b_proj, attn.kv_proj, attn.o_b_proj,
+                           layer.mlp.shared_experts.gate_proj, layer.mlp.shared_experts.up_proj,
+                           layer.mlp.shared_experts.down_proj]
+                if comp is not None and hasattr(comp, "indexer"):
+                    linears.append(comp.indexer.q_b_proj)
+                handles += [m.register_forward_pre_hook(_act_input) for m in linears]
+                layer.mlp.experts.forward = types.MethodType(_experts_forward_qat, layer.mlp.experts)
+                patched.append(layer.mlp.experts)
+        if numerics.activations:
+            handles += [m.register_forward_pre_hook(_act_input) for m in fp8_inputs]
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
+        for m in patched:
+            del m.forward
+
+
+@contextlib.contextmanager
+def indexer_distillation(model):
+    """Yields a list that, after a forward, holds one KL term per C4 layer (mean over queries that see a
+    compressed entry): KL(attention's weights on the chosen entries || softmax of the index scores over them)."""
+    terms, handles, scores = [], [], {}
+
+    def detach_inputs(_m, args):
+        return tuple(a.detach() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+    def keep_scores(i):
+        def hook(_m, _a, out):
+            scores[i] = out
+        return hook
+
+    def kl(i):
+        def hook(_m, args, out):
+            attn = out[1]  # [B, H, S, S + T]: the window's entries, then the compressed ones
+            if attn is None or i not in scores:
+                return
+            idx = scores.pop(i)  # [B, S, T]
+            t = idx.shape[-1]
+            p = attn[..., -t:].detach().float().sum(1)  # [B, S, T]
+            chosen = p > 0
+            rows = chosen.any(-1)
+            if not bool(rows.any()):
+                return
+            p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+            logq = torch.log_softmax(idx.float().masked_fill(~chosen, float("-inf")), dim=-1)
+            per = torch.where(chosen, p * (torch.log(p.clamp_min(1e-30)) - logq), torch.zeros_like(p)).sum(-1)
+            terms.append(per[rows].mean())
+        return hook
+
+    try:
+        for i, layer in enumerate(model.model.layers):
+            comp = layer.self_attn.compressor
+            if comp is None or not hasattr(comp, "indexer"):
+                continue
+            handles.append(comp.indexer.register_forward_pre_hook(detach_inputs))
+            handles.append(comp.indexer.scorer.register_forward_hook(keep_scores(i)))
+            handles.append(layer.self_attn.register_forward_hook(kl(i)))
+        yield terms
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,199 @@
+"""dsv4_lab.train at toy size on the CPU: a few QAT steps lower the loss on a fixed batch of real text, the
+DSPARK draft trains against the frozen target, the written checkpoint passes the gate's checkpoint checks and
+loads in the oracle with the trained weights (within FP8 / MXFP4 / BF16 rounding), the held-out split is
+deterministic, bits per byte on a hand-made case, byte ids as the stand-in tokenizer's."""
+
+import json
+import math
+import os
+import zlib
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")  # transformers' FP8 dequantizing loader needs it
+
+from dsv4_lab.train import data  # noqa: E402
+from dsv4_lab.train.draft import Draft, init_draft  # noqa: E402
+from dsv4_lab.train.model import build, official_config, official_names, official_weights  # noqa: E402
+from dsv4_lab.train.train import train_draft, train_target, write_checkpoint  # noqa: E402
+
+
+def test_held_out_split_is_deterministic_by_file():
+    train, held = data.split()
+    assert (train, held) == data.split()
+    assert held and train and not set(train) & set(held)
+    assert all(data.is_held_out(f) for f in held) and not any(data.is_held_out(f) for f in train)
+    # the rule is a function of the relative path alone
+    assert data.is_held_out("json/decoder.py") == (zlib.crc32(b"json/decoder.py") % 100 < data.HELD_OUT_PERCENT)
+
+
+def test_bits_per_byte_hand_case():
+    # two predicted bytes at p = 1/2 and 1/4, a BOS target ignored: (1 + 2) bits over 2 bytes
+    b0, b1 = data.BYTE_BASE + ord("a"), data.BYTE_BASE + ord("b")
+    ids = torch.tensor([data.BOS, b0, b1, data.BOS])
+    logits = torch.full((4, 300), -1e9)
+    logits[0, b0] = logits[0, 7] = 0.0            # p(b0) = 1/2
+    logits[1, b1] = 0.0
+    logits[1, 8:11] = 0.0                          # p(b1) = 1/4
+    logits[2, data.BOS] = 0.0
+    nll, n = data.sequence_nll(logits, ids)
+    assert n == 2
+    assert data.bits_per_byte(nll, n) == pytest.approx(1.5, abs=1e-9)
+    with pytest.raises(ValueError, match="bits per byte"):
+        data.bits_per_byte(1.0, 0)
+
+
+def test_byte_ids_are_the_stand_in_tokenizers(tmp_path):
+    from tokenizers import Tokenizer
+
+    from dsv4_sm80.tiny.tokenizer import write_tokenizer
+
+    write_tokenizer(str(tmp_path), 272)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    text = "def f(x):\n    return 'é' * 2\n"
+    assert tok.encode(text).ids == data.encode(text.encode())[1:].tolist()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = official_config("toy")
+    _, held = data.split()
+    ids = data.token_stream(held[:1])[:129]
+    batch = torch.stack([ids[:64], ids[64:128]])
+    target = build(cfg, seed=0)
+    losses = train_target(target, lambda step: batch, 5, "cpu", peak_lr=3e-3, log=lambda *_: None)
+    draft = Draft(cfg)
+    init_draft(draft, 0)
+    dl = train_draft(draft, target, lambda step: batch, 2, "cpu", anchors_per_row=8, log=lambda *_: None)
+    out = str(tmp_path_factory.mktemp("train") / "ckpt")
+    write_checkpoint(out, cfg, target, draft, 0, log=lambda *_: None)
+    return cfg, target, draft, losses, dl, out, batch
+
+
+def test_qat_steps_lower_the_loss_on_a_fixed_batch(trained):
+    _, _, _, losses, draft_losses, _, _ = trained
+    assert all(math.isfinite(x) for x in losses + draft_losses)
+    assert losses[-1] < losses[0] - 0.3, losses
+
+
+def test_written_checkpoint_passes_the_gate_and_loads_trained_weights_in_the_oracle(trained):
+    from dsv4_lab.oracle.load import load_reference
+    from dsv4_lab.train.check import gate_findings
+    from dsv4_sm80.gate.report import failures
+
+    cfg, target, _, _, _, out, batch = trained
+    findings = gate_findings(out)
+    assert not failures(findings), failures(findings)
+    assert {f.check for f in findings} >= {"model.keys", "model.dense_fp8", "model.experts", "model.tokenizer"}
+    ref = load_reference(out)
+    got, want = ref.state_dict(), target.state_dict()
+    quantized = {n for n, pairs in official_names(target).items()
+                 if any(o.endswith(".weight") and (".experts." in o or _fp8(cfg, o)) for o, _ in pairs)}
+    for name, w in want.items():
+        g = got[name].float()
+        err = float((g - w.float()).norm() / w.float().norm().clamp_min(1e-12))
+        bound = 0.2 if ".experts." in name else 0.05 if name in quantized else 5e-3  # MXFP4, FP8, BF16
+        assert err < bound, (name, err)
+    with torch.no_grad():
+        a = ref(input_ids=batch).logits
+        b = target(input_ids=batch).logits
+    assert torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1] > 0.99
+
+
+def _fp8(cfg, name, _cache={}):
+    if not _cache:
+        from dsv4_sm80.checkpoint import format as fmt
+
+        _cache.update({s.name: s.init == "fp8" for s in fmt.inventory(cfg)})
+    return _cache.get(name, False)
+
+
+def test_draft_tensors_are_written_under_the_official_names(trained):
+    _, target, draft, _, _, out, _ = trained
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        names = set(json.load(f)["weight_map"])
+    mtp = {n for n in names if n.startswith("mtp.")}
+    assert mtp and "mtp.0.main_proj.weight" in mtp and "mtp.2.markov_head.markov_w2.weight" in mtp
+    assert len(draft.official_weights(target)) == len([n for n in mtp if not n.endswith(".scale")])
+
+
+def test_draft_block_sees_a_128_entry_window_and_itself_in_any_order(trained):
+    """The draft attention facts taken from SGLang: block queries see the last 128 context positions (not
+    earlier ones) and every block entry, later ones included; the first position's prediction is the
+    token after the bonus token."""
+    cfg, target, draft, _, _, _, _ = trained
+    g = draft.gamma
+    torch.manual_seed(1)
+    S = 200
+    ids = torch.randint(data.BYTE_BASE, 270, (1, S))
+    feats = torch.randn(1, S, draft.n, int(cfg["hidden_size"]))
+    anchors = torch.tensor([[0, 150]])
+    with torch.no_grad():
+        base, _, labels = draft(target, ids, feats, anchors)
+        far = feats.clone()
+        far[:, :150 - 128] += 5.0                     # context older than the window: no effect
+        assert torch.equal(draft(target, ids, far, anchors)[0], base)
+        near = feats.clone()
+        near[:, 150 - 1] += 5.0                       # the newest context entry: every block position moves
+        moved = (draft(target, ids, near, anchors)[0] - base).abs().amax(-1)[0]
+        assert bool((moved > 0).all())
+    assert labels[0].tolist() == ids[0, 151:151 + g].tolist()
+    # no causal order inside the block: position 0 depends on block entries after it (the noise rows)
+    blocks = []
+    orig = target.model.embed_tokens.forward
+
+    def embed(x):
+        e = orig(x)
+        if x.shape[-1] == g:
+            e = e.clone()
+            e[:, -1] += 1.0
+        blocks.append(e)
+        return e
+    target.model.embed_tokens.forward = embed
+    try:
+        with torch.no_grad():
+            late = draft(target, ids, feats, anchors)[0]
+    finally:
+        del target.model.embed_tokens.forward
+    assert blocks and float((late[0, 0] - base[0, 0]).abs().amax()) > 0
+
+
+def test_batches_are_seeded_and_mix_short_and_long_windows():
+    stream = torch.arange(10_000)
+    b = data.Batches(stream, seed=3, short_len=16, short_batch=4, long_len=2100, long_every=4)
+    shapes = [tuple(b(i).shape) for i in range(8)]
+    assert shapes == [(4, 16)] * 3 + [(1, 2100)] + [(4, 16)] * 3 + [(1, 2100)]
+    assert torch.equal(b(5), data.Batches(stream, 3, 16, 4, 2100, 4)(5))
+    assert not torch.equal(b(5), data.Batches(stream, 4, 16, 4, 2100, 4)(5))
+    with pytest.raises(ValueError, match="lower --seq"):
+        data.Batches(torch.arange(100), 0, 16, 4, 2100, 4)
+
+
+def test_writer_refuses_weights_that_do_not_match_the_inventory(trained, tmp_path):
+    from dsv4_sm80.tiny.generate import TinyConfigError, generate
+
+    cfg, target, draft, _, _, _, _ = trained
+    weights = {**official_weights(target), **draft.official_weights(target)}
+    del weights["embed.weight"]
+    with pytest.raises(TinyConfigError, match=r"given weights: 1 missing \['embed.weight'\]"):
+        generate(str(tmp_path / "ckpt"), cfg, weights=weights, log=lambda *_: None)
+    assert not (tmp_path / "ckpt").exists()  # refused before anything is written
+
+
+def test_only_the_distillation_loss_reaches_the_indexer(trained):
+    from dsv4_lab.train.model import indexer_distillation, qat
+
+    cfg, target, _, _, _, _, batch = trained
+    indexer = target.model.layers[2].self_attn.compressor.indexer
+    for p in target.parameters():  # the draft's training froze the target
+        p.requires_grad_(True)
+    with qat(target), indexer_distillation(target) as kl:
+        lm = target(input_ids=batch, labels=batch).loss
+    assert len(kl) == cfg["compress_ratios"][: cfg["num_hidden_layers"]].count(4)
+    assert all(bool(torch.isfinite(x)) for x in kl)
+    lm_grads = torch.autograd.grad(lm, list(indexer.parameters()), allow_unused=True, retain_graph=True)
+    assert all(g is None or not bool(g.any()) for g in lm_grads)
+    kl_grads = torch.autograd.grad(torch.stack(kl).sum(), list(indexer.parameters()), allow_unused=True)
+    assert any(g is not None and bool(g.any()) for g in kl_grads)
