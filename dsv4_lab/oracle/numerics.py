@@ -66,61 +66,80 @@ def rope_dim(config) -> int:
     return int(config.head_dim * config.rope_parameters["main"]["partial_rotary_factor"])
 
 
-def _round_nope(nope: int):
+def exact_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
+    return fp8_e4m3_simulate(x, block).to(x.dtype)
+
+
+def exact_fp4(x: torch.Tensor, block: int) -> torch.Tensor:
+    return fp4_e2m1_simulate(x, block).to(x.dtype)
+
+
+# The rounding sites, each built from the roundings it applies (`fp8(x, block)`, `fp4(x, block)`): the oracle's
+# exact ones here, the training's straight-through ones in dsv4_lab.train.
+def _round_nope(nope: int, fp8):
     def hook(_module, _args, out):
-        return torch.cat([fp8_e4m3_simulate(out[..., :nope], KV_BLOCK).to(out.dtype), out[..., nope:]], dim=-1)
+        return torch.cat([fp8(out[..., :nope], KV_BLOCK), out[..., nope:]], dim=-1)
     return hook
 
 
-def _indexer_inputs(_module, args):
-    q, keys, hidden = args
-    return (fp4_e2m1_simulate(hadamard(q), INDEXER_BLOCK).to(q.dtype),
-            fp4_e2m1_simulate(hadamard(keys), INDEXER_BLOCK).to(keys.dtype), hidden)
+def _indexer_inputs(fp4):
+    def hook(_module, args):
+        q, keys, hidden = args
+        return (fp4(hadamard(q), INDEXER_BLOCK).to(q.dtype), fp4(hadamard(keys), INDEXER_BLOCK).to(keys.dtype),
+                hidden)
+    return hook
 
 
-def _act_input(_module, args):
-    return (fp8_e4m3_simulate(args[0], ACT_BLOCK).to(args[0].dtype), *args[1:])
+def _act_input(fp8):
+    def hook(_module, args):
+        return (fp8(args[0], ACT_BLOCK), *args[1:])
+    return hook
 
 
-def _experts_forward_rounded(self, hidden_states, top_k_index, top_k_weights):
-    """The routed experts as the official code runs them: FP8 activations into w1/w3, the routing weight
-    multiplied into the SwiGLU output, that product FP8-rounded into w2."""
-    final = torch.zeros_like(hidden_states)
-    xq = fp8_e4m3_simulate(hidden_states, ACT_BLOCK).to(hidden_states.dtype)
-    for expert in torch.unique(top_k_index).tolist():
-        token, slot = torch.where(top_k_index == expert)
-        act = self._apply_gate(F.linear(xq[token], self.gate_up_proj[expert]))
-        act = act * top_k_weights[token, slot, None]
-        out = F.linear(fp8_e4m3_simulate(act, ACT_BLOCK).to(act.dtype), self.down_proj[expert])
-        final.index_add_(0, token, out.to(final.dtype))
-    return final
+def _experts_forward(fp8):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        """The routed experts as the official code runs them: FP8 activations into w1/w3, the routing weight
+        multiplied into the SwiGLU output, that product FP8-rounded into w2."""
+        final = torch.zeros_like(hidden_states)
+        xq = fp8(hidden_states, ACT_BLOCK)
+        for expert in torch.unique(top_k_index).tolist():
+            token, slot = torch.where(top_k_index == expert)
+            act = self._apply_gate(F.linear(xq[token], self.gate_up_proj[expert]))
+            act = act * top_k_weights[token, slot, None]
+            out = F.linear(fp8(act, ACT_BLOCK), self.down_proj[expert])
+            final = final.index_add(0, token, out.to(final.dtype))
+        return final
+    return forward
 
 
 @contextlib.contextmanager
-def applied(model, numerics: Numerics):
-    """The roundings of `numerics` on `model` for the duration of the block; the model is R_x after it."""
+def applied(model, numerics: Numerics, *, fp8=exact_fp8, fp4=exact_fp4, layers=None, fp8_inputs=()):
+    """The roundings of `numerics` on `model` (its decoder blocks, or `layers`; plus FP8 input rounding on the
+    linears `fp8_inputs` with activations) for the duration of the block; the model is R_x after it."""
     nope = model.config.head_dim - rope_dim(model.config)
     handles, patched = [], []
     try:
-        for layer in model.model.layers:
+        for layer in (model.model.layers if layers is None else layers):
             attn = layer.self_attn
             comp = attn.compressor
             if numerics.kv:
-                handles.append(attn.kv_norm.register_forward_hook(_round_nope(nope)))
+                handles.append(attn.kv_norm.register_forward_hook(_round_nope(nope, fp8)))
                 if comp is not None:
-                    handles.append(comp.kv_norm.register_forward_hook(_round_nope(nope)))
+                    handles.append(comp.kv_norm.register_forward_hook(_round_nope(nope, fp8)))
             if numerics.indexer and comp is not None and hasattr(comp, "indexer"):
-                handles.append(comp.indexer.scorer.register_forward_pre_hook(_indexer_inputs))
+                handles.append(comp.indexer.scorer.register_forward_pre_hook(_indexer_inputs(fp4)))
             if numerics.activations:
                 linears = [attn.q_a_proj, attn.q_b_proj, attn.kv_proj, attn.o_b_proj,
                            layer.mlp.shared_experts.gate_proj, layer.mlp.shared_experts.up_proj,
                            layer.mlp.shared_experts.down_proj]
                 if comp is not None and hasattr(comp, "indexer"):
                     linears.append(comp.indexer.q_b_proj)
-                handles += [m.register_forward_pre_hook(_act_input) for m in linears]
+                handles += [m.register_forward_pre_hook(_act_input(fp8)) for m in linears]
                 experts = layer.mlp.experts
-                experts.forward = types.MethodType(_experts_forward_rounded, experts)
+                experts.forward = types.MethodType(_experts_forward(fp8), experts)
                 patched.append(experts)
+        if numerics.activations:
+            handles += [m.register_forward_pre_hook(_act_input(fp8)) for m in fp8_inputs]
         yield model
     finally:
         for h in handles:

@@ -22,14 +22,12 @@ exported under the official checkpoint names.
 from __future__ import annotations
 
 import contextlib
-import types
 import zlib
 
 import torch
-import torch.nn.functional as F
 
-from dsv4_lab.oracle.numerics import ACT_BLOCK, INDEXER_BLOCK, KV_BLOCK, Numerics, rope_dim
-from dsv4_lab.oracle.rounding import fp4_e2m1_simulate, fp8_e4m3_simulate, hadamard
+from dsv4_lab.oracle.numerics import Numerics, applied
+from dsv4_lab.oracle.rounding import fp4_e2m1_simulate, fp8_e4m3_simulate
 from dsv4_sm80.checkpoint import format as fmt
 from dsv4_sm80.tiny.generate import HC_STD, WEIGHT_STD, TinySize, tiny_config
 
@@ -159,67 +157,14 @@ def fp8_ste(x, block):
     return ste(fp8_e4m3_simulate(x.detach(), block), x)
 
 
-def _round_nope(nope: int):
-    def hook(_module, _args, out):
-        return torch.cat([fp8_ste(out[..., :nope], KV_BLOCK), out[..., nope:]], dim=-1)
-    return hook
+def fp4_ste(x, block):
+    return ste(fp4_e2m1_simulate(x.detach(), block), x)
 
 
-def _indexer_inputs(_module, args):
-    q, keys, hidden = args
-    hq, hk = hadamard(q), hadamard(keys)
-    return (ste(fp4_e2m1_simulate(hq.detach(), INDEXER_BLOCK), hq).to(q.dtype),
-            ste(fp4_e2m1_simulate(hk.detach(), INDEXER_BLOCK), hk).to(keys.dtype), hidden)
-
-
-def _act_input(_module, args):
-    return (fp8_ste(args[0], ACT_BLOCK), *args[1:])
-
-
-def _experts_forward_qat(self, hidden_states, top_k_index, top_k_weights):
-    final = torch.zeros_like(hidden_states)
-    xq = fp8_ste(hidden_states, ACT_BLOCK)
-    for expert in torch.unique(top_k_index).tolist():
-        token, slot = torch.where(top_k_index == expert)
-        act = self._apply_gate(F.linear(xq[token], self.gate_up_proj[expert]))
-        act = act * top_k_weights[token, slot, None]
-        out = F.linear(fp8_ste(act, ACT_BLOCK), self.down_proj[expert])
-        final = final.index_add(0, token, out.to(final.dtype))
-    return final
-
-
-@contextlib.contextmanager
 def qat(model, numerics: Numerics = QAT, layers=None, fp8_inputs=()):
-    """The oracle's rounding sites (`dsv4_lab.oracle.numerics.applied`), differentiable, on the decoder
-    blocks `layers` (default: the model's), plus FP8 input rounding on the linears `fp8_inputs`."""
-    nope = model.config.head_dim - rope_dim(model.config)
-    handles, patched = [], []
-    try:
-        for layer in (model.model.layers if layers is None else layers):
-            attn, comp = layer.self_attn, layer.self_attn.compressor
-            if numerics.kv:
-                handles.append(attn.kv_norm.register_forward_hook(_round_nope(nope)))
-                if comp is not None:
-                    handles.append(comp.kv_norm.register_forward_hook(_round_nope(nope)))
-            if numerics.indexer and comp is not None and hasattr(comp, "indexer"):
-                handles.append(comp.indexer.scorer.register_forward_pre_hook(_indexer_inputs))
-            if numerics.activations:
-                linears = [attn.q_a_proj, attn.q_b_proj, attn.kv_proj, attn.o_b_proj,
-                           layer.mlp.shared_experts.gate_proj, layer.mlp.shared_experts.up_proj,
-                           layer.mlp.shared_experts.down_proj]
-                if comp is not None and hasattr(comp, "indexer"):
-                    linears.append(comp.indexer.q_b_proj)
-                handles += [m.register_forward_pre_hook(_act_input) for m in linears]
-                layer.mlp.experts.forward = types.MethodType(_experts_forward_qat, layer.mlp.experts)
-                patched.append(layer.mlp.experts)
-        if numerics.activations:
-            handles += [m.register_forward_pre_hook(_act_input) for m in fp8_inputs]
-        yield model
-    finally:
-        for h in handles:
-            h.remove()
-        for m in patched:
-            del m.forward
+    """The oracle's rounding sites (`dsv4_lab.oracle.numerics.applied`) with straight-through roundings, on the
+    decoder blocks `layers` (default: the model's), plus FP8 input rounding on the linears `fp8_inputs`."""
+    return applied(model, numerics, fp8=fp8_ste, fp4=fp4_ste, layers=layers, fp8_inputs=fp8_inputs)
 
 
 @contextlib.contextmanager
