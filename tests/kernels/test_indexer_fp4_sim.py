@@ -279,16 +279,6 @@ def test_real_sglang_indexer_routes_through_fp4_sim():
     assert out["logits"] == [[3, 128], True], out
 
 
-def test_knob_contract():
-    from dsv4_sm80 import env
-
-    assert env.get(env.INDEXER_ROUNDING, {}) == "int8"
-    assert env.get(env.INDEXER_ROUNDING, {"SGLANG_DSV4_A100_INDEXER_ROUNDING": "fp4_sim"}) == "fp4_sim"
-    with pytest.raises(env.EnvError, match="SGLANG_DSV4_A100_INDEXER_ROUNDING='fp4' is not one of int8, fp4_sim"):
-        env.get(env.INDEXER_ROUNDING, {"SGLANG_DSV4_A100_INDEXER_ROUNDING": "fp4"})
-    assert env.INDEXER_ROUNDING in env.KNOBS
-
-
 COMPILE = """
 import json, re, sys
 import triton

@@ -325,16 +325,6 @@ def test_real_sglang_pool_rounds_with_the_option():
     assert out["none"] == {"rows_rounded": False, "rows_plain": True, "swa_rounded": False, "swa_plain": True}
 
 
-def test_knob_contract():
-    from dsv4_sm80 import env
-
-    assert env.get(env.KV_ROUNDING, {}) == "none"
-    assert env.get(env.KV_ROUNDING, {"SGLANG_DSV4_A100_KV_ROUNDING": "fp8_sim"}) == "fp8_sim"
-    with pytest.raises(env.EnvError, match="SGLANG_DSV4_A100_KV_ROUNDING='fp8' is not one of none, fp8_sim"):
-        env.get(env.KV_ROUNDING, {"SGLANG_DSV4_A100_KV_ROUNDING": "fp8"})
-    assert env.KV_ROUNDING in env.KNOBS
-
-
 COMPILE = """
 import json, sys
 import triton

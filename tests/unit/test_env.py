@@ -15,6 +15,16 @@ def test_defaults_and_choices():
         env.get(env.MOE_BACKEND, {"SGLANG_DSV4_MXFP4_MOE_BACKEND": "int4"})
 
 
+@pytest.mark.parametrize("knob, default, other, bad", [
+    (env.KV_ROUNDING, "none", "fp8_sim", "fp8"),
+    (env.INDEXER_ROUNDING, "int8", "fp4_sim", "fp4"),
+])
+def test_rounding_knobs(knob, default, other, bad):
+    assert knob in env.KNOBS and env.get(knob, {}) == default and env.get(knob, {knob.name: other}) == other
+    with pytest.raises(env.EnvError, match=f"{knob.name}='{bad}' is not one of {default}, {other}"):
+        env.get(knob, {knob.name: bad})
+
+
 def test_import_time_defaults_only_where_unset():
     environ = {"SGLANG_OPT_USE_TOPK_V2": "1"}
     applied = env.apply_import_time_defaults(environ)
