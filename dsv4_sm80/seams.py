@@ -245,8 +245,9 @@ SEAMS: tuple[Seam, ...] = (
         kind="around",
         replacement="dsv4_sm80.stages.attention:indexer_topk_by_chunks",
         reason=("SGLang scores every query of a forward before its top-k: [T, L/4] fp32, 4 GiB a layer for an "
-                "8192-token chunk at 512K. Logits above a 256 MiB budget are scored and top-k'd in query chunks."),
-        upstream="srt/layers/attention/dsv4/indexer.py:754-761",
+                "8192-token chunk at 512K (indexer.py:702-761). Logits above a 256 MiB budget are scored and top-k'd "
+                "in query chunks."),
+        upstream="srt/layers/attention/dsv4/indexer.py:12",
     ),
     Seam(
         name="attention.indexer_topk_torch",
@@ -254,7 +255,7 @@ SEAMS: tuple[Seam, ...] = (
         kind="around",
         replacement="dsv4_sm80.stages.attention:indexer_topk_by_chunks",
         reason="The same query chunks for the torch top-k SGLANG_TOPK_TRANSFORM_512_TORCH=1 selects.",
-        upstream="srt/layers/attention/dsv4/indexer.py:736-743",
+        upstream="srt/layers/attention/dsv4/indexer.py:248-331",
     ),
     Seam(
         name="attention.no_flashmla_metadata",
