@@ -13,7 +13,8 @@ The replacements for the `attention.*` seams (dsv4_sm80/seams.py; docs/attention
   `kernels/indexer_int8.compress_store_index_k_int8` (same math, INT8 + fp32 scale in the 132-byte pages).
 - indexer: Q quantization and the paged logits are the INT8 kernels of `kernels/indexer_int8.py`
   (`SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1` makes SGLang call the logits function these replace and skip
-  DeepGEMM metadata; top-k stays SGLang's JIT v1).
+  DeepGEMM metadata; top-k stays SGLang's JIT v1). Where one pass's logits [T, L/4] fp32 would pass 256 MiB
+  (long prompts), they and their top-k go a chunk of query rows at a time (`indexer_topk_by_chunks`).
 - attention: `DeepseekV4AttnBackend.forward` maps the backend's per-query metadata (flat slot ids, -1
   invalid, lengths) onto `kernels/sparse_attn.py` in every mode, plain extend included, so neither FlashMLA
   path (decode or sparse prefill) is reached; the FlashMLA scheduling metadata is never built.
