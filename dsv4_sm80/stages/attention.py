@@ -167,8 +167,8 @@ def indexer_q_int8(original, q, weight, weight_scale, freqs_cis, positions):
 
 # The C4 indexer's logits are [query tokens, max compressed entries] fp32: T x L bytes for a context of L
 # tokens, 4 GiB per layer call for an 8192-token prefill chunk at 512K. SGLang computes them for every query of
-# the forward at once and takes the top-k from them afterwards (srt/layers/attention/dsv4/indexer.py:702-760); above this budget the
-# logits and their top-k go in query chunks instead (`indexer_topk_by_chunks`).
+# the forward at once and takes the top-k from them afterwards (srt/layers/attention/dsv4/indexer.py:702-761);
+# above this budget the logits and their top-k go in query chunks instead (`indexer_topk_by_chunks`).
 LOGITS_BUDGET_BYTES = 256 << 20
 
 
@@ -177,7 +177,7 @@ def logits_rows_per_chunk(max_seq_len: int, budget: int = LOGITS_BUDGET_BYTES) -
     return max(1, budget // (max(int(max_seq_len), 1) * 4))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ChunkedIndexerLogits:
     """The logits call's arguments, kept for `indexer_topk_by_chunks` where all rows' logits at once would pass
     LOGITS_BUDGET_BYTES; it scores `rows_per_chunk` query rows at a time."""
@@ -225,7 +225,8 @@ def indexer_topk_by_chunks(original, scores, seq_lens, page_tables, out_page_ind
     total = out_page_indices.shape[0]
     if scores.q.shape[0] != total:
         raise ValueError(f"dsv4-sm80 attention.indexer_topk: found {scores.q.shape[0]} scored query rows for "
-                         f"{total} top-k rows; expected one per row (SGLang's match_num_queries aligns them)")
+                         f"{total} top-k rows; expected one per row, as SGLang's match_num_queries aligns them (an "
+                         "upstream change to forward_c4_indexer; report it)")
     step = scores.rows_per_chunk
     buf = torch.empty((min(step, total), scores.max_seq_len), dtype=torch.float32, device=scores.q.device)
     for start in range(0, total, step):
