@@ -240,6 +240,24 @@ SEAMS: tuple[Seam, ...] = (
         upstream="srt/layers/attention/dsv4/indexer.py:55-118",
     ),
     Seam(
+        name="attention.indexer_topk",
+        target="sglang.srt.layers.attention.dsv4.indexer:topk_transform_512",
+        kind="around",
+        replacement="dsv4_sm80.stages.attention:indexer_topk_by_chunks",
+        reason=("SGLang scores every query of a forward before its top-k: [T, L/4] fp32, 4 GiB a layer for an "
+                "8192-token chunk at 512K (indexer.py:702-761). Logits above a 256 MiB budget are scored and top-k'd "
+                "in query chunks."),
+        upstream="srt/layers/attention/dsv4/indexer.py:12",
+    ),
+    Seam(
+        name="attention.indexer_topk_torch",
+        target="sglang.srt.layers.attention.dsv4.indexer:topk_transform_512_pytorch_vectorized",
+        kind="around",
+        replacement="dsv4_sm80.stages.attention:indexer_topk_by_chunks",
+        reason="The same query chunks for the torch top-k SGLANG_TOPK_TRANSFORM_512_TORCH=1 selects.",
+        upstream="srt/layers/attention/dsv4/indexer.py:248-331",
+    ),
+    Seam(
         name="attention.no_flashmla_metadata",
         target="sglang.srt.layers.attention.deepseek_v4_backend:_create_flashmla_metadata",
         kind="replace",

@@ -13,7 +13,8 @@ The replacements for the `attention.*` seams (dsv4_sm80/seams.py; docs/attention
   `kernels/indexer_int8.compress_store_index_k_int8` (same math, INT8 + fp32 scale in the 132-byte pages).
 - indexer: Q quantization and the paged logits are the INT8 kernels of `kernels/indexer_int8.py`
   (`SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1` makes SGLang call the logits function these replace and skip
-  DeepGEMM metadata; top-k stays SGLang's JIT v1).
+  DeepGEMM metadata; top-k stays SGLang's JIT v1). Where one pass's logits [T, L/4] fp32 would pass 256 MiB
+  (long prompts), they and their top-k go a chunk of query rows at a time (`indexer_topk_by_chunks`).
 - attention: `DeepseekV4AttnBackend.forward` maps the backend's per-query metadata (flat slot ids, -1
   invalid, lengths) onto `kernels/sparse_attn.py` in every mode, plain extend included, so neither FlashMLA
   path (decode or sparse prefill) is reached; the FlashMLA scheduling metadata is never built.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -163,14 +165,76 @@ def indexer_q_int8(original, q, weight, weight_scale, freqs_cis, positions):
     return q_rope_hadamard_int8(q, weight, weight_scale, freqs_cis, positions, fp4_sim=indexer_fp4_sim())
 
 
+# The C4 indexer's logits are [query tokens, max compressed entries] fp32: T x L bytes for a context of L
+# tokens, 4 GiB per layer call for an 8192-token prefill chunk at 512K. SGLang computes them for every query of
+# the forward at once and takes the top-k from them afterwards (srt/layers/attention/dsv4/indexer.py:702-761);
+# above this budget the logits and their top-k go in query chunks instead (`indexer_topk_by_chunks`).
+LOGITS_BUDGET_BYTES = 256 << 20
+
+
+def logits_rows_per_chunk(max_seq_len: int, budget: int = LOGITS_BUDGET_BYTES) -> int:
+    """Query rows whose fp32 logits over max_seq_len compressed entries fit the budget (at least one)."""
+    return max(1, budget // (max(int(max_seq_len), 1) * 4))
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkedIndexerLogits:
+    """The logits call's arguments, kept for `indexer_topk_by_chunks` where all rows' logits at once would pass
+    LOGITS_BUDGET_BYTES; it scores `rows_per_chunk` query rows at a time."""
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    weights: torch.Tensor
+    seq_lens: torch.Tensor
+    page_table: torch.Tensor
+    max_seq_len: int
+    rows_per_chunk: int
+    fp4_sim: bool
+
+    def rows(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
+        from ..kernels.indexer_int8 import paged_mqa_logits_int8
+
+        return paged_mqa_logits_int8(self.q[start:end], self.kv_cache, self.weights[start:end],
+                                     self.seq_lens[start:end], self.page_table[start:end], self.max_seq_len,
+                                     out=out[: end - start], fp4_sim=self.fp4_sim)
+
+
 def indexer_logits_int8(original, q, kv_cache, weights, seq_lens, page_table, deep_gemm_metadata, max_seq_len,
-                        clean_logits=False):
+                        clean_logits=False, budget: int = LOGITS_BUDGET_BYTES):
     """indexer.fp8_paged_mqa_logits_torch (selected by SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1): INT8 logits
-    on INT8 tensor cores over the paged INT8 index cache."""
+    on INT8 tensor cores over the paged INT8 index cache. Where the rows' logits would pass the budget, the
+    arguments come back unscored (`ChunkedIndexerLogits`) and the top-k seam scores them chunk by chunk. The
+    choice depends on the shapes only (T, max_seq_len), never on values: a CUDA graph captures either path."""
     from ..kernels.indexer_int8 import paged_mqa_logits_int8
 
-    return paged_mqa_logits_int8(q, kv_cache, weights, seq_lens, page_table, int(max_seq_len),
-                                 fp4_sim=indexer_fp4_sim())
+    max_seq_len = int(max_seq_len)
+    rows = logits_rows_per_chunk(max_seq_len, budget)
+    if q.shape[0] > rows:
+        return ChunkedIndexerLogits(q, kv_cache, weights, seq_lens, page_table, max_seq_len, rows, indexer_fp4_sim())
+    return paged_mqa_logits_int8(q, kv_cache, weights, seq_lens, page_table, max_seq_len, fp4_sim=indexer_fp4_sim())
+
+
+def indexer_topk_by_chunks(original, scores, seq_lens, page_tables, out_page_indices, page_size,
+                           out_raw_indices=None):
+    """Around indexer.topk_transform_512 (SGLang's JIT top-k v1, one thread block per query row) and its
+    torch fallback topk_transform_512_pytorch_vectorized (SGLANG_TOPK_TRANSFORM_512_TORCH=1): logits
+    deferred by `indexer_logits_int8` are scored `rows_per_chunk` query rows at a time into one reused buffer,
+    each chunk's top-k written to its rows of the outputs. Rows are independent in both kernels, so the indices
+    equal the unchunked ones exactly; the largest logits allocation is rows_per_chunk x max_seq_len fp32."""
+    if not isinstance(scores, ChunkedIndexerLogits):
+        return original(scores, seq_lens, page_tables, out_page_indices, page_size, out_raw_indices)
+    total = out_page_indices.shape[0]
+    if scores.q.shape[0] != total:
+        raise ValueError(f"dsv4-sm80 attention.indexer_topk: found {scores.q.shape[0]} scored query rows for "
+                         f"{total} top-k rows; expected one per row, as SGLang's match_num_queries aligns them (an "
+                         "upstream change to forward_c4_indexer; report it)")
+    step = scores.rows_per_chunk
+    buf = torch.empty((min(step, total), scores.max_seq_len), dtype=torch.float32, device=scores.q.device)
+    for start in range(0, total, step):
+        end = min(start + step, total)
+        raw = None if out_raw_indices is None else out_raw_indices[start:end]
+        original(scores.rows(start, end, buf), seq_lens[start:end], page_tables[start:end],
+                 out_page_indices[start:end], page_size, raw)
+    return None
 
 
 # --- the attention backend ----------------------------------------------------------------------------
