@@ -223,7 +223,11 @@ def compressed_visible_early(original, seq_lens, positions, raw_out_loc, *args, 
 
 @_bug("indexer_topk_511")
 def indexer_topk_511(original, scores, seq_lens, page_tables, out_page_indices, page_size, out_raw_indices=None):
-    """Around indexer.topk_transform_512: a row that selected all 512 slots loses its lowest-scoring one."""
+    """Around indexer.topk_transform_512: a row that selected all 512 slots loses its lowest-scoring one. Only
+    where the logits fit one pass (the product's query chunks hand on unscored arguments above its budget)."""
+    if not torch.is_tensor(scores):
+        raise RuntimeError("mutant indexer_topk_511: the indexer logits were deferred to query chunks (a prompt past "
+                           "the stage's LOGITS_BUDGET_BYTES); run this mutant on shorter prompts")
     raw = torch.empty_like(out_page_indices) if out_raw_indices is None else out_raw_indices
     original(scores, seq_lens, page_tables, out_page_indices, page_size, raw)
     valid = out_page_indices >= 0
