@@ -109,6 +109,19 @@ def disassemble(cubin: bytes) -> str:
     return subprocess.run([nvd, "-c", "-g", f"{d}/k.cubin"], capture_output=True, text=True, check=True).stdout
 
 
+def sm80_build(fn, signature: dict, constexprs: dict, num_warps: int = 4) -> dict:
+    """A Triton kernel compiled for sm_80 (no GPU needed): its PTX, its shared memory and its local-memory spills
+    (LDL + STL in its SASS)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    r = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 80, 32),
+                       options={"num_warps": num_warps})
+    census = loops(disassemble(r.asm["cubin"]))
+    return {"ptx": r.asm["ptx"], "shared": r.metadata.shared, "spills": census["LDL"] + census["STL"]}
+
+
 def _op(line):
     m = re.search(r"\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
     return m.group(2).split(".")[0] if m else None

@@ -327,19 +327,12 @@ def test_real_sglang_pool_rounds_with_the_option():
 
 COMPILE = """
 import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from dsv4_sm80.kernels import kv_store as ks
 sys.path.insert(0, "bench")
 import sass_census as sc
-t = GPUTarget("cuda", 80, 32)
 def build(fn, sig, consts):
-    r = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=t, options={"num_warps": 4})
-    p = r.asm["ptx"]
-    census = sc.loops(sc.disassemble(r.asm["cubin"]))
-    return {"sm80": ".target sm_80" in p, "fp8": "e4m3" in p or "e5m2" in p,
-            "spills": census["LDL"] + census["STL"]}
+    r = sc.sm80_build(fn, sig, consts)
+    return {"sm80": ".target sm_80" in r["ptx"], "fp8": "e4m3" in r["ptx"] or "e5m2" in r["ptx"], "spills": r["spills"]}
 out = {
   "k_norm_rope_store fp8_sim": build(ks._k_norm_rope_store_kernel, {"kv_ptr": "*bf16", "stride_kv": "i32",
       "w_ptr": "*bf16", "freqs_ptr": "*fp32", "pos_ptr": "*i64", "loc_ptr": "*i32", "cache_ptr": "*bf16",
