@@ -68,23 +68,32 @@ class Draft(nn.Module):
         self._rope = mdl.apply_rotary_pos_emb
 
     # --- forward ----------------------------------------------------------------------------------------
-    def _attention(self, attn, h, ctx, pos_blk, pos_ctx, ctx_valid, rope):
-        """h [N, g, H] block rows, ctx [N, W, H] projected target features; returns [N, g, H]."""
+    def _context_kv(self, attn, main_x, b, pos_ctx, rope):
+        """[N, 1, W, D]: the stage's KV of every position of the projected features main_x [B, S, H], computed
+        once per position (KV depends only on the row and its position), then gathered per block."""
+        B, S, _ = main_x.shape
+        pos = torch.arange(S, device=main_x.device).expand(B, S)
+        cos, sin = rope(main_x, pos)
+        kv = self._rope(attn.kv_norm(attn.kv_proj(main_x))[:, None], cos, sin)[:, 0]
+        return kv[b[:, None], pos_ctx][:, None]
+
+    def _attention(self, attn, h, kv_c, pos_blk, ctx_valid, rope):
+        """h [N, g, H] block rows, kv_c [N, 1, W, D] the context's KV; returns [N, g, H]."""
         N, g, _ = h.shape
         D = attn.head_dim
         cos_b, sin_b = rope(h, pos_blk)
-        cos_c, sin_c = rope(h, pos_ctx)
         q = attn.q_b_proj(attn.q_a_norm(attn.q_a_proj(h))).view(N, g, -1, D).transpose(1, 2)
         q = self._rope(attn.q_b_norm(q), cos_b, sin_b)
         kv_b = self._rope(attn.kv_norm(attn.kv_proj(h))[:, None], cos_b, sin_b)
-        kv_c = self._rope(attn.kv_norm(attn.kv_proj(ctx))[:, None], cos_c, sin_c)
-        kv = torch.cat([kv_c, kv_b], dim=2)  # [N, 1, W + g, D]
-        scores = (q @ kv.transpose(-1, -2)) * attn.scaling
+        kv = torch.cat([kv_c, kv_b], dim=2)[:, 0]  # [N, W + g, D]
+        heads = q.shape[1]
+        # one KV head for all query heads: fold heads into rows (a broadcast matmul would copy KV per head)
+        scores = (q.reshape(N, heads * g, D) @ kv.transpose(-1, -2)).view(N, heads, g, -1) * attn.scaling
         mask = torch.cat([ctx_valid, ctx_valid.new_ones(N, g)], dim=1)[:, None, None, :]
         scores = scores.masked_fill(~mask, float("-inf"))
         sink = attn.sinks.view(1, -1, 1, 1).expand(N, -1, g, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-        o = probs @ kv  # [N, heads, g, D]
+        o = (probs.reshape(N, heads * g, -1) @ kv).view(N, heads, g, D)
         o = self._rope(o.transpose(1, 2), cos_b, -sin_b, unsqueeze_dim=2)
         grouped = attn.o_a_proj(o.reshape(N, g, attn.config.o_groups, -1)).flatten(2)
         return attn.o_b_proj(grouped)
@@ -100,7 +109,6 @@ class Draft(nn.Module):
         ctx_valid = pos_ctx >= 0
         pos_ctx = pos_ctx.clamp(min=0)
         main_x = self.main_norm(self.main_proj(feats.flatten(-2)))
-        ctx = main_x[b[:, None], pos_ctx]
         block = torch.full_like(pos_blk, self.noise)
         block[:, 0] = ids[b, p]
         x = target.model.embed_tokens(block)
@@ -112,7 +120,8 @@ class Draft(nn.Module):
 
         for st in self.stages:
             post, comb, col = st.attn_hc(x)
-            a = self._attention(st.self_attn, st.input_layernorm(col), ctx, pos_blk, pos_ctx, ctx_valid, rope)
+            kv_c = self._context_kv(st.self_attn, main_x, b, pos_ctx, rope)
+            a = self._attention(st.self_attn, st.input_layernorm(col), kv_c, pos_blk, ctx_valid, rope)
             x = post.unsqueeze(-1) * a.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), x)
             post, comb, col = st.ffn_hc(x)
             m = st.mlp(st.post_attention_layernorm(col))

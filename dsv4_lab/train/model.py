@@ -60,6 +60,7 @@ def build(cfg, seed: int):
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(library_config(cfg)).float()
     model.config.use_cache = False
+    model.config._attn_implementation = _register_mqa_attention()
     specs = {s.name: s for s in fmt.inventory(cfg)}
     names = official_names(model)
     with torch.no_grad():
@@ -67,6 +68,31 @@ def build(cfg, seed: int):
             for off_name, part in names[lib_name]:
                 _init(t if part is None else t[part], specs[off_name], seed, int(cfg["n_routed_experts"]))
     return model
+
+
+def _mqa_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """The library's eager attention (mask, sink column, max subtracted, sink dropped) with the one shared KV
+    head read once for all query heads: heads folded into rows instead of the KV copied per head."""
+    B, H, S, D = query.shape
+    k, v = key[:, 0], value[:, 0]
+    w = (query.reshape(B, H * S, D) @ k.transpose(1, 2)).view(B, H, S, -1) * scaling
+    if attention_mask is not None:
+        w = w + attention_mask
+    sinks = module.sinks.reshape(1, -1, 1, 1).expand(B, -1, S, -1)
+    logits = torch.cat([w, sinks], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    out = (probs.reshape(B, H * S, -1) @ v).view(B, H, S, D)
+    return out.transpose(1, 2).contiguous(), probs
+
+
+def _register_mqa_attention() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register("dsv4_lab_mqa", _mqa_attention)
+    AttentionMaskInterface.register("dsv4_lab_mqa", eager_mask)  # the additive masks eager attention gets
+    return "dsv4_lab_mqa"
 
 
 def _init(t: torch.Tensor, spec: fmt.TensorSpec, seed: int, experts: int) -> None:

@@ -117,7 +117,12 @@ def run(out, preset="tiny", steps=2000, draft_steps=None, seq=4096, device="cpu"
     ckpt = os.path.join(out, "dsv4-lab-tiny")
     summary = write_checkpoint(ckpt, cfg, target.cpu(), draft.cpu(), seed, log=log)
     size = pack(ckpt, os.path.join(out, "dsv4-lab-tiny.tar.xz"))
-    report = {"preset": preset, "seed": seed, "steps": steps, "seq": seq, "short": short, "device": device,
+    import platform
+
+    report = {"preset": preset, "seed": seed, "steps": steps, "draft_steps": len(dlosses), "seq": seq,
+              "short": short, "batch": short_batch, "long_every": long_every, "device": device,
+              "python": platform.python_version(), "torch": torch.__version__,
+              "threads": torch.get_num_threads(),
               "train_files": len(train_files), "held_out_files": len(held), "train_ids": int(stream.numel()),
               "target_loss_first": losses[0] if losses else None, "target_loss_last": losses[-1] if losses else None,
               "draft_ce_first": dlosses[0] if dlosses else None, "draft_ce_last": dlosses[-1] if dlosses else None,

@@ -197,3 +197,18 @@ def test_only_the_distillation_loss_reaches_the_indexer(trained):
     assert all(g is None or not bool(g.any()) for g in lm_grads)
     kl_grads = torch.autograd.grad(torch.stack(kl).sum(), list(indexer.parameters()), allow_unused=True)
     assert any(g is not None and bool(g.any()) for g in kl_grads)
+
+
+def test_training_attention_is_the_library_eager_attention():
+    """Training reads the one shared KV head once for all query heads; the logits equal the library's eager
+    attention's (its masks, sink and compressed entries included) at a length where the C4 indexer selects."""
+    cfg = official_config("toy")
+    model = build(cfg, seed=0)
+    assert model.config._attn_implementation == "dsv4_lab_mqa"
+    _, held = data.split()
+    ids = data.token_stream(held[:3])[:2200][None]
+    with torch.no_grad():
+        fast = model(input_ids=ids).logits
+        model.config._attn_implementation = "eager"
+        eager = model(input_ids=ids).logits
+    torch.testing.assert_close(fast, eager, rtol=1e-5, atol=1e-5)
