@@ -130,6 +130,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix-hit", action="store_true",
                     help="first prefill each teacher sequence's first half, then teacher-force from that point "
                          "(logprob_start_len) so the half comes from the prefix cache; earlier positions stay empty")
+    ap.add_argument("--prompts", metavar="FILE",
+                    help="a JSON list of prompt id lists to use instead of random ids (--lengths and --batch then "
+                         "ignored): held-out text for a trained checkpoint (`python -m dsv4_lab.train prompts`)")
     ap.add_argument("--batch", type=int, default=0,
                     help="N concurrent prompts cycling over --lengths (distinct ids); 0 = one per length")
     args = ap.parse_args(argv)
@@ -147,6 +150,9 @@ def main(argv=None) -> int:
     count = max(args.batch, len(lengths))
     lengths = [lengths[i % len(lengths)] for i in range(count)]
     prompts = [prompt_ids(n, vocab, seed=7 + i // len(set(lengths))) for i, n in enumerate(lengths)]
+    if args.prompts:
+        prompts = [[int(x) for x in p] for p in json.load(open(args.prompts))]
+        lengths = [len(p) for p in prompts]
 
     import sglang
     import torch

@@ -8,7 +8,10 @@
 # tokens, default 20,300,1984,3000: up to 2,048 tokens the C4 indexer keeps every entry, above it selects); CHUNK
 # (an odd prefill chunk, default 333); SM80_ENV (default lab mode on one H200, the SM80 datapath forced onto an SM90
 # GPU; on an A800 set it to ENABLE_SGLANG_DSV4_A100_PATCH=1); MUTANTS (default every name in
-# dsv4_lab.mutants.MUTANTS); DRY=1 prints the commands only. A step whose record exists is skipped: a cut run resumes.
+# dsv4_lab.mutants.MUTANTS); PROMPTS (a JSON list of prompt id lists used instead of LENGTHS' random ids: held-out
+# text for the trained checkpoint, `python -m dsv4_lab.train prompts`); BED_ARGS (more engine_bed options for every
+# run, e.g. `--head-scale 1.0` for the trained checkpoint, written without the generator's peaked head); DRY=1 prints
+# the commands only. A step whose record exists is skipped: a cut run resumes.
 set -euo pipefail
 OUT=${1:?usage: accuracy.sh OUT_DIR}
 CKPT=${CKPT:-/tmp/dsv4-tiny}
@@ -17,6 +20,10 @@ CHUNK=${CHUNK:-333}
 SM80_ENV=${SM80_ENV:-ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0}
 NATIVE_ENV=ENABLE_SGLANG_DSV4_A100_PATCH=0
 PY=${PYTHON:-python}
+PROMPT_ARGS=()
+[ -z "${PROMPTS:-}" ] || PROMPT_ARGS=(--prompts "$PROMPTS")
+# shellcheck disable=SC2206
+PROMPT_ARGS+=(${BED_ARGS:-})
 mkdir -p "$OUT"
 
 run() {  # run NAME ENV... -- ARGS...: one step, skipped when $OUT/NAME.json exists
@@ -34,13 +41,13 @@ bed() {  # bed NAME ENV... -- ENGINE_BED_ARGS...: an engine_bed record on the re
   local envs=()
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done
   shift
-  run "$name" "${envs[@]}" -- $PY -u dsv4_lab/beds/engine_bed.py --ckpt "$CKPT" --lengths "$LENGTHS" \
+  run "$name" "${envs[@]}" -- $PY -u dsv4_lab/beds/engine_bed.py --ckpt "$CKPT" --lengths "$LENGTHS" "${PROMPT_ARGS[@]}" \
     --teacher-from "$OUT/sequences.json" --token-ids-logprob "$OUT/ids.json" --out "$OUT/$name.json" "$@"
 }
 
 # 1. the sequences (native SGLang's greedy continuations), then the references on them and their support ids
 run sequences $NATIVE_ENV -- $PY -u dsv4_lab/beds/engine_bed.py --ckpt "$CKPT" --lengths "$LENGTHS" \
-  --out "$OUT/sequences.json"
+  "${PROMPT_ARGS[@]}" --out "$OUT/sequences.json"
 run ref -- $PY -u -m dsv4_lab.oracle score --ckpt "$CKPT" --record "$OUT/sequences.json" --out "$OUT/ref.json" \
   --support-out "$OUT/ids.json"
 

@@ -1,5 +1,8 @@
 """python -m dsv4_lab.train tiny OUT [--steps N --seq LEN --device cuda|cpu --seed S]
-python -m dsv4_lab.train check ARCHIVE [--bpb-files N --max-len L --device D]"""
+python -m dsv4_lab.train check ARCHIVE [--bpb-files N --max-len L --device D]
+python -m dsv4_lab.train unpack DIR [--archive A]
+python -m dsv4_lab.train prompts OUT.json [--lengths 20,300,1984,3000]
+python -m dsv4_lab.train score --ckpt DIR --record NAME=FILE [--dspark NAME=FILE] [--json-out F]"""
 
 from __future__ import annotations
 
@@ -26,7 +29,51 @@ def main(argv=None) -> int:
     c.add_argument("--bpb-files", type=int, default=0)
     c.add_argument("--max-len", type=int, default=4096)
     c.add_argument("--device", default="cpu")
+    u = sub.add_parser("unpack", help="unpack an archive (default: the committed one) into a folder")
+    u.add_argument("dir")
+    u.add_argument("--archive", default=None)
+    p = sub.add_parser("prompts", help="held-out text prompts as a JSON list of id lists (engine_bed --prompts)")
+    p.add_argument("out")
+    p.add_argument("--lengths", default="20,300,1984,3000")
+    s = sub.add_parser("score", help="score trained_bed records against the reference oracle")
+    s.add_argument("--ckpt", required=True)
+    s.add_argument("--record", action="append", default=[], metavar="NAME=FILE", help="a plain record per path")
+    s.add_argument("--dspark", action="append", default=[], metavar="NAME=FILE",
+                   help="the same path's DSPARK record")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--no-long-reference", action="store_true", help="skip the reference's own long decode")
+    s.add_argument("--json-out")
     a = ap.parse_args(argv)
+    if a.cmd == "unpack":
+        import os
+
+        from . import TRAINED_ARCHIVE
+        from .check import unpack
+
+        os.makedirs(a.dir, exist_ok=True)
+        print(unpack(a.archive or TRAINED_ARCHIVE, a.dir))
+        return 0
+    if a.cmd == "prompts":
+        import json
+
+        from .data import held_out_prompts
+
+        with open(a.out, "w") as f:
+            json.dump(held_out_prompts([int(x) for x in a.lengths.split(",")]), f)
+        return 0
+    if a.cmd == "score":
+        import json
+
+        from .score import score
+
+        def pairs(items):
+            return dict(x.split("=", 1) for x in items)
+
+        out = score(a.ckpt, pairs(a.record), pairs(a.dspark), a.device, not a.no_long_reference)
+        if a.json_out:
+            with open(a.json_out, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
     if a.cmd == "tiny":
         import os
 
@@ -34,7 +81,8 @@ def main(argv=None) -> int:
 
         os.makedirs(a.out, exist_ok=True)
         run(a.out, preset=a.preset, steps=a.steps, draft_steps=a.draft_steps, seq=a.seq, device=a.device,
-            seed=a.seed, short=a.short, short_batch=a.batch, long_every=a.long_every)
+            seed=a.seed, short=a.short, short_batch=a.batch, long_every=a.long_every,
+            command="python -m dsv4_lab.train " + " ".join(sys.argv[1:] if argv is None else argv))
         return 0
     from .check import check
 

@@ -63,6 +63,6 @@ def check(archive: str, bpb_files: int = 0, max_len: int = 4096, device: str = "
             return 1
         model = load_reference(ckpt, device)
         log(f"check: the oracle loaded {archive} ({sum(p.numel() for p in model.parameters())} parameters)")
-        if bpb_files:
-            log(f"check: held-out {held_out_bpb(model, bpb_files, max_len, device=device)}")
+        for numerics in ("R_q", "R_x") if bpb_files else ():
+            log(f"check: held-out {held_out_bpb(model, bpb_files, max_len, numerics, device)}")
     return 0

@@ -105,3 +105,15 @@ class Batches:
         n, b = (self.long_len, 1) if long else (self.short_len, self.short_batch)
         starts = torch.randint(0, self.stream.numel() - n, (b,), generator=g)
         return torch.stack([self.stream[s:s + n] for s in starts.tolist()])
+
+
+def held_out_prompts(lengths: list[int], root: str | None = None) -> list[list[int]]:
+    """One window of held-out text per length, spread evenly over the held-out files' ids (in file order), so
+    prompts of one run do not overlap: prompt k of n starts at k / n of the stream."""
+    _, held = split(root)
+    stream = token_stream(held, root)
+    step = stream.numel() // max(1, len(lengths))
+    if any(n > step for n in lengths):
+        raise ValueError(f"held-out prompts: {len(lengths)} prompts of up to {max(lengths)} ids need "
+                         f"{len(lengths) * max(lengths)} held-out ids; this library has {stream.numel()}")
+    return [stream[k * step:k * step + n].tolist() for k, n in enumerate(lengths)]

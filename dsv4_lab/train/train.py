@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -95,8 +96,13 @@ def pack(ckpt_dir: str, archive: str) -> int:
     return size
 
 
+def sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def run(out, preset="tiny", steps=2000, draft_steps=None, seq=4096, device="cpu", seed=0, short=512,
-        short_batch=16, long_every=4, log=print) -> dict:
+        short_batch=16, long_every=4, log=print, command=None) -> dict:
     t0 = time.time()
     torch.manual_seed(seed)
     # training needs no exact fp32 products (the oracle, loading the result, turns TF32 back off)
@@ -116,7 +122,8 @@ def run(out, preset="tiny", steps=2000, draft_steps=None, seq=4096, device="cpu"
                           device, log=log, seed=seed)
     ckpt = os.path.join(out, "dsv4-lab-tiny")
     summary = write_checkpoint(ckpt, cfg, target.cpu(), draft.cpu(), seed, log=log)
-    size = pack(ckpt, os.path.join(out, "dsv4-lab-tiny.tar.xz"))
+    archive = os.path.join(out, "dsv4-lab-tiny.tar.xz")
+    size = pack(ckpt, archive)
     import platform
 
     report = {"preset": preset, "seed": seed, "steps": steps, "draft_steps": len(dlosses), "seq": seq,
@@ -126,7 +133,8 @@ def run(out, preset="tiny", steps=2000, draft_steps=None, seq=4096, device="cpu"
               "train_files": len(train_files), "held_out_files": len(held), "train_ids": int(stream.numel()),
               "target_loss_first": losses[0] if losses else None, "target_loss_last": losses[-1] if losses else None,
               "draft_ce_first": dlosses[0] if dlosses else None, "draft_ce_last": dlosses[-1] if dlosses else None,
-              "checkpoint": ckpt, "archive_bytes": size, "tensors": summary["tensors"],
+              "checkpoint": ckpt, "archive_bytes": size, "archive_sha256": sha256(archive),
+              "tensors": summary["tensors"], "command": command,
               "seconds": round(time.time() - t0, 1)}
     with open(os.path.join(out, "train.json"), "w") as f:
         json.dump(report, f, indent=2)
