@@ -63,6 +63,11 @@
 #   dsv4_lab/beds/steps.sh trace-linears  native's trace (made unless there) and its FP8 linears against native SGLang's
 #                                  own activation quantizer and FP8 linear on their recorded inputs (dsv4_lab.trace
 #                                  --sglang-models): what the replay's fp8-act model misses of native's linear
+#   dsv4_lab/beds/steps.sh trained     the committed trained tiny checkpoint ($TRAINED, unpacked first): trained_bed for
+#                                  native and the SM80 default path, each without and with DSPARK, CUDA graphs on; then
+#                                  `python -m dsv4_lab.train score` on the GPU -> $OUT/trained.json (TRAINED_MODES adds
+#                                  SM80 modes, e.g. "bf16-marlin fp8_marlin-mxfp4_int8")
+#   dsv4_lab/beds/steps.sh trained-accuracy  dsv4_lab/oracle/accuracy.sh on it with held-out text prompts -> $OUT/acc-trained
 #   dsv4_lab/beds/steps.sh graphs      patched with CUDA graphs vs patched eager (decode outputs)
 #   dsv4_lab/beds/steps.sh graphs-self graphs on the teacher sequences of a patched eager run made first (no oracle)
 #   dsv4_lab/beds/steps.sh spec        patched DSPARK vs patched without speculation (greedy tokens, acceptance), and
@@ -115,6 +120,7 @@ ORACLE=${ORACLE:-$OUT/oracle/native.json}
 JIT_SEED=${JIT_SEED:-$PWD/dsv4_lab/beds/jit-seed/tvm-ffi.json.xz}  # SGLang JIT module sources (dsv4_lab/beds/jit_seed.py)
 FI_SEED=${FI_SEED:-$PWD/dsv4_lab/beds/jit-seed/flashinfer.json.xz}  # FlashInfer's JIT modules, the same way
 TW=${DSV4_BED_TEACHER_WAIT:-0}  # engine_bed's wait for its teacher record (par with PAR_SAME_GPU): added to step limits
+TRAINED=${TRAINED:-/tmp/dsv4-lab-tiny}  # the committed trained checkpoint, unpacked (steps trained*)
 WIDE=${WIDE:-/tmp/dsv4-wide}  # the full-width checkpoint (step wide); $WIDE.ok once it is complete
 rc=0
 pins() {  # NAME=VALUE of every SGLang option the SM80 bootstrap pins at import to another value than SGLang's
@@ -147,7 +153,7 @@ run() {  # name, command...: log to $OUT/name.log, keep the tail on stdout
   local name=$1; shift
   echo "=== $name: $*"
   ( eval "$@" ) >"$OUT/$name.log" 2>&1 || { echo "=== $name: exit $?"; rc=1; }
-  grep -E "^(  A/B|mma.sync|latency floor|fault_kill|hygiene|mhc_check|mhc bench|soak|vision_check|http_check|jit_sm80|prebuild-jit|jit_seed|dense_check|moe_check|moe bench|layer_trace|attention_kit|attention bench|prefill|native|c4 |c128|indexer bench|q  |compress|logits|engine_bed|e2e |kernels per|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|us of kernels per decode step|Error|passed|failed|watchdog timeout" \
+  grep -E "^(  A/B|mma.sync|latency floor|fault_kill|hygiene|mhc_check|mhc bench|soak|vision_check|http_check|jit_sm80|prebuild-jit|jit_seed|dense_check|moe_check|moe bench|layer_trace|attention_kit|attention bench|prefill|native|c4 |c128|indexer bench|q  |compress|logits|engine_bed|trained_bed|reference R_|native: |sm80-[a-z0-9_-]*: |e2e |kernels per|  |dense_linear|load-time|x nat|ERROR|FAILED|Traceback| *[0-9]+ )|dsv4-sm80 (dense|moe|footprint)|us of kernels per decode step|Error|passed|failed|watchdog timeout" \
     "$OUT/$name.log" | grep -v "^  File" | tail -40
 }
 vs_floors() {  # RECORD LOG: compare.py, RECORD against the oracle beside each e2e-floors floor this $OUT holds (native
@@ -220,6 +226,27 @@ case ${1:?step} in
     run e2e-gemm env $LAB DSV4_SM80_LAB_NATIVE_ROUNDING=kv,gemm,idx SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin timeout 400 \
       python dsv4_lab/beds/engine_bed.py --out "$OUT/engine-e2e-gemm.json" --teacher-from "$ORACLE"
     vs_floors "$OUT/engine-e2e-gemm.json" "$OUT/e2e-gemm.log" ;;
+  trained)
+    [ -f "$TRAINED/config.json" ] || python -m dsv4_lab.train unpack "$(dirname "$TRAINED")" >/dev/null
+    recs=()
+    for path in native sm80-bf16-mxfp4_int8 ${TRAINED_MODES:-}; do
+      if [ "$path" = native ]; then envs="ENABLE_SGLANG_DSV4_A100_PATCH=0"; else
+        d=${path#sm80-}; envs="$LAB SGLANG_DSV4_A100_DENSE=${d%%-*} SGLANG_DSV4_MXFP4_MOE_BACKEND=${d#*-}"; fi
+      # shellcheck disable=SC2086
+      run "trained-$path" env $envs timeout 540 python dsv4_lab/beds/trained_bed.py --ckpt "$TRAINED" \
+        --out "$OUT/trained-$path.json"
+      # shellcheck disable=SC2086
+      run "trained-$path-dspark" env $envs timeout 540 python dsv4_lab/beds/trained_bed.py --ckpt "$TRAINED" \
+        --out "$OUT/trained-$path-dspark.json" --speculative-algorithm DSPARK
+      recs+=(--record "$path=$OUT/trained-$path.json" --dspark "$path=$OUT/trained-$path-dspark.json")
+    done
+    run trained-score timeout 900 python -m dsv4_lab.train score --ckpt "$TRAINED" --device cuda "${recs[@]}" \
+      --json-out "$OUT/trained.json" ;;
+  trained-accuracy)
+    [ -f "$TRAINED/config.json" ] || python -m dsv4_lab.train unpack "$(dirname "$TRAINED")" >/dev/null
+    [ -f "$OUT/trained-prompts.json" ] || python -m dsv4_lab.train prompts "$OUT/trained-prompts.json"
+    run trained-accuracy env CKPT="$TRAINED" PROMPTS="$OUT/trained-prompts.json" BED_ARGS="--head-scale 1.0" \
+      dsv4_lab/oracle/accuracy.sh "$OUT/acc-trained" ;;
   oracle)
     # (a cold machine compiles for 8-10 minutes before native's first forward: ORACLE_T, 1200 s)
     # the native record e2e/engine/moe-engine compare against ($ORACLE), made here when this machine has none
