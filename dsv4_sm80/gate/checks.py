@@ -99,6 +99,8 @@ def check_gpus(f: GpuFacts, lab: dict) -> list[Finding]:
 # can_use_custom_all_reduce_with_nvlink) only where NVLink joins every pair of GPUs, or on exactly two GPUs whose
 # P2P over PCIe passes its test; above two GPUs without full NVLink it falls back to NCCL by itself, here:
 CUSTOM_AR_RULE = "srt/distributed/device_communicators/custom_all_reduce_utils.py:465"
+# --enable-mscclpp needs no such guard: SGLang 0.5.16 runs MSCCL++ only at 8, 16 or 32 ranks
+# (pymscclpp.py, PyMscclppCommunicator._SUPPORTED_WORLD_SIZES) and falls back to NCCL below; the product runs 4.
 
 
 def custom_all_reduce_allowed(f: Optional[InterconnectFacts]) -> bool:

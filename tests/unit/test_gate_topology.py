@@ -190,3 +190,11 @@ def test_the_launch_seam_sets_the_argument_and_prints_the_warning(monkeypatch, c
         assert gate.before_launch(None, args) is None
         assert args.disable_custom_all_reduce is want
         assert ("dsv4-sm80: WARN gpu.interconnect: no NVLink" in capsys.readouterr().err) is want
+
+
+def test_mscclpp_cannot_run_at_the_products_four_ranks():
+    """The gate guards only the custom all-reduce: SGLang's MSCCL++ all-reduce refuses world sizes below 8."""
+    from sglang.srt.distributed.device_communicators.pymscclpp import PyMscclppCommunicator
+
+    assert 4 not in PyMscclppCommunicator._SUPPORTED_WORLD_SIZES
+    assert min(PyMscclppCommunicator._SUPPORTED_WORLD_SIZES) > 4
