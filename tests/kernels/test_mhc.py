@@ -174,19 +174,17 @@ def test_seam_routes_mhc_pre_to_the_sm80_gemm(patch, module):
 
 
 TRITON_SM80 = """
-import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re, sys
 from dsv4_sm80.kernels import hc_prenorm as hp
 from sglang.kernels.ops.layernorm import mhc_head
-t = GPUTarget("cuda", 80, 32)
+sys.path.insert(0, "bench")
+import sass_census as sc
 def build(fn, sig, consts, warps=4):
-    r = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=t, options={"num_warps": warps})
-    p = r.asm["ptx"]
+    r = sc.sm80_build(fn, sig, consts, num_warps=warps)
+    p = r["ptx"]
     return {"sm80": ".target sm_80" in p, "fp8": "e4m3" in p or "e5m2" in p,
             "tf32_mma": bool(re.search(r"mma[.]sync[.]aligned[.]m16n8k8[.]row[.]col[.]f32[.]tf32[.]tf32[.]f32", p)),
-            "shared": r.metadata.shared}
+            "shared": r["shared"]}
 out = {}
 for bm in (16, 64):
     out[f"hc_prenorm BLOCK_M {bm}"] = build(hp._hc_prenorm_kernel, {"a_ptr": "*bf16", "b_ptr": "*fp32",
