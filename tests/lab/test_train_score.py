@@ -77,3 +77,18 @@ def test_a_record_of_the_references_own_numbers_scores_as_the_reference(toy):
     assert row["long_decode_nll"]["0.0"]["segments"] == pytest.approx(
         out["reference"]["R_q"]["long_decode_nll"]["0.0"]["segments"])
     assert out["paths"]["bad"]["greedy_match_mean"] == pytest.approx((3 + 6 + 6) / 3)
+
+
+def test_held_out_prompts_are_disjoint_windows_of_held_out_text(tmp_path):
+    from dsv4_lab.train.__main__ import main
+
+    out = tmp_path / "p.json"
+    assert main(["prompts", str(out), "--lengths", "20,300,50"]) == 0
+    prompts = json.load(open(out))
+    assert [len(p) for p in prompts] == [20, 300, 50]
+    _, held = data.split()
+    stream = data.token_stream(held).tolist()
+    step = len(stream) // 3
+    assert [stream[k * step:k * step + n] for k, n in enumerate((20, 300, 50))] == prompts
+    with pytest.raises(ValueError, match="held-out prompts"):
+        data.held_out_prompts([len(stream)] * 2)
