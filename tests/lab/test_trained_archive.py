@@ -7,8 +7,6 @@ import json
 import os
 
 import pytest
-import torch
-
 pytest.importorskip("accelerate")  # transformers' FP8 dequantizing loader needs it
 
 from dsv4_lab.train import TRAINED_ARCHIVE, TRAINED_REPORT, check, data  # noqa: E402
@@ -37,7 +35,7 @@ def test_archive_is_the_recorded_one_and_small(report):
 def test_gate_checkpoint_checks_pass(ckpt):
     findings = check.gate_findings(ckpt)
     assert not failures(findings), [(f.check, f.found) for f in failures(findings)]
-    assert {f.check for f in findings if f.status == "ok"} >= {"model.keys", "model.dense_fp8", "model.experts"}
+    assert {f.check for f in findings if f.status == "pass"} >= {"model.keys", "model.dense_fp8", "model.experts"}
 
 
 def test_config_has_the_draft_and_every_layer_kind(ckpt):
@@ -49,14 +47,10 @@ def test_config_has_the_draft_and_every_layer_kind(ckpt):
 
 
 def test_held_out_text_is_predicted_far_better_than_chance(ckpt):
-    """Bits per byte of a held-out file's first 1,024 ids under the oracle (exact arithmetic): chance over
-    the 256 bytes is 8; the trained model scores well under 4."""
+    """Bits per byte of two 1,024-id windows of held-out text under the oracle (exact arithmetic): chance over
+    the 256 bytes is 8; the trained model scores well under 4 (2.94 over 8 windows of 3,000, docs/accuracy.md)."""
     from dsv4_lab.oracle.load import load_reference
+    from dsv4_lab.train.score import reference_bpb
 
     model = load_reference(ckpt)
-    _, held = data.split()
-    ids = data.token_stream(held[:1])[:1024]
-    with torch.no_grad():
-        logits = model(input_ids=ids[None]).logits[0]
-    nll, n = data.sequence_nll(logits, ids)
-    assert data.bits_per_byte(nll, n) < 3.5
+    assert reference_bpb(model, data.held_out_prompts([1024, 1024]), "cpu") < 3.5
