@@ -1,5 +1,5 @@
 """python -m dsv4_lab.train tiny OUT [--steps N --seq LEN --device cuda|cpu --seed S]
-python -m dsv4_lab.train check ARCHIVE [--bpb-files N --max-len L --device D]
+python -m dsv4_lab.train check ARCHIVE [--windows N --window-len L --device D]
 python -m dsv4_lab.train unpack DIR [--archive A]
 python -m dsv4_lab.train prompts OUT.json [--lengths 20,300,1984,3000]
 python -m dsv4_lab.train score --ckpt DIR --record NAME=FILE [--dspark NAME=FILE] [--json-out F]"""
@@ -26,8 +26,8 @@ def main(argv=None) -> int:
     t.add_argument("--seed", type=int, default=0)
     c = sub.add_parser("check", help="gate checks + oracle load of an archive; optional held-out bits per byte")
     c.add_argument("archive")
-    c.add_argument("--bpb-files", type=int, default=0)
-    c.add_argument("--max-len", type=int, default=4096)
+    c.add_argument("--windows", type=int, default=0, help="held-out windows to score (trained_bed's default 8)")
+    c.add_argument("--window-len", type=int, default=3000)
     c.add_argument("--device", default="cpu")
     u = sub.add_parser("unpack", help="unpack an archive (default: the committed one) into a folder")
     u.add_argument("dir")
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         return 0
     from .check import check
 
-    return check(a.archive, a.bpb_files, a.max_len, a.device)
+    return check(a.archive, a.windows, a.window_len, a.device)
 
 
 if __name__ == "__main__":

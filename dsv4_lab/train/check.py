@@ -1,13 +1,11 @@
 """Check a trained archive: the gate's checkpoint checks pass, the oracle loads it; optionally the held-out
-bits per byte under the oracle (R_x, or R_q with the model's own roundings)."""
+bits per byte under the oracle (R_x, and R_q with the model's own roundings) on the windows trained_bed uses."""
 
 from __future__ import annotations
 
 import os
 import tarfile
 import tempfile
-
-import torch
 
 from . import data
 
@@ -31,26 +29,12 @@ def gate_findings(ckpt: str) -> list:
             *guarded("model.tokenizer", check_tokenizer, m)]
 
 
-def held_out_bpb(model, max_files: int, max_len: int, numerics: str = "R_q", device: str = "cpu") -> dict:
-    """Bits per byte of the first max_files held-out files, each scored in windows of max_len ids."""
-    from dsv4_lab.oracle.numerics import NUMERICS, applied
-
-    _, held = data.split()
-    nll, n = 0.0, 0
-    with torch.no_grad(), applied(model, NUMERICS[numerics]):
-        for rel in held[:max_files]:
-            ids = data.token_stream([rel])
-            for s in range(0, ids.numel() - 1, max_len):
-                w = ids[s:s + max_len + 1].to(device)
-                a, b = data.sequence_nll(model(input_ids=w[None]).logits[0].float().cpu(), w.cpu())
-                nll, n = nll + a, n + b
-    return {"files": min(max_files, len(held)), "bytes": n, "bits_per_byte": data.bits_per_byte(nll, n),
-            "numerics": numerics}
-
-
-def check(archive: str, bpb_files: int = 0, max_len: int = 4096, device: str = "cpu", log=print) -> int:
+def check(archive: str, windows: int = 0, window_len: int = 3000, device: str = "cpu", log=print) -> int:
     from dsv4_lab.oracle.load import load_reference
+    from dsv4_lab.oracle.numerics import NUMERICS, applied
     from dsv4_sm80.gate.report import failures
+
+    from .score import reference_bpb
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = unpack(archive, tmp)
@@ -63,6 +47,9 @@ def check(archive: str, bpb_files: int = 0, max_len: int = 4096, device: str = "
             return 1
         model = load_reference(ckpt, device)
         log(f"check: the oracle loaded {archive} ({sum(p.numel() for p in model.parameters())} parameters)")
-        for numerics in ("R_q", "R_x") if bpb_files else ():
-            log(f"check: held-out {held_out_bpb(model, bpb_files, max_len, numerics, device)}")
+        prompts = data.held_out_prompts([window_len] * windows) if windows else []
+        for numerics in ("R_x", "R_q") if windows else ():
+            with applied(model, NUMERICS[numerics]):
+                bpb = reference_bpb(model, prompts, device)
+            log(f"check: held-out bits per byte under {numerics}: {bpb:.4f} ({windows} windows of {window_len} ids)")
     return 0
