@@ -47,10 +47,14 @@ def cmd_score(args) -> int:
     from .score import score
 
     record = _load(args.record)
-    seqs = [t["sequence"] for t in record.get("teacher") or []]
+    if isinstance(record, list):  # id lists (`python -m dsv4_lab.train prompts`): the sequences themselves
+        seqs = [[int(x) for x in s] for s in record]
+    else:
+        seqs = [t["sequence"] for t in record.get("teacher") or []]
     if not seqs:
         raise SystemExit(f"oracle score: {args.record} holds no teacher sequences (`teacher[*].sequence`); "
-                         "expected an engine_bed.py record made without --speculative-algorithm")
+                         "expected an engine_bed.py record made without --speculative-algorithm, or a JSON list "
+                         "of id lists")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_reference(args.ckpt, device)
     out = score(model, seqs, names=tuple(args.refs.split(",")), top=args.top, support_size=args.support_size,
@@ -64,6 +68,12 @@ def cmd_score(args) -> int:
     for name, ref in out["references"].items():
         print(f"  {name}: reference mass inside the support ids, mean per sequence "
               f"{[t['support_mass'] for t in ref['teacher']]}")
+    names = list(out["references"])
+    for name in names[1:]:
+        pooled = metrics.compare_records(out["references"][names[0]], out["references"][name])["pooled"]
+        print(f"  {name} against {names[0]}: mean KL {pooled['kl_mean']:.5f} (max {pooled['kl_max']:.5f}), top-1 "
+              f"{pooled['top1_at_1nat']:.1f} % at {pooled['positions_at_1nat']} of {pooled['positions']} positions "
+              f"above a 1-nat margin, dNLL {pooled['dnll']:+.5f}")
     for name, errs in out["hidden_rel_error"].items():
         for s_i, e in enumerate(errs):
             print(f"  {name} vs {args.refs.split(',')[0]} seq {s_i}: hidden rel. error per layer {e}; "
@@ -158,7 +168,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("score", help="reference log-probs for the teacher sequences of an engine-bed record")
     s.add_argument("--ckpt", required=True, help="the official-format checkpoint the engines served")
-    s.add_argument("--record", required=True, help="an engine_bed.py record (its teacher[*].sequence)")
+    s.add_argument("--record", required=True, help="an engine_bed.py record (its teacher[*].sequence), or a JSON "
+                   "list of id lists (python -m dsv4_lab.train prompts)")
     s.add_argument("--out", required=True)
     s.add_argument("--refs", default="R_x,R_q", help="references to score (dsv4_lab.oracle.numerics.NUMERICS)")
     s.add_argument("--device", default="auto")

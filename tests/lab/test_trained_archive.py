@@ -54,3 +54,16 @@ def test_held_out_text_is_predicted_far_better_than_chance(ckpt):
 
     model = load_reference(ckpt)
     assert reference_bpb(model, data.held_out_prompts([1024, 1024]), "cpu") < 3.5
+
+
+def test_oracle_scores_plain_id_lists_and_compares_its_references(ckpt, tmp_path, capsys):
+    """`oracle score` takes the held-out prompts file as its sequences and prints R_x against R_q: on this
+    model the two agree at every decided position."""
+    from dsv4_lab.oracle.__main__ import main
+
+    seqs = tmp_path / "p.json"
+    seqs.write_text(json.dumps(data.held_out_prompts([40, 60])))
+    assert main(["score", "--ckpt", ckpt, "--record", str(seqs), "--out", str(tmp_path / "s.json"),
+                 "--refs", "R_q,R_x", "--device", "cpu"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if "R_x against R_q" in x]
+    assert line and "top-1 100.0 %" in line[0]
