@@ -43,7 +43,27 @@ def main(argv=None) -> int:
     s.add_argument("--device", default="cpu")
     s.add_argument("--no-long-reference", action="store_true", help="skip the reference's own long decode")
     s.add_argument("--json-out")
+    d = sub.add_parser("accept", help="the reference-side estimate of DSPARK's greedy acceptance (CPU or GPU)")
+    d.add_argument("--ckpt", required=True)
+    d.add_argument("--prompts", type=int, default=4, help="held-out prompts of --prompt-len ids")
+    d.add_argument("--prompt-len", type=int, default=256)
+    d.add_argument("--new", type=int, default=64, help="decode positions per prompt")
+    d.add_argument("--device", default="cpu")
     a = ap.parse_args(argv)
+    if a.cmd == "accept":
+        import json
+
+        from dsv4_lab.oracle.load import load_reference
+
+        from .data import held_out_prompts
+        from .draft import load_draft
+        from .score import draft_acceptance
+
+        model = load_reference(a.ckpt, a.device)
+        draft = load_draft(a.ckpt).to(a.device)
+        out = draft_acceptance(model, draft, held_out_prompts([a.prompt_len] * a.prompts), a.new, a.device)
+        print(f"draft acceptance (reference-side estimate): {json.dumps(out)}")
+        return 0
     if a.cmd == "unpack":
         import os
 

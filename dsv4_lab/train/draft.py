@@ -189,3 +189,70 @@ def init_draft(draft: Draft, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
         for st in draft.stages:
             st.mlp.gate.e_score_correction_bias.zero_()
+
+
+def read_official(ckpt: str):
+    """name -> the checkpoint's tensor as fp32, FP8 blocks and MXFP4 experts dequantized exactly; and the names."""
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    from dsv4_sm80.kernels.w4a8_moe_ref import dequant_mxfp4
+
+    wm = json.load(open(os.path.join(ckpt, "model.safetensors.index.json")))["weight_map"]
+
+    def get(name):
+        with safe_open(os.path.join(ckpt, wm[name]), "pt") as f:
+            return f.get_tensor(name)
+
+    def read(name):
+        t = get(name)
+        if t.dtype == torch.float8_e4m3fn:
+            s = get(name[:-len("weight")] + "scale").float()
+            full = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:t.shape[0], :t.shape[1]]
+            return t.float() * full
+        if t.dtype == torch.int8:
+            return dequant_mxfp4(t, get(name[:-len("weight")] + "scale")).float()
+        return t.float()
+    return read, wm
+
+
+@torch.no_grad()
+def load_draft(ckpt: str) -> Draft:
+    """The checkpoint's mtp.* stages in a Draft (the inverse of `Draft.official_weights`)."""
+    import json
+    import os
+
+    from transformers import DeepseekV4ForCausalLM
+
+    from .model import official_names
+
+    cfg = json.load(open(os.path.join(ckpt, "config.json")))
+    draft = Draft(cfg)
+    # the names come from a plain library model: a quantization-loaded one maps its tensors through copies
+    namer = DeepseekV4ForCausalLM(library_config(cfg))
+    read, wm = read_official(ckpt)
+    done = set()
+    for s, st in enumerate(draft.stages):
+        sd = {f"model.layers.{s}.{k}": v for k, v in st.state_dict().items()}
+        for lib_name, pairs in official_names(namer, sd).items():
+            for off, part in pairs:
+                name = "mtp." + off[len("layers."):]
+                dst = sd[lib_name] if part is None else sd[lib_name][part]
+                dst.copy_(read(name).view(dst.shape))
+                done.add(name)
+    last = f"mtp.{draft.n - 1}"
+    for name, p in {"mtp.0.main_proj.weight": draft.main_proj.weight, "mtp.0.main_norm.weight": draft.main_norm.weight,
+                    f"{last}.norm.weight": draft.norm.weight, f"{last}.hc_head_fn": draft.hc_head.hc_fn,
+                    f"{last}.hc_head_base": draft.hc_head.hc_base, f"{last}.hc_head_scale": draft.hc_head.hc_scale,
+                    f"{last}.markov_head.markov_w1.weight": draft.markov_w1.weight,
+                    f"{last}.markov_head.markov_w2.weight": draft.markov_w2.weight,
+                    f"{last}.confidence_head.proj.weight": draft.confidence.weight}.items():
+        p.copy_(read(name).view(p.shape))
+        done.add(name)
+    want = {n for n in wm if n.startswith("mtp.") and not n.endswith(".scale")}
+    if want != done:
+        raise RuntimeError(f"draft load: {sorted(want - done)[:5]} in {ckpt} not loaded, {sorted(done - want)[:5]} "
+                           "loaded but absent; expected the official mtp.* names")
+    return draft.eval()

@@ -140,3 +140,34 @@ def score(ckpt: str, records: dict[str, str], spec_records: dict[str, str], devi
             if not math.isfinite(row[k]):
                 raise ValueError(f"trained score: {name} {k} is {row[k]}; expected a finite figure")
     return out
+
+
+@torch.no_grad()
+def draft_acceptance(model, draft, prompts: list[list[int]], new: int, device: str = "cpu") -> dict:
+    """A reference-side estimate of DSPARK's greedy acceptance (not an engine measurement): the target (R_q)
+    continues each prompt greedily; at every decode position p after the prompt the draft's block (bonus id at p,
+    then the mask id) predicts p+1..p+gamma, and the accept length there is 1 + the number of leading block
+    positions whose argmax is the target's greedy id. Teacher-forcing the draft's Markov bias with the target's
+    ids is exact up to the first miss, where counting stops anyway. Averaged over every position (a real
+    decode visits one position per verify step)."""
+    from dsv4_lab.oracle.numerics import NUMERICS, applied
+
+    from .draft import capture_features
+
+    g = draft.gamma
+    lengths, per_position = [], []
+    with applied(model, NUMERICS["R_q"]):
+        conts = greedy(model, prompts, new + g, device)
+    for prompt, cont in zip(prompts, conts):
+        ids = torch.tensor(prompt + cont, device=device)[None]
+        with applied(model, NUMERICS["R_q"]):
+            feats = capture_features(model, ids, draft.targets)
+        pos = torch.arange(len(prompt), len(prompt) + new, device=device)
+        anchors = torch.stack([torch.zeros_like(pos), pos], dim=1)
+        with applied(model, NUMERICS["R_q"], layers=draft.stages, fp8_inputs=[draft.main_proj]):
+            logits, _, labels = draft(model, ids, feats, anchors)
+        hit = (logits.argmax(-1) == labels).long()
+        lengths += (1 + hit.cumprod(dim=1).sum(dim=1)).tolist()
+        per_position.append(hit.float().mean(dim=0))
+    return {"accept_length_mean": sum(lengths) / len(lengths), "positions": len(lengths), "gamma": g,
+            "block_top1": torch.stack(per_position).mean(dim=0).tolist()}

@@ -212,3 +212,29 @@ def test_training_attention_is_the_library_eager_attention():
         model.config._attn_implementation = "eager"
         eager = model(input_ids=ids).logits
     torch.testing.assert_close(fast, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_draft_loads_back_from_the_written_checkpoint(trained):
+    """load_draft inverts the export: every draft tensor comes back, BF16/F32 ones to BF16 rounding, FP8 and MXFP4
+    ones to their quantization."""
+    from dsv4_lab.train.draft import load_draft
+
+    _, _, draft, _, _, out, _ = trained
+    loaded = dict(load_draft(out).named_parameters())
+    for name, p in draft.named_parameters():
+        q = loaded[name].detach()
+        err = float((q - p.detach()).norm() / p.detach().norm().clamp_min(1e-30))
+        assert err < 0.2, (name, err)
+    torch.testing.assert_close(loaded["markov_w1.weight"], draft.markov_w1.weight.detach().bfloat16().float())
+
+
+def test_draft_acceptance_estimate_is_bounded_by_its_per_position_hits(trained):
+    from dsv4_lab.oracle.load import load_reference
+    from dsv4_lab.train.draft import load_draft
+    from dsv4_lab.train.score import draft_acceptance
+
+    _, _, draft, _, _, out, _ = trained
+    model = load_reference(out)
+    got = draft_acceptance(model, load_draft(out), data.held_out_prompts([24, 24]), 6)
+    assert got["positions"] == 12 and len(got["block_top1"]) == draft.gamma
+    assert 1.0 <= got["accept_length_mean"] <= 1.0 + sum(got["block_top1"]) + 1e-9
