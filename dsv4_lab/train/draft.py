@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .model import library_config, official_weights
+from .model import library_config, mqa_attention, official_weights
 
 
 class Draft(nn.Module):
@@ -85,16 +85,11 @@ class Draft(nn.Module):
         q = attn.q_b_proj(attn.q_a_norm(attn.q_a_proj(h))).view(N, g, -1, D).transpose(1, 2)
         q = self._rope(attn.q_b_norm(q), cos_b, sin_b)
         kv_b = self._rope(attn.kv_norm(attn.kv_proj(h))[:, None], cos_b, sin_b)
-        kv = torch.cat([kv_c, kv_b], dim=2)[:, 0]  # [N, W + g, D]
-        heads = q.shape[1]
-        # one KV head for all query heads: fold heads into rows (a broadcast matmul would copy KV per head)
-        scores = (q.reshape(N, heads * g, D) @ kv.transpose(-1, -2)).view(N, heads, g, -1) * attn.scaling
-        mask = torch.cat([ctx_valid, ctx_valid.new_ones(N, g)], dim=1)[:, None, None, :]
-        scores = scores.masked_fill(~mask, float("-inf"))
-        sink = attn.sinks.view(1, -1, 1, 1).expand(N, -1, g, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-        o = (probs.reshape(N, heads * g, -1) @ kv).view(N, heads, g, D)
-        o = self._rope(o.transpose(1, 2), cos_b, -sin_b, unsqueeze_dim=2)
+        kv = torch.cat([kv_c, kv_b], dim=2)  # [N, 1, W + g, D]
+        visible = torch.cat([ctx_valid, ctx_valid.new_ones(N, g)], dim=1)[:, None, None, :]
+        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
+        o, _ = mqa_attention(attn, q, kv, kv, mask, attn.scaling)  # [N, g, heads, D]
+        o = self._rope(o, cos_b, -sin_b, unsqueeze_dim=2)
         grouped = attn.o_a_proj(o.reshape(N, g, attn.config.o_groups, -1)).flatten(2)
         return attn.o_b_proj(grouped)
 
@@ -148,16 +143,20 @@ class Draft(nn.Module):
             sd = {f"model.layers.{s}.{k}": v for k, v in st.state_dict().items()}
             for name, t in official_weights(target, sd).items():
                 out["mtp." + name[len("layers."):]] = t
+        out.update(self.own_params())
+        return {k: v.detach().clone() for k, v in out.items()}
+
+    def own_params(self) -> dict:
+        """{official name: parameter} of the draft's tensors outside its stages."""
         last = f"mtp.{self.n - 1}"
-        out.update({
+        return {
             "mtp.0.main_proj.weight": self.main_proj.weight, "mtp.0.main_norm.weight": self.main_norm.weight,
             f"{last}.norm.weight": self.norm.weight, f"{last}.hc_head_fn": self.hc_head.hc_fn,
             f"{last}.hc_head_base": self.hc_head.hc_base, f"{last}.hc_head_scale": self.hc_head.hc_scale,
             f"{last}.markov_head.markov_w1.weight": self.markov_w1.weight,
             f"{last}.markov_head.markov_w2.weight": self.markov_w2.weight,
             f"{last}.confidence_head.proj.weight": self.confidence.weight,
-        })
-        return {k: v.detach().clone() for k, v in out.items()}
+        }
 
 
 def capture_features(target, ids, layer_ids) -> torch.Tensor:
@@ -242,13 +241,7 @@ def load_draft(ckpt: str) -> Draft:
                 dst = sd[lib_name] if part is None else sd[lib_name][part]
                 dst.copy_(read(name).view(dst.shape))
                 done.add(name)
-    last = f"mtp.{draft.n - 1}"
-    for name, p in {"mtp.0.main_proj.weight": draft.main_proj.weight, "mtp.0.main_norm.weight": draft.main_norm.weight,
-                    f"{last}.norm.weight": draft.norm.weight, f"{last}.hc_head_fn": draft.hc_head.hc_fn,
-                    f"{last}.hc_head_base": draft.hc_head.hc_base, f"{last}.hc_head_scale": draft.hc_head.hc_scale,
-                    f"{last}.markov_head.markov_w1.weight": draft.markov_w1.weight,
-                    f"{last}.markov_head.markov_w2.weight": draft.markov_w2.weight,
-                    f"{last}.confidence_head.proj.weight": draft.confidence.weight}.items():
+    for name, p in draft.own_params().items():
         p.copy_(read(name).view(p.shape))
         done.add(name)
     want = {n for n in wm if n.startswith("mtp.") and not n.endswith(".scale")}

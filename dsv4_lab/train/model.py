@@ -70,7 +70,7 @@ def build(cfg, seed: int):
     return model
 
 
-def _mqa_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+def mqa_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """The library's eager attention (mask, sink column, max subtracted, sink dropped) with the one shared KV
     head read once for all query heads: heads folded into rows instead of the KV copied per head."""
     B, H, S, D = query.shape
@@ -90,7 +90,7 @@ def _register_mqa_attention() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    AttentionInterface.register("dsv4_lab_mqa", _mqa_attention)
+    AttentionInterface.register("dsv4_lab_mqa", mqa_attention)
     AttentionMaskInterface.register("dsv4_lab_mqa", eager_mask)  # the additive masks eager attention gets
     return "dsv4_lab_mqa"
 
