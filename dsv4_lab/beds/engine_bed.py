@@ -31,6 +31,25 @@ sys.path.insert(0, ROOT)
 BED_WATCHDOG_S = 1800.0
 
 
+def bed_env() -> dict:
+    """The environment variables that decide the path a record was made on."""
+    return {k: os.environ.get(k) for k in sorted(os.environ) if k.startswith(("SGLANG_", "ENABLE_SGLANG", "DSV4_SM80"))}
+
+
+def spec_info(meta: dict) -> dict:
+    """SGLang's speculative-decoding figures of one request (spec_accept_length, ...), the histogram left out."""
+    return {k: v for k, v in meta.items() if k.startswith("spec_") and k != "spec_accept_histogram"}
+
+
+def write_record(path: str, record: dict) -> None:
+    """Written whole, then renamed: another GPU lane waiting for this file (steps.sh need) must never read it half
+    written (a floor compare once read the one-at-a-time record while it was being written)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+
+
 def prompt_ids(length: int, vocab: int, seed: int) -> list[int]:
     import random
 
@@ -158,7 +177,7 @@ def main(argv=None) -> int:
     import torch
 
     record = {
-        "patch": patch, "env": {k: os.environ.get(k) for k in sorted(os.environ) if k.startswith(("SGLANG_", "ENABLE_SGLANG", "DSV4_SM80"))},
+        "patch": patch, "env": bed_env(),
         "gpu": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
         "sglang": sglang.__version__, "torch": torch.__version__, "ckpt": args.ckpt,
         "config": {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -237,7 +256,7 @@ def main(argv=None) -> int:
                         "top5": [_pairs(x) for x in b["meta_info"].get("output_top_logprobs") or []]},
             "alone": {"output_ids": a["output_ids"], "logprobs": logprobs(a)},
             "finite": all(math.isfinite(x) for x in lp),
-            "spec": {k: v for k, v in b["meta_info"].items() if k.startswith("spec_") and k != "spec_accept_histogram"},
+            "spec": spec_info(b["meta_info"]),
         })
     record["teacher"] = []
     for k, (s, r) in enumerate(zip(seqs, tf)):
@@ -251,12 +270,7 @@ def main(argv=None) -> int:
         if ids:
             record["teacher"][-1].update(ids=ids[k], ids_logprobs=[None] * pad + _ids_rows(
                 ids[k], mi["input_token_ids_logprobs"]))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    # written whole, then renamed: another GPU lane waiting for this file (steps.sh need) must never read it half
-    # written (a floor compare once read the one-at-a-time record while it was being written)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(args.out + ".tmp", args.out)
+    write_record(args.out, record)
 
     print(f"engine_bed: patch={'on' if patch else 'off'} gpu={record['gpu']} sm{''.join(map(str, record['capability']))} "
           f"sglang {record['sglang']} timings={record['timings']}")

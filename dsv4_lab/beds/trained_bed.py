@@ -19,7 +19,6 @@ in the record so the scorer (`python -m dsv4_lab.train score`) reads the same id
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,11 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from dsv4_lab.beds.engine_bed import BED_WATCHDOG_S  # noqa: E402
-
-
-def spec_info(meta: dict) -> dict:
-    return {k: v for k, v in meta.items() if k.startswith("spec_") and k != "spec_accept_histogram"}
+from dsv4_lab.beds.engine_bed import BED_WATCHDOG_S, bed_env, spec_info, write_record  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -69,8 +64,7 @@ def main(argv=None) -> int:
 
     spec = bool(args.speculative_algorithm)
     record = {"patch": env.patch_enabled(), "speculative": args.speculative_algorithm,
-              "env": {k: os.environ.get(k) for k in sorted(os.environ)
-                      if k.startswith(("SGLANG_", "ENABLE_SGLANG", "DSV4_SM80"))},
+              "env": bed_env(),
               "gpu": torch.cuda.get_device_name(0), "sglang": sglang.__version__, "python": platform.python_version(),
               "ckpt": args.ckpt, "args": vars(args), "timings": {}}
     extra = {"speculative_algorithm": args.speculative_algorithm} if spec else {}
@@ -114,9 +108,7 @@ def main(argv=None) -> int:
                            "spec": spec_info(o["meta_info"])}
     finally:
         engine.shutdown()
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(args.out + ".tmp", args.out)
+    write_record(args.out, record)
     acc = [g["spec"].get("spec_accept_length") for g in record["greedy"] if g["spec"]]
     print(f"trained_bed: patch={'on' if record['patch'] else 'off'} spec={args.speculative_algorithm} "
           f"gpu={record['gpu']} timings={record['timings']} batch-1 decode "
