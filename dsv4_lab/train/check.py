@@ -31,10 +31,9 @@ def gate_findings(ckpt: str) -> list:
 
 def check(archive: str, windows: int = 0, window_len: int = 3000, device: str = "cpu", log=print) -> int:
     from dsv4_lab.oracle.load import load_reference
-    from dsv4_lab.oracle.numerics import NUMERICS, applied
     from dsv4_sm80.gate.report import failures
 
-    from .score import reference_bpb
+    from .score import reference_bpbs
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = unpack(archive, tmp)
@@ -47,9 +46,8 @@ def check(archive: str, windows: int = 0, window_len: int = 3000, device: str = 
             return 1
         model = load_reference(ckpt, device)
         log(f"check: the oracle loaded {archive} ({sum(p.numel() for p in model.parameters())} parameters)")
-        prompts = data.held_out_prompts([window_len] * windows) if windows else []
-        for numerics in ("R_x", "R_q") if windows else ():
-            with applied(model, NUMERICS[numerics]):
-                bpb = reference_bpb(model, prompts, device)
-            log(f"check: held-out bits per byte under {numerics}: {bpb:.4f} ({windows} windows of {window_len} ids)")
+        if windows:
+            for numerics, bpb in reference_bpbs(model, data.held_out_prompts([window_len] * windows), device).items():
+                log(f"check: held-out bits per byte under {numerics}: {bpb:.4f} ({windows} windows of {window_len} "
+                    "ids)")
     return 0

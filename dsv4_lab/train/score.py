@@ -85,6 +85,17 @@ def reference_bpb(model, windows: list[list[int]], device: str) -> float:
     return data.bits_per_byte(nll, n)
 
 
+def reference_bpbs(model, windows: list[list[int]], device: str) -> dict:
+    """{"R_x": bits per byte, "R_q": bits per byte} of the reference on the windows."""
+    from dsv4_lab.oracle.numerics import NUMERICS, applied
+
+    out = {}
+    for numerics in ("R_x", "R_q"):
+        with applied(model, NUMERICS[numerics]):
+            out[numerics] = reference_bpb(model, windows, device)
+    return out
+
+
 def score(ckpt: str, records: dict[str, str], spec_records: dict[str, str], device: str = "cpu",
           long_reference: bool = True, log=print) -> dict:
     from dsv4_lab.oracle.load import load_reference
@@ -102,10 +113,9 @@ def score(ckpt: str, records: dict[str, str], spec_records: dict[str, str], devi
                              "records of one machine (the prompts are its Python library's held-out text)")
     model = load_reference(ckpt, device)
     out: dict = {"reference": {}, "paths": {}}
-    for numerics in ("R_x", "R_q"):
-        with applied(model, NUMERICS[numerics]):
-            out["reference"][numerics] = {"bits_per_byte": reference_bpb(model, windows, device)}
-        log(f"reference {numerics}: bits per byte {out['reference'][numerics]['bits_per_byte']:.4f}")
+    for numerics, bpb in reference_bpbs(model, windows, device).items():
+        out["reference"][numerics] = {"bits_per_byte": bpb}
+        log(f"reference {numerics}: bits per byte {bpb:.4f}")
     with applied(model, NUMERICS["R_q"]):
         ref_greedy = greedy(model, g_prompts, g_new, device)
         if long_reference:
