@@ -165,9 +165,7 @@ def test_compress_store_index_k_fp4_sim_follows_the_plan(idx, decode):
     for r, slot in enumerate(slots):
         if slot is None:
             continue
-        x = kv[r:r + 1].double()
-        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
-        y[:, 64:] = ref.rope_pairs(y[:, 64:], f, torch.tensor([rows[r][0] - 4]))
+        y = ref.k_norm_rope_ref(kv[r:r + 1], w, 1e-6, f, torch.tensor([rows[r][0] - 4]))
         _, want_codes, want_exps = br.fp4_sim_ref((y @ ref.hadamard128().T / 128 ** 0.5).to(torch.bfloat16))
         codes, exps = br.index_fp4_pages_read(cache, torch.tensor([slot]))
         assert torch.equal(exps.long(), want_exps), r

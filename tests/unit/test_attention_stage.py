@@ -3,7 +3,6 @@ their writers, the pool sizing, the compressor's INT8 index store from a compres
 forward on DSV4's own metadata object - each against the plain-PyTorch references. Kernels run in Triton's
 interpreter."""
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -58,9 +57,7 @@ def test_compress_store_index_k_int8_follows_the_plan(decode):
     for r, slot in enumerate(slots):
         if slot is None:
             continue
-        x = kv[r:r + 1].double()
-        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
-        y[:, 64:] = ref.rope_pairs(y[:, 64:], f, torch.tensor([rows[r][0] - 4]))
+        y = ref.k_norm_rope_ref(kv[r:r + 1], w, 1e-6, f, torch.tensor([rows[r][0] - 4]))
         want_q, want_s = ref.int8_rows(y @ ref.hadamard128().T / 128 ** 0.5)
         got_q, got_s = ref.index_pages_read(cache, torch.tensor([slot]))
         assert (got_q.int() - want_q.int()).abs().max() <= 1, r
