@@ -109,9 +109,16 @@ def disassemble(cubin: bytes) -> str:
     return subprocess.run([nvd, "-c", "-g", f"{d}/k.cubin"], capture_output=True, text=True, check=True).stdout
 
 
+MMA_PTX = {  # the mma.sync forms an sm_80 kernel's PTX may hold
+    "int8_mma": r"mma[.]sync[.]aligned[.]m16n8k32[.]row[.]col([.]satfinite)?[.]s32[.]s8[.]s8[.]s32",
+    "bf16_mma": r"mma[.]sync[.]aligned[.]m16n8k16[.]row[.]col[.]f32[.]bf16[.]bf16[.]f32",
+    "tf32_mma": r"mma[.]sync[.]aligned[.]m16n8k8[.]row[.]col[.]f32[.]tf32[.]tf32[.]f32",
+}
+
+
 def sm80_build(fn, signature: dict, constexprs: dict, num_warps: int = 4) -> dict:
-    """A Triton kernel compiled for sm_80 (no GPU needed): its PTX, its shared memory and its local-memory spills
-    (LDL + STL in its SASS)."""
+    """A Triton kernel compiled for sm_80 (no GPU needed), as facts of its PTX (targets sm_80; any FP8 or FP4 type;
+    each MMA_PTX form present), its shared memory and its local-memory spills (LDL + STL in its SASS)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -119,7 +126,10 @@ def sm80_build(fn, signature: dict, constexprs: dict, num_warps: int = 4) -> dic
     r = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 80, 32),
                        options={"num_warps": num_warps})
     census = loops(disassemble(r.asm["cubin"]))
-    return {"ptx": r.asm["ptx"], "shared": r.metadata.shared, "spills": census["LDL"] + census["STL"]}
+    ptx = r.asm["ptx"]
+    return {"sm80": ".target sm_80" in ptx, "fp8": any(t in ptx for t in ("e4m3", "e5m2", "e2m1")),
+            **{name: bool(re.search(pat, ptx)) for name, pat in MMA_PTX.items()},
+            "shared": r.metadata.shared, "spills": census["LDL"] + census["STL"]}
 
 
 def _op(line):

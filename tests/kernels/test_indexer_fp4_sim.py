@@ -278,17 +278,11 @@ def test_real_sglang_indexer_routes_through_fp4_sim():
 
 
 COMPILE = """
-import json, re, sys
+import json, sys
 from dsv4_sm80.kernels import indexer_int8 as ix
 sys.path.insert(0, "bench")
 import sass_census as sc
-def build(fn, sig, consts):
-    r = sc.sm80_build(fn, sig, consts)
-    p = r["ptx"]
-    return {"sm80": ".target sm_80" in p, "fp8": "e4m3" in p or "e5m2" in p or "e2m1" in p,
-            "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]m16n8k32[.]row[.]col([.]satfinite)?[.]s32[.]s8[.]s8[.]s32", p)),
-            "bf16_mma": bool(re.search(r"mma[.]sync[.]aligned[.]m16n8k16[.]row[.]col[.]f32[.]bf16[.]bf16[.]f32", p)),
-            "shared": r["shared"], "spills": r["spills"]}
+build = sc.sm80_build
 out = {
   "q fp4_sim": build(ix._q_rope_hadamard_int8_kernel, {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32",
       "w_ptr": "*bf16", "stride_wt": "i32", "freqs_ptr": "*fp32", "pos_ptr": "*i64", "he_ptr": "*bf16",

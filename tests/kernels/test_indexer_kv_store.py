@@ -121,20 +121,14 @@ def test_paged_mqa_logits_int8(kern, logits_pages, lens, splits, prefetch):
 
 
 COMPILE = """
-import json, re, sys
+import json, sys
 from dsv4_sm80.kernels import indexer_int8 as ix, kv_store as ks
 LOGITS_SIG = {"q_ptr": "*i8", "kv_ptr": "*i8", "kv_f32_ptr": "*fp32", "w_ptr": "*fp32", "lens_ptr": "*i32",
     "pt_ptr": "*i32", "stride_pt": "i32", "out_ptr": "*fp32", "stride_out": "i32", "max_len": "i32", "splits": "i32",
     "HEADS": "constexpr", "PREFETCH": "constexpr"}
 sys.path.insert(0, "bench")
 import sass_census as sc
-def build(fn, sig, consts):
-    r = sc.sm80_build(fn, sig, consts)
-    p = r["ptx"]
-    return {"sm80": ".target sm_80" in p, "fp8": "e4m3" in p or "e5m2" in p,
-            "int8_mma": bool(re.search(r"mma[.]sync[.]aligned[.]m16n8k32[.]row[.]col([.]satfinite)?[.]s32[.]s8[.]s8[.]s32", p)),
-            "bf16_mma": bool(re.search(r"mma[.]sync[.]aligned[.]m16n8k16[.]row[.]col[.]f32[.]bf16[.]bf16[.]f32", p)),
-            "shared": r["shared"], "spills": r["spills"]}
+build = sc.sm80_build
 out = {
   "k_norm_rope_store": build(ks._k_norm_rope_store_kernel, {"kv_ptr": "*bf16", "stride_kv": "i32", "w_ptr": "*bf16",
       "freqs_ptr": "*fp32", "pos_ptr": "*i64", "loc_ptr": "*i32", "cache_ptr": "*bf16", "eps": "fp32",

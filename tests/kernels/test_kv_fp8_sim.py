@@ -330,9 +330,7 @@ import json, sys
 from dsv4_sm80.kernels import kv_store as ks
 sys.path.insert(0, "bench")
 import sass_census as sc
-def build(fn, sig, consts):
-    r = sc.sm80_build(fn, sig, consts)
-    return {"sm80": ".target sm_80" in r["ptx"], "fp8": "e4m3" in r["ptx"] or "e5m2" in r["ptx"], "spills": r["spills"]}
+build = sc.sm80_build
 out = {
   "k_norm_rope_store fp8_sim": build(ks._k_norm_rope_store_kernel, {"kv_ptr": "*bf16", "stride_kv": "i32",
       "w_ptr": "*bf16", "freqs_ptr": "*fp32", "pos_ptr": "*i64", "loc_ptr": "*i32", "cache_ptr": "*bf16",

@@ -174,17 +174,12 @@ def test_seam_routes_mhc_pre_to_the_sm80_gemm(patch, module):
 
 
 TRITON_SM80 = """
-import json, re, sys
+import json, sys
 from dsv4_sm80.kernels import hc_prenorm as hp
 from sglang.kernels.ops.layernorm import mhc_head
 sys.path.insert(0, "bench")
 import sass_census as sc
-def build(fn, sig, consts, warps=4):
-    r = sc.sm80_build(fn, sig, consts, num_warps=warps)
-    p = r["ptx"]
-    return {"sm80": ".target sm_80" in p, "fp8": "e4m3" in p or "e5m2" in p,
-            "tf32_mma": bool(re.search(r"mma[.]sync[.]aligned[.]m16n8k8[.]row[.]col[.]f32[.]tf32[.]tf32[.]f32", p)),
-            "shared": r["shared"]}
+build = sc.sm80_build
 out = {}
 for bm in (16, 64):
     out[f"hc_prenorm BLOCK_M {bm}"] = build(hp._hc_prenorm_kernel, {"a_ptr": "*bf16", "b_ptr": "*fp32",
