@@ -81,12 +81,13 @@ def cmd_score(args) -> int:
     return 0
 
 
-def _named(items) -> list[tuple[str, str]]:
+def named(items, command: str = "oracle compare") -> list[tuple[str, str]]:
+    """NAME=FILE options as (name, file) pairs; anything else ends `command` with the reason."""
     out = []
     for item in items or []:
         name, sep, path = item.partition("=")
         if not sep:
-            raise SystemExit(f"oracle compare: {item!r} is not NAME=FILE")
+            raise SystemExit(f"{command}: {item!r} is not NAME=FILE")
         out.append((name, path))
     return out
 
@@ -99,7 +100,7 @@ def cmd_compare(args) -> int:
     ref_doc = _load(args.ref)
     refs = ref_doc["references"]
     native = _load(args.native)
-    groups = {"path": _named(args.path), "mutant": _named(args.mutant), "control": _named(args.control)}
+    groups = {"path": named(args.path), "mutant": named(args.mutant), "control": named(args.control)}
     records = {name: _load(p) for g in groups.values() for name, p in g}
     rule = {"kl_ratio_max": metrics.KL_RATIO_MAX, "agree_drop_max_points": metrics.AGREE_DROP_MAX_POINTS,
             "rule_margin_nats": metrics.RULE_MARGIN, "primary_reference": PRIMARY}

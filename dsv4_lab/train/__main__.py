@@ -84,12 +84,12 @@ def main(argv=None) -> int:
     if a.cmd == "score":
         import json
 
+        from dsv4_lab.oracle.__main__ import named
+
         from .score import score
 
-        def pairs(items):
-            return dict(x.split("=", 1) for x in items)
-
-        out = score(a.ckpt, pairs(a.record), pairs(a.dspark), a.device, not a.no_long_reference)
+        out = score(a.ckpt, dict(named(a.record, "train score")), dict(named(a.dspark, "train score")), a.device,
+                    not a.no_long_reference)
         if a.json_out:
             with open(a.json_out, "w") as f:
                 json.dump(out, f, indent=1)

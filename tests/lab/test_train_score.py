@@ -92,3 +92,10 @@ def test_held_out_prompts_are_disjoint_windows_of_held_out_text(tmp_path):
     assert [stream[k * step:k * step + n] for k, n in enumerate((20, 300, 50))] == prompts
     with pytest.raises(ValueError, match="held-out prompts"):
         data.held_out_prompts([len(stream)] * 2)
+
+
+def test_score_refuses_a_record_option_without_a_name():
+    from dsv4_lab.train.__main__ import main
+
+    with pytest.raises(SystemExit, match="train score: 'native.json' is not NAME=FILE"):
+        main(["score", "--ckpt", "unused", "--record", "native.json"])
