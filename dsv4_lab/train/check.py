@@ -10,13 +10,29 @@ import tempfile
 from . import data
 
 
-def unpack(archive: str, into: str) -> str:
-    with tarfile.open(archive, "r:xz") as tar:
-        tar.extractall(into, filter="data")
-    dirs = [d for d in os.listdir(into) if os.path.isfile(os.path.join(into, d, "config.json"))]
-    if len(dirs) != 1:
-        raise RuntimeError(f"archive layout: {archive} holds {dirs} checkpoint folders; expected one")
-    return os.path.join(into, dirs[0])
+def unpack(archive: str, into: str, served: bool = False) -> str:
+    """The archive's checkpoint as into/<its folder> (replaced if present; other folders in `into` are left
+    alone): the trained shape, or with served=True widened to the heads native SGLang runs (`widen.py`)."""
+    import shutil
+
+    from .widen import widen
+
+    os.makedirs(into, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=".unpack-", dir=into)
+    try:
+        with tarfile.open(archive, "r:xz") as tar:
+            tar.extractall(scratch, filter="data")
+        dirs = [d for d in os.listdir(scratch) if os.path.isfile(os.path.join(scratch, d, "config.json"))]
+        if len(dirs) != 1:
+            raise RuntimeError(f"archive layout: {archive} holds {dirs} checkpoint folders; expected one")
+        dst = os.path.join(into, dirs[0])
+        if served:
+            return widen(os.path.join(scratch, dirs[0]), dst)
+        shutil.rmtree(dst, ignore_errors=True)
+        os.replace(os.path.join(scratch, dirs[0]), dst)
+        return dst
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def gate_findings(ckpt: str) -> list:
