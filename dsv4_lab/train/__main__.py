@@ -1,6 +1,7 @@
-"""python -m dsv4_lab.train tiny OUT [--steps N --seq LEN --device cuda|cpu --seed S]
+"""python -m dsv4_lab.train tiny OUT [--steps N --seq LEN --device cuda|cpu --seed S --budget SECONDS --corpus F]
+python -m dsv4_lab.train corpus OUT.pt
 python -m dsv4_lab.train check ARCHIVE [--windows N --window-len L --device D]
-python -m dsv4_lab.train unpack DIR [--archive A]
+python -m dsv4_lab.train unpack DIR [--archive A] [--as-trained]
 python -m dsv4_lab.train prompts OUT.json [--lengths 20,300,1984,3000]
 python -m dsv4_lab.train score --ckpt DIR --record NAME=FILE [--dspark NAME=FILE] [--json-out F]"""
 
@@ -21,7 +22,15 @@ def main(argv=None) -> int:
     t.add_argument("--seq", type=int, default=4096, help="the long windows' length (> 2048: the C4 indexer selects)")
     t.add_argument("--short", type=int, default=512, help="the short windows' length")
     t.add_argument("--batch", type=int, default=16, help="short windows per step")
-    t.add_argument("--long-every", type=int, default=4, help="every N-th step is one long window")
+    t.add_argument("--long-every", type=int, default=4, help="every N-th step is --long-batch long windows")
+    t.add_argument("--long-batch", type=int, default=1, help="long windows per long step")
+    t.add_argument("--corpus", default=None, help="train on a saved corpus (`train corpus`) instead of this "
+                   "machine's Python library")
+    t.add_argument("--budget", type=float, default=None, help="seconds of target steps: --steps becomes an "
+                   "upper bound, the count is fixed once the warm-up steps are timed")
+    t.add_argument("--draft-budget", type=float, default=None, help="the same for the draft's steps")
+    t.add_argument("--qat-from", type=float, default=0.0, help="fraction of the target's steps after which the "
+                   "simulated roundings are on (0: throughout)")
     t.add_argument("--device", default="cpu")
     t.add_argument("--seed", type=int, default=0)
     c = sub.add_parser("check", help="gate checks + oracle load of an archive; optional held-out bits per byte")
@@ -32,6 +41,10 @@ def main(argv=None) -> int:
     u = sub.add_parser("unpack", help="unpack an archive (default: the committed one) into a folder")
     u.add_argument("dir")
     u.add_argument("--archive", default=None)
+    u.add_argument("--as-trained", action="store_true", help="the trained shape (16 heads) instead of the served "
+                   "one (64, what native SGLang runs at TP1)")
+    k = sub.add_parser("corpus", help="save this machine's training and held-out files as one file (`tiny --corpus`)")
+    k.add_argument("out")
     p = sub.add_parser("prompts", help="held-out text prompts as a JSON list of id lists (engine_bed --prompts)")
     p.add_argument("out")
     p.add_argument("--lengths", default="20,300,1984,3000")
@@ -49,7 +62,25 @@ def main(argv=None) -> int:
     d.add_argument("--prompt-len", type=int, default=256)
     d.add_argument("--new", type=int, default=64, help="decode positions per prompt")
     d.add_argument("--device", default="cpu")
+    r = sub.add_parser("record", help="the record's held-out figures: windows (bits per byte, gzip, xz), greedy "
+                       "continuations and their degeneracy check, the draft's acceptance")
+    r.add_argument("--ckpt", required=True)
+    r.add_argument("--parts", default="windows,greedy,acceptance")
+    r.add_argument("--corpus", default=None, help="the held-out text of a saved corpus instead of this machine's")
+    r.add_argument("--windows", type=int, default=8)
+    r.add_argument("--window-len", type=int, default=3000)
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    if a.cmd == "record":
+        import json
+
+        from .record import measure
+
+        out = measure(a.ckpt, a.device, tuple(a.parts.split(",")), a.corpus, a.windows, a.window_len)
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+        return 0
     if a.cmd == "accept":
         import json
 
@@ -71,7 +102,12 @@ def main(argv=None) -> int:
         from .check import unpack
 
         os.makedirs(a.dir, exist_ok=True)
-        print(unpack(a.archive or TRAINED_ARCHIVE, a.dir))
+        print(unpack(a.archive or TRAINED_ARCHIVE, a.dir, served=not a.as_trained))
+        return 0
+    if a.cmd == "corpus":
+        from .data import save_corpus
+
+        print(save_corpus(a.out))
         return 0
     if a.cmd == "prompts":
         import json
@@ -101,7 +137,8 @@ def main(argv=None) -> int:
 
         os.makedirs(a.out, exist_ok=True)
         run(a.out, preset=a.preset, steps=a.steps, draft_steps=a.draft_steps, seq=a.seq, device=a.device,
-            seed=a.seed, short=a.short, short_batch=a.batch, long_every=a.long_every,
+            seed=a.seed, short=a.short, short_batch=a.batch, long_every=a.long_every, long_batch=a.long_batch,
+            corpus=a.corpus, budget_s=a.budget, draft_budget_s=a.draft_budget, qat_from=a.qat_from,
             command="python -m dsv4_lab.train " + " ".join(sys.argv[1:] if argv is None else argv))
         return 0
     from .check import check

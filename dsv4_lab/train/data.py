@@ -70,6 +70,32 @@ def token_stream(files: list[str], root: str | None = None) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
+def save_corpus(path: str, root: str | None = None) -> dict:
+    """This machine's split (training and held-out files' bytes) in one file, for a machine whose Python library
+    differs: trained on there, the model sees this machine's training text and is scored on its held-out text."""
+    import platform
+
+    root = root or stdlib_root()
+    corpus = {"python": platform.python_version()}
+    for part, files in zip(("train", "held"), split(root)):
+        blobs = [open(os.path.join(root, rel), "rb").read() for rel in files]
+        corpus[part] = {"files": files, "lengths": torch.tensor([len(b) for b in blobs]),
+                        "bytes": torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)}
+    torch.save(corpus, path)
+    return {"python": corpus["python"], **{p: {"files": len(corpus[p]["files"]),
+                                               "bytes": int(corpus[p]["lengths"].sum())} for p in ("train", "held")}}
+
+
+def load_corpus(path: str, part: str = "train") -> tuple[torch.Tensor, dict]:
+    """(the token stream of a saved corpus's part, as `token_stream` builds it, and its facts)."""
+    corpus = torch.load(path)
+    parts, at = [], 0
+    for n in corpus[part]["lengths"].tolist():
+        parts.append(torch.cat([torch.tensor([BOS]), corpus[part]["bytes"][at:at + n].long() + BYTE_BASE]))
+        at += n
+    return torch.cat(parts), {"files": len(corpus[part]["files"]), "python": corpus["python"]}
+
+
 def bits_per_byte(nll_nats: float, n_bytes: int) -> float:
     if n_bytes <= 0:
         raise ValueError(f"bits per byte: {n_bytes} bytes predicted; expected at least one")
@@ -87,31 +113,35 @@ def sequence_nll(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
 
 class Batches:
     """Seeded windows of a token stream: step i draws from its own generator (seed, i), so a run restarted
-    at step i sees the same batches. Every `long_every`-th step is one window of `long_len` ids (above 2,048
-    so the C4 indexer selects); the others are `short_batch` windows of `short_len`."""
+    at step i sees the same batches. Every `long_every`-th step is `long_batch` windows of `long_len` ids (above
+    2,048 so the C4 indexer selects); the others are `short_batch` windows of `short_len`."""
 
     def __init__(self, stream: torch.Tensor, seed: int, short_len: int, short_batch: int, long_len: int,
-                 long_every: int):
+                 long_every: int, long_batch: int = 1):
         need = max(short_len, long_len) + 1
         if stream.numel() < need:
             raise ValueError(f"training text: {stream.numel()} ids, expected at least {need} for windows of "
                              f"{need - 1}; lower --seq")
         self.stream, self.seed = stream, seed
         self.short_len, self.short_batch, self.long_len, self.long_every = short_len, short_batch, long_len, long_every
+        self.long_batch = long_batch
 
     def __call__(self, step: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         long = self.long_every > 0 and step % self.long_every == self.long_every - 1
-        n, b = (self.long_len, 1) if long else (self.short_len, self.short_batch)
+        n, b = (self.long_len, self.long_batch) if long else (self.short_len, self.short_batch)
         starts = torch.randint(0, self.stream.numel() - n, (b,), generator=g)
         return torch.stack([self.stream[s:s + n] for s in starts.tolist()])
 
 
-def held_out_prompts(lengths: list[int], root: str | None = None) -> list[list[int]]:
+def held_out_prompts(lengths: list[int], root: str | None = None, corpus: str | None = None) -> list[list[int]]:
     """One window of held-out text per length, spread evenly over the held-out files' ids (in file order), so
-    prompts of one run do not overlap: prompt k of n starts at k / n of the stream."""
-    _, held = split(root)
-    stream = token_stream(held, root)
+    prompts of one run do not overlap: prompt k of n starts at k / n of the stream. corpus: a saved corpus's
+    held-out files instead of this machine's."""
+    if corpus:
+        stream = load_corpus(corpus, "held")[0]
+    else:
+        stream = token_stream(split(root)[1], root)
     step = stream.numel() // max(1, len(lengths))
     if any(n > step for n in lengths):
         raise ValueError(f"held-out prompts: {len(lengths)} prompts of up to {max(lengths)} ids need "

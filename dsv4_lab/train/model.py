@@ -2,10 +2,11 @@
 initialised by the tiny generator's rules, trained with the model's own roundings simulated (QAT), and
 exported under the official checkpoint names.
 
-- Shape: `PRESETS` (hidden 256, 5 layers: 2 sliding + hash, C4 with indexer, C128, C4; 16 heads of 512,
-  which SGLang pads to FlashMLA's 64 (`sglang/srt/models/deepseek_v4.py:1115`); 8 experts of 128, top 6;
-  384 ids: the stand-in tokenizer's 14 special tokens, 256 bytes and fillers). `toy` is the CPU tests'
-  (narrower, fewer heads, 4 layers).
+- Shape: `PRESETS` (hidden 256, 5 layers: 2 sliding + hash, C4 with indexer, C128, C4; 16 heads of 512 in 8
+  output groups; 8 experts of 128, top 6; 384 ids: the stand-in tokenizer's 14 special tokens, 256 bytes and
+  fillers). `toy` is the CPU tests' (narrower, fewer heads, 4 layers). Native SGLang at TP1 takes only 64 or 128
+  query heads (FlashMLA's sparse decode; it pads heads only above TP1), so the checkpoint is served widened to
+  64 heads by an exact transform (`widen.py`); training runs at 16, a quarter of the attention's cost.
 - Init: each tensor by its rule in `dsv4_sm80.checkpoint.format` (norms 1, biases 0, hash table id*7+k mod E,
   linears N(0, 0.02), mHC mixers N(0, 0.01)), drawn from the seed.
 - QAT (`qat`): the hooks of `dsv4_lab.oracle.numerics` R_q (KV FP8, indexer Hadamard + FP4, FP8 activations
@@ -33,8 +34,8 @@ from dsv4_sm80.tiny.generate import HC_STD, WEIGHT_STD, TinySize, tiny_config
 
 VOCAB = 384
 PRESETS = {
-    # what the H200 trains: the `unit` generator preset's widths over a byte vocabulary
-    "tiny": TinySize(hidden=256, layers=5, heads=16, o_groups=4, q_lora=128, o_lora=128, moe_inter=128,
+    # the `unit` generator preset's widths over a byte vocabulary, a quarter of its heads (served widened x4)
+    "tiny": TinySize(hidden=256, layers=5, heads=16, o_groups=8, q_lora=128, o_lora=128, moe_inter=128,
                      experts=8, vocab=VOCAB, markov_rank=64),
     # CPU tests: fewer heads, narrower (same layer pattern and formats)
     "toy": TinySize(hidden=128, layers=4, heads=8, o_groups=4, q_lora=128, o_lora=128, moe_inter=128,

@@ -153,22 +153,26 @@ def score(ckpt: str, records: dict[str, str], spec_records: dict[str, str], devi
 
 
 @torch.no_grad()
-def draft_acceptance(model, draft, prompts: list[list[int]], new: int, device: str = "cpu") -> dict:
+def draft_acceptance(model, draft, prompts: list[list[int]], new: int, device: str = "cpu", conts=None) -> dict:
     """A reference-side estimate of DSPARK's greedy acceptance (not an engine measurement): the target (R_q)
     continues each prompt greedily; at every decode position p after the prompt the draft's block (bonus id at p,
     then the mask id) predicts p+1..p+gamma, and the accept length there is 1 + the number of leading block
     positions whose argmax is the target's greedy id. Teacher-forcing the draft's Markov bias with the target's
     ids is exact up to the first miss, where counting stops anyway. Averaged over every position (a real
-    decode visits one position per verify step)."""
+    decode visits one position per verify step). conts: the continuations to count against (new + gamma ids
+    each), e.g. sampled ones, instead of the target's greedy ones; against a sampled continuation the count is
+    the draft's top-1 agreement with it, a lower bound of what speculative sampling accepts."""
     from dsv4_lab.oracle.numerics import NUMERICS, applied
 
     from .draft import capture_features
 
     g = draft.gamma
     lengths, per_position = [], []
-    with applied(model, NUMERICS["R_q"]):
-        conts = greedy(model, prompts, new + g, device)
+    if conts is None:
+        with applied(model, NUMERICS["R_q"]):
+            conts = greedy(model, prompts, new + g, device)
     for prompt, cont in zip(prompts, conts):
+        cont = list(cont)[:new + g]
         ids = torch.tensor(prompt + cont, device=device)[None]
         with applied(model, NUMERICS["R_q"]):
             feats = capture_features(model, ids, draft.targets)

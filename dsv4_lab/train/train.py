@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import platform
 import tarfile
 import time
 
@@ -20,43 +22,103 @@ from .model import build, indexer_distillation, official_config, official_weight
 ARCHIVE_LIMIT = 32 * 2**20
 
 
+WARMUP = 50  # steps of linear warm-up; a --budget run sets its step count once they are timed
+SAVE_EVERY_S = 60.0
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def train_target(model, batches, steps, device, peak_lr=2e-3, log=print) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.01)
-    losses = []
-    model.train()
-    for step in range(steps):
+def _loop(name, params, step_fn, steps, budget_s, state, save, log, peak_lr=2e-3, weight_decay=0.1):
+    """AdamW over step_fn(step) -> (loss to minimise, figure to log, ids in the batch), resumable from `state`
+    (a dict `save(state)` persists). With budget_s, `steps` is an upper bound and the count is fixed once the
+    warm-up steps are timed, to end near budget_s seconds of stepping (counted over every resumed part)."""
+    opt = torch.optim.AdamW(params, lr=peak_lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    if "opt" in state:
+        opt.load_state_dict(state["opt"])
+    st = state
+    st.setdefault("step", 0)
+    st.setdefault("steps", None if budget_s else steps)
+    st.setdefault("losses", [])
+    st.setdefault("logged", [])
+    st.setdefault("seconds", 0.0)
+    st.setdefault("ids", 0)
+    warmup = WARMUP if budget_s else max(1, min(WARMUP, steps // 20))
+    t_mark, last_save, timed_from = time.time(), time.time(), None
+    while st["steps"] is None or st["step"] < st["steps"]:
+        step = st["step"]
+        total = st["steps"] or steps
         for grp in opt.param_groups:
-            grp["lr"] = lr_at(step, steps, peak_lr, max(1, steps // 20))
-        ids = batches(step).to(device)
-        with qat(model), indexer_distillation(model) as kl:
-            loss = model(input_ids=ids, labels=ids).loss
-        index_kl = torch.stack(kl).mean() if kl else torch.zeros(())
+            grp["lr"] = lr_at(step, total, peak_lr, warmup)
+        loss, figure, ids = step_fn(step)
         opt.zero_grad(set_to_none=True)
-        (loss + index_kl).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        losses.append(float(loss.detach()))
-        if step % max(1, steps // 20) == 0 or step == steps - 1:
-            log(f"target step {step}/{steps} len {ids.shape[1]} x{ids.shape[0]} loss {losses[-1]:.4f} "
-                f"({losses[-1] / math.log(2):.3f} bits/id) indexer KL {float(index_kl.detach()):.4f}")
+        st["losses"].append(float(figure))
+        now = time.time()
+        st["seconds"] += now - t_mark
+        t_mark = now
+        st["ids"] += ids
+        st["step"] = step + 1
+        if step == 4:
+            timed_from = (st["seconds"], st["step"])
+        if st["steps"] is None and st["step"] >= warmup and timed_from:
+            per = (st["seconds"] - timed_from[0]) / (st["step"] - timed_from[1])
+            st["steps"] = min(steps, st["step"] + max(0, int((budget_s - st["seconds"]) / per)))
+            log(f"{name}: {per:.3f} s per step; {st['steps']} steps fit the {budget_s:.0f} s budget")
+        every = max(1, (st["steps"] or steps) // 20)
+        if step % every == 0 or st["step"] == st["steps"]:
+            st["logged"].append([step, round(st["losses"][-1], 4)])
+            log(f"{name} step {step}/{st['steps'] or '?'} loss {st['losses'][-1]:.4f} "
+                f"({st['ids'] / max(st['seconds'], 1e-9):.0f} ids/s)")
+        if now - last_save > SAVE_EVERY_S:
+            st["opt"] = opt.state_dict()
+            save(st)
+            last_save = now
+    st["opt"] = opt.state_dict()
+    save(st)
+    return st
+
+
+def train_target(model, batches, steps, device, log=print, budget_s=None, state=None, save=lambda s: None,
+                 qat_from: float = 0.0, peak_lr: float = 2e-3):
+    """The target's loop; the QAT roundings on from step qat_from * steps (0: throughout)."""
+    state = {} if state is None else state
+    if "model" in state:
+        model.load_state_dict(state["model"])
+    model.train()
+
+    def step_fn(step):
+        ids = batches(step).to(device)
+        total = state.get("steps") or steps
+        rounding = qat(model) if step >= qat_from * total else contextlib.nullcontext()
+        with rounding, indexer_distillation(model) as kl:
+            loss = model(input_ids=ids, labels=ids).loss
+        index_kl = torch.stack(kl).mean() if kl else torch.zeros((), device=ids.device)
+        return loss + index_kl, loss.detach(), ids.numel()
+
+    def keep(st):
+        st["model"] = model.state_dict()
+        save(st)
+
+    state = _loop("target", list(model.parameters()), step_fn, steps, budget_s, state, keep, log, peak_lr)
     model.eval()
-    return losses
+    return state
 
 
-def train_draft(draft, target, batches, steps, device, anchors_per_row=64, peak_lr=2e-3, log=print, seed=0):
+def train_draft(draft, target, batches, steps, device, anchors_per_row=64, log=print, seed=0, budget_s=None,
+                state=None, save=lambda s: None, peak_lr: float = 2e-3):
+    state = {} if state is None else state
+    if "model" in state:
+        draft.load_state_dict(state["model"])
     for p in target.parameters():
         p.requires_grad_(False)
-    opt = torch.optim.AdamW(draft.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.01)
-    out = []
-    for step in range(steps):
-        for grp in opt.param_groups:
-            grp["lr"] = lr_at(step, steps, peak_lr, max(1, steps // 20))
+
+    def step_fn(step):
         ids = batches(step).to(device)
         with torch.no_grad(), qat(target):
             feats = capture_features(target, ids, draft.targets)
@@ -66,15 +128,14 @@ def train_draft(draft, target, batches, steps, device, anchors_per_row=64, peak_
         pref = torch.randint(1, S - draft.gamma, (B * anchors_per_row,), generator=g)
         anchors = torch.stack([rows, pref], dim=1).to(device)
         with qat(target, layers=draft.stages, fp8_inputs=[draft.main_proj]):
-            loss, ce, acc = draft.loss(target, ids, feats, anchors)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        out.append(float(ce.detach()))
-        if step % max(1, steps // 20) == 0 or step == steps - 1:
-            log(f"draft step {step}/{steps} ce {out[-1]:.4f} top-1 {float(acc.detach()):.3f}")
-    return out
+            loss, ce, _acc = draft.loss(target, ids, feats, anchors)
+        return loss, ce.detach(), ids.numel()
+
+    def keep(st):
+        st["model"] = draft.state_dict()
+        save(st)
+
+    return _loop("draft", list(draft.parameters()), step_fn, steps, budget_s, state, keep, log, peak_lr)
 
 
 def write_checkpoint(out_dir, cfg, target, draft, seed, log=print) -> dict:
@@ -102,41 +163,73 @@ def sha256(path: str) -> str:
 
 
 def run(out, preset="tiny", steps=2000, draft_steps=None, seq=4096, device="cpu", seed=0, short=512,
-        short_batch=16, long_every=4, log=print, command=None) -> dict:
+        short_batch=16, long_every=4, long_batch=1, corpus=None, budget_s=None, draft_budget_s=None,
+        qat_from=0.0, log=print, command=None) -> dict:
+    """Train, export and pack under out. Resumable: the state of the phase in flight is kept in out/state.pt
+    (every minute and at each phase's end); the same command run again continues from it."""
     t0 = time.time()
     torch.manual_seed(seed)
     # training needs no exact fp32 products (the oracle, loading the result, turns TF32 back off)
     torch.backends.cuda.matmul.allow_tf32 = True
     cfg = official_config(preset)
-    train_files, held = data.split()
-    stream = data.token_stream(train_files)
+    if corpus:
+        stream, facts = data.load_corpus(corpus)
+        n_train, n_held, python = facts["files"], None, facts["python"]
+    else:
+        train_files, held = data.split()
+        stream = data.token_stream(train_files)
+        n_train, n_held, python = len(train_files), len(held), platform.python_version()
     short = min(short, seq)
-    batches = data.Batches(stream, seed, short, short_batch, seq, long_every if seq > short else 0)
+    batches = data.Batches(stream, seed, short, short_batch, seq, long_every if seq > short else 0, long_batch)
+    state_path = os.path.join(out, "state.pt")
+    state = torch.load(state_path, map_location=device, weights_only=False) if os.path.exists(state_path) else {}
+    if state:
+        log(f"resuming from {state_path}: " + ", ".join(f"{k} step {v['step']}" for k, v in state.items()
+                                                          if isinstance(v, dict) and "step" in v))
+
+    def save(phase):
+        def put(st):
+            state[phase] = st
+            torch.save(state, state_path + ".part")
+            os.replace(state_path + ".part", state_path)
+        return put
+
     target = build(cfg, seed).to(device)
-    losses = train_target(target, batches, steps, device, log=log)
+    tstate = train_target(target, batches, steps, device, log=log, budget_s=budget_s,
+                          state=state.get("target"), save=save("target"), qat_from=qat_from)
     draft = Draft(cfg)
     init_draft(draft, seed)
     draft.to(device)
     dbatches = data.Batches(stream, seed + 1, short, short_batch, short, 0)
-    dlosses = train_draft(draft, target, dbatches, draft_steps if draft_steps is not None else max(1, steps // 4),
-                          device, log=log, seed=seed)
+    dsteps = draft_steps if draft_steps is not None else max(1, steps // 4)
+    dstate = train_draft(draft, target, dbatches, dsteps, device, log=log, seed=seed, budget_s=draft_budget_s,
+                         state=state.get("draft"), save=save("draft"))
     ckpt = os.path.join(out, "dsv4-lab-tiny")
     summary = write_checkpoint(ckpt, cfg, target.cpu(), draft.cpu(), seed, log=log)
     archive = os.path.join(out, "dsv4-lab-tiny.tar.xz")
     size = pack(ckpt, archive)
-    import platform
 
-    report = {"preset": preset, "seed": seed, "steps": steps, "draft_steps": len(dlosses), "seq": seq,
-              "short": short, "batch": short_batch, "long_every": long_every, "device": device,
-              "python": platform.python_version(), "torch": torch.__version__,
-              "threads": torch.get_num_threads(),
-              "train_files": len(train_files), "held_out_files": len(held), "train_ids": int(stream.numel()),
-              "target_loss_first": losses[0] if losses else None, "target_loss_last": losses[-1] if losses else None,
-              "draft_ce_first": dlosses[0] if dlosses else None, "draft_ce_last": dlosses[-1] if dlosses else None,
+    def phase(st):
+        return {"steps": st["step"], "ids_seen": st["ids"], "seconds": round(st["seconds"], 1),
+                "ids_per_s": round(st["ids"] / max(st["seconds"], 1e-9), 1),
+                "loss_first": st["losses"][0] if st["losses"] else None,
+                "loss_last": st["losses"][-1] if st["losses"] else None,
+                "loss_last_50_mean": sum(st["losses"][-50:]) / max(1, len(st["losses"][-50:])),
+                "losses_logged": st["logged"]}
+
+    report = {"preset": preset, "seed": seed, "seq": seq, "short": short, "batch": short_batch,
+              "long_every": long_every, "long_batch": long_batch, "budget_s": budget_s,
+              "draft_budget_s": draft_budget_s, "qat_from": qat_from, "device": device,
+              "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+              "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if device.startswith("cuda")
+              else None,
+              "python": python, "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "train_files": n_train, "held_out_files": n_held, "train_ids": int(stream.numel()),
+              "target": phase(tstate), "draft": phase(dstate),
               "checkpoint": ckpt, "archive_bytes": size, "archive_sha256": sha256(archive),
               "tensors": summary["tensors"], "command": command,
               "seconds": round(time.time() - t0, 1)}
     with open(os.path.join(out, "train.json"), "w") as f:
         json.dump(report, f, indent=2)
-    log(f"dsv4-lab train: {json.dumps(report)}")
+    log(f"dsv4-lab train: {json.dumps({k: v for k, v in report.items() if k not in ('target', 'draft')})}")
     return report

@@ -63,10 +63,10 @@ def trained(tmp_path_factory):
     ids = data.token_stream(held[:1])[:129]
     batch = torch.stack([ids[:64], ids[64:128]])
     target = build(cfg, seed=0)
-    losses = train_target(target, lambda step: batch, 5, "cpu", peak_lr=3e-3, log=lambda *_: None)
+    losses = train_target(target, lambda step: batch, 5, "cpu", peak_lr=3e-3, log=lambda *_: None)["losses"]
     draft = Draft(cfg)
     init_draft(draft, 0)
-    dl = train_draft(draft, target, lambda step: batch, 2, "cpu", anchors_per_row=8, log=lambda *_: None)
+    dl = train_draft(draft, target, lambda step: batch, 2, "cpu", anchors_per_row=8, log=lambda *_: None)["losses"]
     out = str(tmp_path_factory.mktemp("train") / "ckpt")
     write_checkpoint(out, cfg, target, draft, 0, log=lambda *_: None)
     return cfg, target, draft, losses, dl, out, batch
