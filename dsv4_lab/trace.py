@@ -352,7 +352,6 @@ def sglang_models() -> dict:
     If `sglang quant` matches native, the quantizer is what the fp8-act model misses; if only `sglang linear`
     does, DeepGEMM's product (accumulation) is."""
     import torch
-
     from sglang.srt.layers.quantization.fp8_utils import deepgemm_w8a8_block_fp8_linear_with_fallback
 
     from .rounding import sglang_act

@@ -32,8 +32,8 @@ import importlib.abc
 import sys
 import threading
 import types
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Optional
 
 from . import env
 from .seams import SEAMS, Seam, by_module
@@ -87,7 +87,7 @@ class SeamStatus:
 
 _lock = threading.RLock()
 _status: dict[str, SeamStatus] = {}
-_finder: Optional["SeamFinder"] = None
+_finder: SeamFinder | None = None
 
 
 def _toggle_text(seam: Seam) -> str:
@@ -138,7 +138,7 @@ def _refuse(seam_name: str, message: str) -> SeamRefusal:
     )
 
 
-def verify_file(module_name: str, path: Optional[str], seams: list[Seam]) -> None:
+def verify_file(module_name: str, path: str | None, seams: list[Seam]) -> None:
     want = FINGERPRINTS.get(module_relpath(module_name))
     if path is None:
         raise _refuse(seams[0].name, f"{module_name} has no source file to fingerprint")

@@ -15,7 +15,7 @@ import sys
 import time
 
 from . import __version__, env, upstream
-from .seams import SEAMS, Seam
+from .seams import Seam
 
 
 class UsageError(Exception):

@@ -106,7 +106,7 @@ class KVGeometry:
     indexer_dim: int = 128
 
     @classmethod
-    def of(cls, config, **kw) -> "KVGeometry":
+    def of(cls, config, **kw) -> KVGeometry:
         ratios = list(config["compress_ratios"])[: int(config["num_hidden_layers"])]
         return cls(layers=len(ratios), c4_layers=ratios.count(4), c128_layers=ratios.count(128), **kw)
 

@@ -23,8 +23,8 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 from . import env
 
@@ -35,7 +35,7 @@ TRITON_CACHE_MANAGER = "dsv4_sm80.triton_cache:DiskFullClearCacheManager"
 MIN_FREE_BYTES = 1 << 30  # 1 GiB: ~9x what a cold start of the tiny model wrote (117 MB)
 
 
-def cache_dirs(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+def cache_dirs(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """label -> directory, resolved as each tool resolves it (env override, else its default)."""
     e = os.environ if environ is None else environ
     home = os.path.expanduser("~")
@@ -54,11 +54,11 @@ class CacheDirFacts:
     exists: bool = False
     anchor: str = ""  # the directory itself, or its nearest existing ancestor (where it would be created)
     writable: bool = False
-    free_bytes: Optional[int] = None
-    error: Optional[str] = None
-    ours_built: Optional[bool] = None  # Triton's cache only: this path's kernels compiled here before (warm)
+    free_bytes: int | None = None
+    error: str | None = None
+    ours_built: bool | None = None  # Triton's cache only: this path's kernels compiled here before (warm)
     # SGLang's tvm-ffi cache only: FIRST_FORWARD_MODULES the configured modes need that are not built here yet
-    modules_missing: Optional[list] = None
+    modules_missing: list | None = None
 
 
 def _nearest_existing(path: str) -> str:
@@ -144,7 +144,7 @@ def module_built(tvm_dir: str, module: str) -> bool:
     return False
 
 
-def modules_missing(tvm_dir: str, environ: Optional[Mapping[str, str]] = None) -> list[str]:
+def modules_missing(tvm_dir: str, environ: Mapping[str, str] | None = None) -> list[str]:
     """`module (KNOB=value)` for each FIRST_FORWARD_MODULES entry the configured modes need and the cache lacks."""
     out = []
     for knob, value, module in FIRST_FORWARD_MODULES:
@@ -165,7 +165,7 @@ def _has_entries(path: str) -> bool:
         return False
 
 
-def cold_reasons(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+def cold_reasons(environ: Mapping[str, str] | None = None) -> list[str]:
     """Why a start on this host would compile for minutes before its first forward ends (empty: warm): none of
     this path's kernels in Triton's cache, an empty SGLang JIT (tvm-ffi) cache, or one without a module the
     configured modes build at their first forward (FIRST_FORWARD_MODULES)."""
@@ -182,7 +182,7 @@ def cold_reasons(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     return out
 
 
-def facts(environ: Optional[Mapping[str, str]] = None) -> list[CacheDirFacts]:
+def facts(environ: Mapping[str, str] | None = None) -> list[CacheDirFacts]:
     out = [probe(label, path) for label, path in cache_dirs(environ).items()]
     for f in out:
         if f.label.startswith("Triton"):
@@ -201,13 +201,13 @@ MIN_NVCC = (12, 0)
 
 @dataclass
 class NvccFacts:
-    path: Optional[str] = None  # the nvcc SGLang's JIT would run, None: none found
+    path: str | None = None  # the nvcc SGLang's JIT would run, None: none found
     how: str = ""  # how it was found (tvm-ffi's order: CUDA_HOME / CUDA_PATH, PATH, /usr/local/cuda)
-    version: Optional[str] = None  # "12.8"
-    error: Optional[str] = None
+    version: str | None = None  # "12.8"
+    error: str | None = None
 
 
-def nvcc_facts(environ: Optional[Mapping[str, str]] = None) -> NvccFacts:
+def nvcc_facts(environ: Mapping[str, str] | None = None) -> NvccFacts:
     """Find nvcc as tvm-ffi's `_find_cuda_home` does (the strictest of SGLang's JIT paths; TileLang also
     searches the nvidia-cuda-nvcc wheel) and ask it its release."""
     import re
@@ -238,7 +238,7 @@ def nvcc_facts(environ: Optional[Mapping[str, str]] = None) -> NvccFacts:
     return f
 
 
-def gib(n: Optional[int]) -> str:
+def gib(n: int | None) -> str:
     return "unknown" if n is None else f"{n / (1 << 30):.2f} GiB"
 
 

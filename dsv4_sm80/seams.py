@@ -24,8 +24,8 @@ wrapping the one before; the lab's seams (`dsv4_lab/seams.py`) come after all of
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
 
 from . import env
 
@@ -59,7 +59,7 @@ class Seam:
     def upstream_file(self) -> str:
         return self.upstream.split(":", 1)[0]
 
-    def enabled(self, environ: Optional[Mapping[str, str]] = None) -> bool:
+    def enabled(self, environ: Mapping[str, str] | None = None) -> bool:
         if self.overlay == "sm80" and not env.patch_enabled(environ):
             return False
         if self.overlay == "lab" and not env.lab_enabled(environ):

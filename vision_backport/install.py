@@ -15,14 +15,14 @@ from __future__ import annotations
 import functools
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def vl_class():
     from .model import vl_model_class
 
     return vl_model_class()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def processor_class():
     from .processor import _processor_class
 

@@ -101,9 +101,8 @@ def main(argv=None) -> int:
 
     from dsv4_sm80 import env
     from dsv4_sm80.stages import dense as linear
-    from reference import dequant_fp8_bf16, load_raw
-
     from dsv4_sm80.tiny.generate import ensure, head_scale_for
+    from reference import dequant_fp8_bf16, load_raw
 
     args.head_scale = head_scale_for(args.preset, args.head_scale)  # peaked outputs at every width
     ensure(args.ckpt, args.preset, head_scale=args.head_scale)

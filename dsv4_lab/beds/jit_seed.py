@@ -36,7 +36,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 FORMAT = "dsv4-sm80 tvm-ffi jit seed 1"
 # the text files tvm-ffi writes into a module's directory (build_inline: main.cpp, cuda.cu; _build_impl: build.ninja)
@@ -52,7 +51,7 @@ def cache_dir(environ=None) -> Path:
     return Path(path)
 
 
-def ninja_default(text: str) -> Optional[str]:
+def ninja_default(text: str) -> str | None:
     """The target of build.ninja's `default` line: the module's `.so` (or `.o`) file name."""
     m = re.findall(r"^default\s+(\S+)\s*$", text, flags=re.M)
     return m[-1] if m else None
@@ -117,14 +116,14 @@ def merge(*seeds: dict) -> dict:
 _CACHE_KEY = "@cache"  # in a merged seed's module: the cache directory it was packed from
 
 
-def origin(seed: dict) -> Optional[Path]:
+def origin(seed: dict) -> Path | None:
     """The one cache directory every module of `seed` was packed from, if they share one."""
     found = {m.get(_CACHE_KEY) for m in seed["modules"].values()} | ({seed["cache"]} if seed.get("cache") else set())
     found.discard(None)
     return Path(found.pop()) if len(found) == 1 else None
 
 
-def moved(files: dict, origin: Optional[str], name: str, cache: Path) -> dict:
+def moved(files: dict, origin: str | None, name: str, cache: Path) -> dict:
     """The module's text files with its directory on the packing host (origin/name) replaced by cache/name."""
     files = {k: v for k, v in files.items() if k != _CACHE_KEY}
     new = str(cache.resolve() / name)
@@ -182,7 +181,7 @@ def _lock(directory: Path):
     return FileLock(str(directory / "lock"))
 
 
-def restore(name: str, files: dict, cache: Path, origin: Optional[str] = None) -> Optional[Result]:
+def restore(name: str, files: dict, cache: Path, origin: str | None = None) -> Result | None:
     """Write a module's files back (those absent); a Result when it cannot or need not be built."""
     d = cache / name
     if built(d):
@@ -236,7 +235,7 @@ def find_ninja() -> str:
         raise SystemExit("jit_seed: no ninja on PATH nor the `ninja` package: tvm-ffi builds with it too")
 
 
-def build(seed: dict, cache: Path, jobs: int, ninja: Optional[str] = None, log=print) -> Report:
+def build(seed: dict, cache: Path, jobs: int, ninja: str | None = None, log=print) -> Report:
     """Restore and build every module of `seed` missing from `cache`, `jobs` ninja processes at a time."""
     t0 = time.monotonic()
     report = Report()

@@ -42,9 +42,9 @@ def main(argv=None) -> int:
 
     from engine_bed import BED_WATCHDOG_S, prompt_ids
 
-    from dsv4_sm80 import env
     from dsv4_lab.perturb import perturb_spec
     from dsv4_lab.trace import trace_spec
+    from dsv4_sm80 import env
     from dsv4_sm80.tiny.generate import ensure, head_scale_for
 
     args.head_scale = head_scale_for(args.preset, args.head_scale)  # peaked outputs at every width

@@ -19,11 +19,35 @@ from dataclasses import asdict
 from typing import Optional
 
 from .. import env
-from .checks import (COUNT_MODES, UNVERIFIED_MODES, check_bind, check_env_knobs, check_gpus, check_interconnect,
-                     check_jit_cache, check_jit_compiler, check_modes, check_patch, check_sglang, check_sglang_knobs,
-                     check_speculative, interconnect_launch_args)
-from .facts import Facts, GpuFacts, InterconnectFacts, ModelFacts, PatchFacts, SGLangFacts, collect, collect_gpus, \
-    collect_interconnect, collect_model, collect_sglang
+from .checks import (
+    COUNT_MODES,
+    UNVERIFIED_MODES,
+    check_bind,
+    check_env_knobs,
+    check_gpus,
+    check_interconnect,
+    check_jit_cache,
+    check_jit_compiler,
+    check_modes,
+    check_patch,
+    check_sglang,
+    check_sglang_knobs,
+    check_speculative,
+    interconnect_launch_args,
+)
+from .facts import (
+    Facts,
+    GpuFacts,
+    InterconnectFacts,
+    ModelFacts,
+    PatchFacts,
+    SGLangFacts,
+    collect,
+    collect_gpus,
+    collect_interconnect,
+    collect_model,
+    collect_sglang,
+)
 from .model_checks import check_model_config, check_model_files, check_tokenizer
 from .report import Finding, GateRefused, banner_once, failures, guarded, refusal, report
 
@@ -58,7 +82,7 @@ def evaluate(facts: Facts, server_args=None) -> list[Finding]:
     return out
 
 
-def run_gate(model_path: Optional[str] = None, patch_environ: Optional[dict] = None, tokenizer: bool = True,
+def run_gate(model_path: str | None = None, patch_environ: dict | None = None, tokenizer: bool = True,
              server_args=None) -> tuple[Facts, list[Finding]]:
     """The facts (of this interpreter, or of a process started with `patch_environ`) and the findings."""
     banner_once()

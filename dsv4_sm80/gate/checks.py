@@ -3,8 +3,6 @@ caches, the server's arguments). The checkpoint's checks are in `model_checks`."
 
 from __future__ import annotations
 
-from typing import Optional
-
 from .. import env, jitcache, upstream
 from .facts import GpuFacts, InterconnectFacts, ModelFacts, PatchFacts, SGLangFacts
 from .report import Finding, fail, ok, skip, warn
@@ -103,14 +101,14 @@ CUSTOM_AR_RULE = "srt/distributed/device_communicators/custom_all_reduce_utils.p
 # (pymscclpp.py, PyMscclppCommunicator._SUPPORTED_WORLD_SIZES) and falls back to NCCL below; the product runs 4.
 
 
-def custom_all_reduce_allowed(f: Optional[InterconnectFacts]) -> bool:
+def custom_all_reduce_allowed(f: InterconnectFacts | None) -> bool:
     """SGLang's custom all-reduce may run only where NVML shows NVLink between every pair of the visible GPUs:
     over PCIe it can return a wrong sum without any error, NCCL costs only speed. An interconnect NVML cannot
     read counts as PCIe."""
     return f is not None and f.error is None and all(p["nvlink"] for p in f.pairs)
 
 
-def interconnect_launch_args(f: Optional[InterconnectFacts]) -> dict:
+def interconnect_launch_args(f: InterconnectFacts | None) -> dict:
     """The server arguments the launch sets for the interconnect (the `launch.gate` seam applies them)."""
     return {} if custom_all_reduce_allowed(f) else {"disable_custom_all_reduce": True}
 
@@ -123,7 +121,7 @@ def _links_text(links: list) -> str:
     return f" (active NVLinks per GPU: {', '.join(map(str, links))})"
 
 
-def check_interconnect(f: Optional[InterconnectFacts]) -> Finding:
+def check_interconnect(f: InterconnectFacts | None) -> Finding:
     """NVLink between all visible GPUs: SGLang's custom all-reduce on; anything else: turned off at launch,
     with the reason and what it costs."""
     name = "gpu.interconnect"
@@ -150,7 +148,7 @@ def check_interconnect(f: Optional[InterconnectFacts]) -> Finding:
                       "it to take a large share of decode time (the intended machine has NVLink between all four)")
 
 
-def check_env_knobs(knobs: Optional[dict]) -> Finding:
+def check_env_knobs(knobs: dict | None) -> Finding:
     """Every dsv4-sm80 knob the launch sees holds one of its documented values (README "Environment")."""
     if knobs is None:
         return skip("env.knobs", "not collected")
@@ -164,7 +162,7 @@ def check_env_knobs(knobs: Optional[dict]) -> Finding:
     return ok("env.knobs", f"{len(knobs)} set, all within their values")
 
 
-def check_jit_cache(dirs: Optional[list]) -> list[Finding]:
+def check_jit_cache(dirs: list | None) -> list[Finding]:
     """Each JIT cache directory writable, with room on its disk: a cold start compiles into them, and a
     disk that fills half-way fails deep inside a compiler."""
     if dirs is None:
@@ -195,7 +193,7 @@ def check_jit_cache(dirs: Optional[list]) -> list[Finding]:
 MIN_NVCC_TEXT = ".".join(map(str, jitcache.MIN_NVCC))
 
 
-def check_jit_compiler(n: Optional[jitcache.NvccFacts]) -> Finding:
+def check_jit_compiler(n: jitcache.NvccFacts | None) -> Finding:
     """The nvcc SGLang's JIT builds run (jitcache.nvcc_facts): present and a release TileLang's C++20 builds
     accept; otherwise the first build (the mHC prewarm, while loading) fails half-way into the start."""
     if n is None:
@@ -239,12 +237,12 @@ def check_sglang_knobs(f: PatchFacts) -> Finding:
     return ok("patch.sglang_knobs", ", ".join(f"{d.name}={d.value}" for d in env.IMPORT_TIME_DEFAULTS))
 
 
-def is_loopback(host: Optional[str]) -> bool:
+def is_loopback(host: str | None) -> bool:
     h = (host or "127.0.0.1").strip().strip("[]").lower()
     return h in ("localhost", "::1", "ip6-localhost") or h.startswith("127.")
 
 
-def check_bind(host: Optional[str], has_api_key: bool, environ=None) -> Finding:
+def check_bind(host: str | None, has_api_key: bool, environ=None) -> Finding:
     """A patched server on a non-loopback address needs --api-key, or the logged opt-out
     DSV4_SM80_ALLOW_OPEN_BIND=1. Never sees or prints the key itself, only whether one is set."""
     host = host or "127.0.0.1"
@@ -316,7 +314,7 @@ def check_modes(server_args) -> Finding:
 EAGLE_LIKE = ("EAGLE", "EAGLE3", "NEXTN")
 
 
-def check_speculative(algorithm: Optional[str], m: ModelFacts) -> Finding:
+def check_speculative(algorithm: str | None, m: ModelFacts) -> Finding:
     """`--speculative-algorithm NEXTN/EAGLE` needs a V3-style MTP layer (`mtp.N.e_proj`/`h_proj`, the
     original V4-Flash release). The 0731 and Vision-Exp releases carry a DSPARK draft instead; NextN on
     them builds its projections from nothing and runs on uninitialised weights (accept rate 0, slower

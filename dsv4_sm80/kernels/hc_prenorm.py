@@ -21,8 +21,6 @@ on values: capture-safe.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -78,7 +76,7 @@ def _check(cond: bool, what: str, found, expected):
 
 
 def hc_prenorm(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, sqrsum: torch.Tensor,
-               num_splits: Optional[int] = None, config: Optional[dict] = None) -> None:
+               num_splits: int | None = None, config: dict | None = None) -> None:
     """Fill d and sqrsum in place (shapes in the module docstring); config overrides default_config's tiles
     (block_m, block_k: powers of two >= 16; num_warps, num_stages) and may set inner_splits (default 1): each of
     the caller's splits cut into that many K shares more, as programs of their own, into a scratch buffer whose

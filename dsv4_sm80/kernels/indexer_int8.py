@@ -47,7 +47,7 @@ PAGE_BYTES = PAGE * ENTRY
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hadamard_halves(device: str):
     """H128 (entries +-1, exact in BF16) split by the input's even and odd dims, transposed: [64, 128] BF16
     each; the kernels apply the 1/sqrt(128) in fp32 after the product."""

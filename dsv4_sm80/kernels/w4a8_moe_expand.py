@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .w4a8_moe_layout import (CHUNK, TILE_COLS, _col_base, _DECODE_SHIFT_ASM_C, _e2m1x2, _e8m0,
-                              _scale_bytes)
+from .w4a8_moe_layout import _DECODE_SHIFT_ASM_C, CHUNK, TILE_COLS, _col_base, _e2m1x2, _e8m0, _scale_bytes
 from .w4a8_moe_mma import Mma, _moe_epilogue
 
 EXPAND_TOKENS = 8192  # the table's expanded row: above this many tokens a forward (at top-6, 49,152 pairs)

@@ -35,7 +35,7 @@ class Gemv:
     n2: int = 128
     group: int = 32
 
-    def for_hidden(self, h: int) -> "Gemv":
+    def for_hidden(self, h: int) -> Gemv:
         """The largest share count up to split_k whose shares are whole 64-deep K steps of hidden h."""
         split_k = self.split_k
         while split_k > 1 and h % (split_k * CHUNK):

@@ -37,13 +37,13 @@ from ..gate import refusal
 HEAD_DIM = 512
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kv_fp8_sim() -> bool:
     """SGLANG_DSV4_A100_KV_ROUNDING=fp8_sim, read once per process (the stores call this per layer)."""
     return env.get(env.KV_ROUNDING) == "fp8_sim"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def indexer_fp4_sim() -> bool:
     """SGLANG_DSV4_A100_INDEXER_ROUNDING=fp4_sim, read once per process."""
     return env.get(env.INDEXER_ROUNDING) == "fp4_sim"

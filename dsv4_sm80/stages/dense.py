@@ -116,7 +116,7 @@ def load_summary() -> str:
 
 # --- the linear method ---------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _method_class():
     """Built lazily: the base class lives in sglang, which may only be imported once SGLang is."""
     from sglang.srt.layers.quantization.fp8 import Fp8LinearMethod

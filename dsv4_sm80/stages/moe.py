@@ -28,7 +28,6 @@ import torch
 from .. import env
 from ..gate import refusal
 
-
 # --- launch: runner backend and expert parallelism ----------------------------------------------
 
 def route_experts_at_launch(cls, server_args, *args, **kwargs):
@@ -91,7 +90,7 @@ def w4a8_layer(module) -> W4A8Layer | None:
     return getattr(module, W4A8_ATTR, None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _method_class():
     from sglang.srt.layers.quantization.mxfp4_marlin_moe import Mxfp4MarlinMoEMethod
 

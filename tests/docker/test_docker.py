@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import REPO
 
 STANDIN = "dsv4-sm80-test/sglang-standin:v0.5.16"

@@ -10,11 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from conftest import dev, last_json, run_python
+from conftest import REPO, dev, last_json, run_python
 from dsv4_sm80.kernels import block_rounding_ref as br
 from dsv4_sm80.kernels import kv_store_ref as ref
 from dsv4_sm80.kernels.block_rounding import fp4_codes
-from conftest import REPO
 
 
 @triton.jit

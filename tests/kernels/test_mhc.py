@@ -10,9 +10,8 @@ import os
 import pytest
 import torch
 
-from conftest import dev, last_json, nvcc_home, run_python
+from conftest import REPO, dev, last_json, nvcc_home, run_python
 from dsv4_sm80.kernels import hc_prenorm_ref as ref
-from conftest import REPO
 
 
 @pytest.fixture(scope="module")

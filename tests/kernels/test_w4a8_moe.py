@@ -9,9 +9,8 @@ import re
 import pytest
 import torch
 
-from conftest import dev
+from conftest import REPO, dev
 from dsv4_sm80.kernels import w4a8_moe_ref as ref
-from conftest import REPO
 
 
 @pytest.fixture(scope="module")

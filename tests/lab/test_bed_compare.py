@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "dsv4_lab", "beds"))

@@ -8,6 +8,7 @@ import time
 import types
 
 import pytest
+
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "dsv4_lab", "beds"))

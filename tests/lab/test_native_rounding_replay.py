@@ -369,8 +369,8 @@ def test_gemm_sends_the_mhc_prenorm_gemm_to_deepgemm(monkeypatch):
     rows: nothing to do, as upstream). DeepGEMM needs an SM90 GPU, so here a recorder stands in for that one
     function of the real deep_gemm module, and the SM80 Triton GEMM must not run."""
     deep_gemm = pytest.importorskip("deep_gemm", reason="SGLang's DeepGEMM package")
-    from dsv4_sm80.stages import mhc
     from dsv4_sm80.kernels import hc_prenorm
+    from dsv4_sm80.stages import mhc
 
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "gemm")
     lab_rounding._items.cache_clear()

@@ -14,10 +14,9 @@ import torch
 pytest.importorskip("accelerate")  # transformers' FP8 dequantizing loader needs it
 
 from conftest import REPO  # noqa: E402
-from reference import dequant_fp8, dequant_mxfp4, load_raw  # noqa: E402
-
 from dsv4_lab.oracle.load import ReferenceLoadError, load_reference  # noqa: E402
 from dsv4_lab.oracle.score import forward_logprobs, score  # noqa: E402
+from reference import dequant_fp8, dequant_mxfp4, load_raw  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import REPO, last_json, run_python
-from reference import dequant_fp8_bf16 as reference, e4m3_table, load_raw
+from reference import dequant_fp8_bf16 as reference
+from reference import e4m3_table, load_raw
 
 
 def as_fp8(b: np.ndarray) -> torch.Tensor:

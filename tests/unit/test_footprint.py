@@ -78,9 +78,10 @@ def test_512k_fits_on_four_a800s():
 
 
 def test_footprint_cli():
-    from dsv4_sm80.cli import main
     import contextlib
     import io
+
+    from dsv4_sm80.cli import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from dsv4_sm80 import gate as cc
-from dsv4_sm80.gate import Facts, GpuFacts, PatchFacts, SGLangFacts
 from dsv4_sm80.checkpoint.safetensors_io import read_header, write_shard
+from dsv4_sm80.gate import Facts, GpuFacts, PatchFacts, SGLangFacts
 
 A800 = [{"index": i, "name": "NVIDIA A800-SXM4-80GB", "cc": "8.0", "memory_gib": 79.3} for i in range(4)]
 H200 = [{"index": 0, "name": "NVIDIA H200", "cc": "9.0", "memory_gib": 139.8}]

@@ -7,11 +7,11 @@ import os
 import re
 
 import pytest
+from test_gate import facts, failed
 
 import compat_check as cc
 from conftest import REPO, last_json, run_python
 from dsv4_sm80 import jitcache
-from test_gate import facts, failed
 
 
 def cache(label="Triton (TRITON_CACHE_DIR)", path="/root/.triton/cache", **kw):

@@ -14,8 +14,8 @@ import pytest
 
 from dsv4_sm80.checkpoint import format as fmt
 from dsv4_sm80.checkpoint.safetensors_io import read_header
-from conftest import REPO
 from reference import dequant_fp8, dequant_mxfp4, e2m1_table, e8m0, load_raw
+
 
 def test_config_is_0731_with_widths_changed(unit_ckpt):
     cfg = json.load(open(os.path.join(unit_ckpt, "config.json")), object_pairs_hook=OrderedDict)

@@ -5,9 +5,9 @@ import glob
 import os
 
 import pytest
-from conftest import REPO
 import torch
 
+from conftest import REPO
 from vision_backport import model as M
 from vision_backport.image_processing import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_PAD, IMAGE_START
 
@@ -152,8 +152,8 @@ def test_visible_window_lists_against_brute_force():
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
     from sglang.kernels.ops.attention.dsv4_attn_metadata_kernels import build_causal_swa_page_indices
 
-    from vision_backport.window import visible_swa_lists
     from vision_backport.visible_window import visible_windows
+    from vision_backport.window import visible_swa_lists
 
     g = torch.Generator().manual_seed(0)
     ctx, pool = 1200, 5000

@@ -107,11 +107,11 @@ def test_sglang_processor_end_to_end(tmp_path):
     """The processor class on SGLang 0.5.16's base, with the stand-in tokenizer and SGLang's own DSV4 chat
     encoding: a two-image chat becomes ids with both blocks and two image items."""
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    from sglang.srt.entrypoints.openai import encoding_dsv4
     from transformers import AutoTokenizer
 
     from dsv4_sm80.checkpoint import format as fmt
     from dsv4_sm80.tiny.tokenizer import write_tokenizer
-    from sglang.srt.entrypoints.openai import encoding_dsv4
 
     write_tokenizer(str(tmp_path), 129280)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))

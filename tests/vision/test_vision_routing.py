@@ -150,11 +150,9 @@ def test_hooks_route_image_rows_by_bias_vl_in_sglangs_topk(unit_ckpt, tmp_path):
     rows stay SGLang's own, the routed scaling applied exactly where the layer applies it; hash layers
     never index their token table with an image pad value (which, unpatched, is out of range)."""
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
-    import os
-
-    from conftest import last_json, run_python
 
     from conftest import REPO as root
+    from conftest import last_json, run_python
     out = last_json(run_python(HOOKS.format(root=root, ckpt=unit_ckpt, tmp=str(tmp_path)), TORCHDYNAMO_DISABLE="1"))
     for key in ("topk0",):
         r = out[key]
