@@ -42,7 +42,8 @@ def cache_dirs(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     triton = e.get("TRITON_CACHE_DIR") or os.path.join(e.get("TRITON_HOME") or home, ".triton", "cache")
     return {
         "Triton (TRITON_CACHE_DIR)": triton,
-        "SGLang JIT / tvm-ffi (TVM_FFI_CACHE_DIR)": os.path.expanduser(e.get("TVM_FFI_CACHE_DIR") or "~/.cache/tvm-ffi"),
+        "SGLang JIT / tvm-ffi (TVM_FFI_CACHE_DIR)":
+            os.path.expanduser(e.get("TVM_FFI_CACHE_DIR") or "~/.cache/tvm-ffi"),
         "TileLang (TILELANG_CACHE_DIR)": os.path.expanduser(e.get("TILELANG_CACHE_DIR") or "~/.tilelang/cache"),
     }
 
@@ -232,7 +233,8 @@ def nvcc_facts(environ: Mapping[str, str] | None = None) -> NvccFacts:
         if m:
             f.version = f"{m.group(1)}.{m.group(2)}"
         else:
-            f.error = f"`nvcc --version` exited {r.returncode} without a release: {(r.stdout + r.stderr).strip()[-200:]}"
+            said = (r.stdout + r.stderr).strip()[-200:]
+            f.error = f"`nvcc --version` exited {r.returncode} without a release: {said}"
     except (OSError, subprocess.SubprocessError) as e:
         f.error = f"{type(e).__name__}: {e}"
     return f

@@ -11,8 +11,9 @@ tvm-ffi cache (`$TVM_FFI_CACHE_DIR`, default `~/.cache/tvm-ffi`) holding the gen
 
 `pack` keeps the text files of every directory whose `.so` exists (with `--unfinished`, also those still building:
 build.ninja written, no `.so` yet), a few KB per module; `build` writes them back where absent (files that exist
-must hold the same text, as tvm-ffi's own `_maybe_write` leaves them) and runs ninja in those directories in parallel, each under the directory's `lock`
-that tvm-ffi takes around its own build (an engine starting meanwhile waits for that module instead of building
+must hold the same text, as tvm-ffi's own `_maybe_write` leaves them) and runs ninja in those directories in
+parallel, each under the directory's `lock` that tvm-ffi takes around its own build (an engine starting meanwhile
+waits for that module instead of building
 it twice). A seed names absolute paths of the host it was packed on (include directories, nvcc, the sources
 `#include`d); a module whose paths are absent here is skipped and named. Lab tooling for the offline GPU host
 (steps.sh `bg` builds `dsv4_lab/beds/jit-seed/*.json.xz` when present; `wait` packs this host's into $OUT).
@@ -232,7 +233,7 @@ def find_ninja() -> str:
 
         return os.path.join(ninja.BIN_DIR, "ninja")
     except ImportError:
-        raise SystemExit("jit_seed: no ninja on PATH nor the `ninja` package: tvm-ffi builds with it too")
+        raise SystemExit("jit_seed: no ninja on PATH nor the `ninja` package: tvm-ffi builds with it too") from None
 
 
 def build(seed: dict, cache: Path, jobs: int, ninja: str | None = None, log=print) -> Report:
@@ -267,8 +268,10 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack", help="every built module's sources into a seed")
     p.add_argument("--out", type=Path, required=True, help="seed file (.json, or .json.xz compressed)")
-    p.add_argument("--cache", type=Path, default=None, help="tvm-ffi cache (default $TVM_FFI_CACHE_DIR or ~/.cache/tvm-ffi)")
-    p.add_argument("--merge", type=Path, action="append", default=[], help="an earlier seed to keep beside (repeatable)")
+    p.add_argument("--cache", type=Path, default=None,
+                   help="tvm-ffi cache (default $TVM_FFI_CACHE_DIR or ~/.cache/tvm-ffi)")
+    p.add_argument("--merge", type=Path, action="append", default=[],
+                   help="an earlier seed to keep beside (repeatable)")
     p.add_argument("--unfinished", action="store_true",
                    help="also modules still building (build.ninja written, no .so yet): a run cut mid-build")
     b = sub.add_parser("build", help="build a seed's modules missing from the cache, in parallel")

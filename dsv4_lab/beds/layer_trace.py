@@ -37,7 +37,8 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-runner-backend", default="marlin")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
     ap.add_argument("--perturb", type=float, default=0.0,
-                    help="the embedding output moved one BF16 ulp in this share of entries (dsv4_lab.perturb): the floor trace")
+                    help="the embedding output moved one BF16 ulp in this share of entries (dsv4_lab.perturb): "
+                         "the floor trace")
     args = ap.parse_args(argv)
 
     from engine_bed import BED_WATCHDOG_S, prompt_ids

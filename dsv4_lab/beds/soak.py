@@ -310,7 +310,8 @@ def main(argv=None) -> int:
     stable = memory_stable(first, last) and slope is not None and slope < GROWTH_LIMIT
     report = {"minutes": args.minutes, "dspark": args.dspark, "native": args.native,
               "done": stats["done"], "cancelled": stats["cancelled"],
-              "errors": len(stats["errors"]), "error_samples": stats["errors"][:10], "nonfinite_logprobs": stats["nonfinite"],
+              "errors": len(stats["errors"]), "error_samples": stats["errors"][:10],
+              "nonfinite_logprobs": stats["nonfinite"],
               "tokens_requested": stats["tokens"], "used_tokens_idle": idle, "used_tokens_after_flush": after,
               "server_gpu_mib_first_minute": first, "server_gpu_mib_last_minute": last,
               "growth_mib_per_min_second_half": None if slope is None else round(slope, 1),

@@ -16,7 +16,6 @@ import json
 import os
 import sys
 from dataclasses import asdict
-from typing import Optional
 
 from .. import env
 from .checks import (

@@ -59,7 +59,8 @@ def check_gpus(f: GpuFacts, lab: dict) -> list[Finding]:
     out = []
     if lab_count is not None:
         if not lab_count.isdigit() or int(lab_count) < 1:
-            return [fail("gpu.count", f"{env.LAB_GPU_COUNT.name}={lab_count!r}", "a positive integer", "fix the lab override")]
+            return [fail("gpu.count", f"{env.LAB_GPU_COUNT.name}={lab_count!r}", "a positive integer",
+                         "fix the lab override")]
         want_count = int(lab_count)
     if lab_cc is not None:
         want_cc = lab_cc
@@ -69,7 +70,8 @@ def check_gpus(f: GpuFacts, lab: dict) -> list[Finding]:
     if len(devs) != want_count:
         out.append(fail("gpu.count", f"{len(devs)} visible GPUs{suffix}{desc}",
                          f"exactly {want_count}" + ("" if lab_count else " (4 x A800 80GB, tensor parallel 4)"),
-                         f"{fix_lab}; CUDA_VISIBLE_DEVICES must list exactly four" if not lab_count else "check the lab machine"))
+                         f"{fix_lab}; CUDA_VISIBLE_DEVICES must list exactly four" if not lab_count
+                         else "check the lab machine"))
     else:
         out.append(ok("gpu.count", f"{len(devs)} visible GPUs{desc}"))
     if not devs:
@@ -79,8 +81,10 @@ def check_gpus(f: GpuFacts, lab: dict) -> list[Finding]:
     bad = [d for d in devs if d["cc"] != want_cc]
     if bad:
         out.append(fail("gpu.capability", f"compute capability {', '.join(sorted({d['cc'] for d in bad}))} "
-                         f"on {len(bad)} GPU(s) ({bad[0]['name']})", f"every GPU {want_cc}" + ("" if lab_cc else " (SM80: A800/A100)"),
-                         f"{fix_lab}; SM90+ GPUs should run native SGLang ({env.PATCH.name}=0)" if not lab_cc else "check the lab machine"))
+                         f"on {len(bad)} GPU(s) ({bad[0]['name']})",
+                         f"every GPU {want_cc}" + ("" if lab_cc else " (SM80: A800/A100)"),
+                         f"{fix_lab}; SM90+ GPUs should run native SGLang ({env.PATCH.name}=0)" if not lab_cc
+                         else "check the lab machine"))
     else:
         out.append(ok("gpu.capability", f"all {want_cc}"))
     small = [d for d in devs if d["memory_gib"] < A800_MIN_MEMORY_GIB]
@@ -172,7 +176,8 @@ def check_jit_cache(dirs: list | None) -> list[Finding]:
         var = d.label[d.label.find("(") + 1:d.label.find(")")] if "(" in d.label else "its cache variable"
         if not d.writable:
             out.append(fail("jit.cache", f"{d.label} at {d.path}: not writable ({d.error or 'no write access'})",
-                             "a writable cache directory", f"fix its permissions, or set {var} to a writable directory"))
+                             "a writable cache directory",
+                             f"fix its permissions, or set {var} to a writable directory"))
         elif d.free_bytes is not None and d.free_bytes < need:
             out.append(fail("jit.cache", f"{d.label} at {d.path}: {jitcache.gib(d.free_bytes)} free on its disk",
                              f">= {jitcache.gib(need)} free (a cold start compiles kernels into it)",

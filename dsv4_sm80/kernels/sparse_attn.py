@@ -273,9 +273,9 @@ def decode_plan(rows: int, heads: int, width: int, device) -> dict:
     """`sparse_attn`'s choices for splits=None, from static shapes only: `default_splits`, twice the splits (a
     program a 32-entry step) while they still fit in one wave of one program per SM (few query tokens: batch 1-8
     decode), and from SMALL_BATCH_SPLITS splits on the lists read as one (joint) with the tiled combine. The
-    H200 bench of 2026-12-02 at TP4 shapes (16 heads, 640 entries): batch 1 13.4-13.7 us -> 9.1-9.4 with joint, tiles and 20
-    splits (11.5-11.8 with the lists apart); batch 8 14.5-14.7 -> 11.4-11.7 (10 splits; 20: 12.0-12.3); C128 at
-    512K (4224 entries, 32 splits), batch 1 and 8: the tiled combine 23.8 -> 17.4 and 29.8 -> 24.5 us with the
+    H200 bench of 2026-12-02 at TP4 shapes (16 heads, 640 entries): batch 1 13.4-13.7 us -> 9.1-9.4 with joint,
+    tiles and 20 splits (11.5-11.8 with the lists apart); batch 8 14.5-14.7 -> 11.4-11.7 (10 splits; 20: 12.0-12.3);
+    C128 at 512K (4224 entries, 32 splits), batch 1 and 8: the tiled combine 23.8 -> 17.4 and 29.8 -> 24.5 us with the
     lists apart, 18.7 and 25.4 joint, so joint only where a split's share is at most JOINT_MAX_SHARE entries. At
     2-4 splits (batch 64) the loop combine stayed faster (24.4 against 29.6 us), and joint lost at 4224 entries
     (123.0 against 111.8).

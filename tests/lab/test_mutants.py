@@ -77,7 +77,11 @@ def test_wrappers_pass_through_unless_named(name, knob):
         knob(other)
         for s in M.MUTANTS[name].seams:
             seen = []
-            out = _replacement(s)(lambda *a, **k: seen.append((a, k)) or sentinel, 1, x=2)
+
+            def original(*a, _seen=seen, **k):
+                return _seen.append((a, k)) or sentinel
+
+            out = _replacement(s)(original, 1, x=2)
             assert out is sentinel and seen == [((1,), {"x": 2})]
 
 

@@ -42,7 +42,7 @@ def test_make_tiny(tmp_path):
 def test_doctor_on_the_cpu_machine_names_the_gpu_check(no_gpu, unit_ckpt):
     p = cli("doctor", "--model-path", unit_ckpt, ENABLE_SGLANG_DSV4_A100_PATCH="1")
     assert p.returncode != 0
-    fails = [l for l in p.stdout.splitlines() if l.startswith("FAIL")]
+    fails = [line for line in p.stdout.splitlines() if line.startswith("FAIL")]
     assert fails and fails[0].startswith("FAIL gpu.count: found 0 visible GPUs"), p.stdout
     assert "PASS patch.active" in p.stdout and "PASS model.experts" in p.stdout
     assert "PENDING  launch.gate" in p.stdout

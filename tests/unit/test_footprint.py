@@ -1,4 +1,5 @@
-"""The memory arithmetic (dsv4_sm80/footprint.py) against the published parameter counts and SGLang's own pool sizing."""
+"""The memory arithmetic (dsv4_sm80/footprint.py) against the published parameter counts and SGLang's own pool
+sizing."""
 
 import pytest
 
@@ -145,7 +146,8 @@ def test_startup_report_names_the_moe_expand_workspace():
 
     assert fp.expand_workspace(runner(16384)) == ""  # no layer marked: nothing to name
     model.experts.dsv4_w4a8 = W4A8Layer(torch.ones(1, 1), torch.ones(1, 1), expand_ok=True, repack_seconds=0.0)
-    assert fp.expand_workspace(runner(8192)) == "MoE expand workspace 0.50 GiB transient, not reached: chunked prefill 8,192"
-    assert fp.expand_workspace(runner(16384)) == ("MoE expand workspace 0.50 GiB transient, reached by prefill forwards "
-                                                  "above 8,192 tokens (chunked prefill 16,384)")
+    assert fp.expand_workspace(runner(8192)) == ("MoE expand workspace 0.50 GiB transient, not reached: chunked "
+                                                 "prefill 8,192")
+    assert fp.expand_workspace(runner(16384)) == ("MoE expand workspace 0.50 GiB transient, reached by prefill "
+                                                  "forwards above 8,192 tokens (chunked prefill 16,384)")
     assert fp.expand_workspace(runner(-1)).endswith("above 8,192 tokens (chunked prefill off)")

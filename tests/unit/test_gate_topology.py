@@ -185,7 +185,8 @@ def test_the_launch_seam_sets_the_argument_and_prints_the_warning(monkeypatch, c
         f = gate.collect_interconnect(gpus(), nvml)
         facts = Facts(sglang=SGLangFacts(), gpus=gpus(), patch=PatchFacts(), model=gate.collect_model(None),
                       interconnect=f)
-        monkeypatch.setattr(gate, "run_gate", lambda *a, **k: (facts, [gate.check_interconnect(f)]))
+        found = (facts, [gate.check_interconnect(f)])
+        monkeypatch.setattr(gate, "run_gate", lambda *a, _found=found, **k: _found)
         args = SimpleNamespace(model_path="/model", disable_custom_all_reduce=False)
         assert gate.before_launch(None, args) is None
         assert args.disable_custom_all_reduce is want

@@ -168,15 +168,17 @@ def test_triton_cache_write_on_a_full_disk_is_named(tmp_path):
     """A Triton kernel (ours, compiled for sm_80) whose cache write fails for lack of space: with the patch on
     the bootstrap's cache class (Triton's TRITON_CACHE_MANAGER hook) names jit.disk_full, the file, the
     directory and the fix; off, Triton's bare OSError. A user's own cache class is left alone."""
-    on = last_json(run_python(TRITON_FULL, TRITON_INTERPRET="0", ENABLE_SGLANG_DSV4_A100_PATCH="1", TRITON_CACHE_DIR=str(tmp_path / "on")))
+    on = last_json(run_python(TRITON_FULL, TRITON_INTERPRET="0", ENABLE_SGLANG_DSV4_A100_PATCH="1",
+                              TRITON_CACHE_DIR=str(tmp_path / "on")))
     assert on["manager"] == jitcache.TRITON_CACHE_MANAGER
     assert on["out"].startswith("JitCacheFull: dsv4-sm80 jit.disk_full: writing Triton kernel file"), on
     assert str(tmp_path / "on") in on["out"] and "TRITON_CACHE_DIR" in on["out"] and "GiB free" in on["out"]
-    off = last_json(run_python(TRITON_FULL, TRITON_INTERPRET="0", ENABLE_SGLANG_DSV4_A100_PATCH="0", TRITON_CACHE_DIR=str(tmp_path / "off")))
+    off = last_json(run_python(TRITON_FULL, TRITON_INTERPRET="0", ENABLE_SGLANG_DSV4_A100_PATCH="0",
+                               TRITON_CACHE_DIR=str(tmp_path / "off")))
     assert off["manager"] is None and off["out"].startswith("OSError: [Errno 28]"), off
     mine = "triton.runtime.cache:FileCacheManager"
-    user = last_json(run_python(TRITON_FULL, TRITON_INTERPRET="0", ENABLE_SGLANG_DSV4_A100_PATCH="1", TRITON_CACHE_MANAGER=mine,
-                                TRITON_CACHE_DIR=str(tmp_path / "user")))
+    user = last_json(run_python(TRITON_FULL, TRITON_INTERPRET="0", ENABLE_SGLANG_DSV4_A100_PATCH="1",
+                                TRITON_CACHE_MANAGER=mine, TRITON_CACHE_DIR=str(tmp_path / "user")))
     assert user["manager"] == mine and user["out"].startswith("OSError: [Errno 28]"), user
 
 

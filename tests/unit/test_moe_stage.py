@@ -18,7 +18,8 @@ import torch
 sys.path.insert(0, {tests!r})
 from reference import load_raw
 from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
-init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:{port}", local_rank=0, backend="gloo")
+init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:{port}", local_rank=0,
+                             backend="gloo")
 initialize_model_parallel(1)
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 ckpt = {ckpt!r}

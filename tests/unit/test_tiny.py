@@ -71,7 +71,8 @@ def test_shards_index_and_dtypes(unit_ckpt):
         elif ".experts." in name:
             part = name.rsplit(".", 2)[-2]
             assert (dtype, shape) == ("I8", (M, H // 2) if part in ("w1", "w3") else (H, M // 2)), name
-        elif name.endswith(("attn_sink", ".ape", "gate.bias")) or ".hc_" in name or name.startswith("hc_") or ".hc_head" in name:
+        elif (name.endswith(("attn_sink", ".ape", "gate.bias")) or ".hc_" in name or name.startswith("hc_")
+              or ".hc_head" in name):
             assert dtype == "F32", name
         elif name.endswith("tid2eid"):
             assert dtype == "I64" and shape == (cfg["vocab_size"], cfg["num_experts_per_tok"])

@@ -119,7 +119,8 @@ for scaled in (False,):  # SGLang's torch-native TopK (the CPU path) does not sc
     pw, pi = rows(plain.topk_weights, plain.topk_ids)
     out["topk_differ"] = int(((wi != pi).any(-1) & mask).sum())
     out[f"topk{{int(scaled)}}"] = dict(ids=torch.equal(gi, wi), w=float((gw - ww).abs().max()),
-                                       text_same=torch.equal(gi[~mask], pi[~mask]) and torch.equal(gw[~mask], pw[~mask]),
+                                       text_same=(torch.equal(gi[~mask], pi[~mask])
+                                                  and torch.equal(gw[~mask], pw[~mask])),
                                        no_mask_same=torch.equal(untouched.topk_ids, plain.topk_ids))
 os.environ["SGLANG_OPT_USE_FUSED_HASH_TOPK"] = "0"
 hk = HashTopK(topk=K, num_experts=E, num_fused_shared_experts=0, vocab_size=V, scoring_func="sqrtsoftplus",
@@ -159,7 +160,8 @@ def test_hooks_route_image_rows_by_bias_vl_in_sglangs_topk(unit_ckpt, tmp_path):
         assert r["ids"] and r["text_same"] and r["no_mask_same"] and r["w"] < 1e-6, (key, r)
     assert out["hash"]["ids"] and out["hash"]["w"] < 1e-6, out["hash"]
     assert out["hash_unpatched"] in ("IndexError", "RuntimeError"), out
-    # DSV4_SM80_LAB_ROUTE_TRACE (the lab's seams on the vision hooks): one line per call that had image rows (the no-mask call writes none)
+    # DSV4_SM80_LAB_ROUTE_TRACE (the lab's seams on the vision hooks): one line per call that had image rows (the
+    # no-mask call writes none)
     topk, hashed = out["trace"]
     assert topk == {"kind": "topk", "rows": 11, "image_rows": 6, "image_rows_bias_vl": 6,
                     "image_rows_differ_from_text_rule": out["topk_differ"], "text_rows_changed": 0}, out
