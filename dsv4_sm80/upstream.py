@@ -7,6 +7,7 @@ wheel. Importing this module imports neither torch nor sglang.
 
 from __future__ import annotations
 
+import ast
 import base64
 import hashlib
 import importlib.util
@@ -152,3 +153,42 @@ def read_git_head(root: str) -> str | None:
 def _common_dir(git: str) -> str:
     p = os.path.join(git, "commondir")
     return os.path.normpath(os.path.join(git, open(p).read().strip())) if os.path.isfile(p) else git
+
+
+def defines(source: str, attr_path: tuple) -> bool:
+    """Whether module source defines attribute path `attr_path` (e.g. ('Engine', '_launch_subprocesses')): a def,
+    class, assignment or `from X import` binding, classes walked by name."""
+    scope = ast.parse(source).body
+    for i, name in enumerate(attr_path):
+        found = None
+        for node in scope:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+                found = node
+            elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+                found = node
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
+                found = node
+            elif isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
+                found = node  # a module global bound by import (e.g. mxfp4_marlin_moe.is_sm90_supported)
+        if found is None:
+            return False
+        if i < len(attr_path) - 1:
+            if not isinstance(found, ast.ClassDef):
+                return False
+            scope = found.body
+    return True
+
+
+def target_state(pkg_dir: str | None, rel: str, attr_path: tuple) -> str:
+    """"ok", or why a seam on `rel`:`attr_path` could not apply to the SGLang at `pkg_dir` (read, never imported)."""
+    if pkg_dir is None:
+        return "no sglang package"
+    problem = mismatches(pkg_dir, {rel: FINGERPRINTS.get(rel)}).get(rel)
+    if problem == "missing":
+        return f"missing file {rel}"
+    if problem:
+        return f"{rel} is not the 0.5.16 file"
+    with open(os.path.join(pkg_dir, rel), encoding="utf-8") as f:
+        if not defines(f.read(), attr_path):
+            return f"target {'.'.join(attr_path)} not defined in {rel}"
+    return "ok"

@@ -167,7 +167,7 @@ REFUSED_STARTS = [
 
 def refused_start(port, serve_args, want, extra_env, timeout=240):
     """(True, the refusal's line) if `dsv4_sm80 serve` with these arguments exits non-zero within `timeout`
-    and its output names `want`; never leaves a process behind."""
+    and the gate's report fails check `want`; never leaves a process behind."""
     import subprocess
 
     cmd = [sys.executable, "-m", "dsv4_sm80", "serve", "--host", "127.0.0.1", "--port", str(port + 1), *serve_args]
@@ -180,7 +180,8 @@ def refused_start(port, serve_args, want, extra_env, timeout=240):
         os.killpg(proc.pid, 9)
         proc.communicate()
         return False, f"still running after {timeout} s"
-    line = next((x.strip() for x in out.splitlines() if want in x), None)
+    check = want.removeprefix("FAIL ")
+    line = next((x.strip() for x in out.splitlines() if x.startswith(f"FAIL {check}:")), None)
     if proc.returncode != 0 and line:
         return True, f"exit {proc.returncode}: {line[:150]}"
     tail = [x.strip() for x in out.splitlines() if x.strip()][-1:] or [""]

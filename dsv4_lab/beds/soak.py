@@ -207,9 +207,9 @@ def main(argv=None) -> int:
     if args.dspark:
         serve_args += ["--speculative-algorithm", "DSPARK"]
     if args.native:  # SGLang's own launch_server: the model lab mode's serve would pick, named
-        from dsv4_sm80.cli import _lab_model
+        from dsv4_sm80.tiny.generate import lab_checkpoint
 
-        serve_args += ["--model-path", _lab_model()]
+        serve_args += ["--model-path", lab_checkpoint()]
     memlog = os.path.splitext(os.path.abspath(args.out))[0] + ".memlog.jsonl"
     for old in glob.glob(glob.escape(memlog) + "*"):  # the log, its site requests and answers
         os.remove(old)

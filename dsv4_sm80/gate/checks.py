@@ -1,9 +1,10 @@
 """The gate's compatibility checks: pure functions of the facts (SGLang, GPUs, patch, knobs, JIT
-caches, the server's arguments). The checkpoint's checks are in `model_checks`."""
+caches, the server's arguments and the stages' rules on them). The checkpoint's checks are in `model_checks`."""
 
 from __future__ import annotations
 
 from .. import env, jitcache, upstream
+from ..seams import SERVER_ARGS, ServerArg
 from .facts import GpuFacts, InterconnectFacts, ModelFacts, PatchFacts, SGLangFacts
 from .report import Finding, fail, ok, skip, warn
 
@@ -113,7 +114,7 @@ def custom_all_reduce_allowed(f: InterconnectFacts | None) -> bool:
 
 
 def interconnect_launch_args(f: InterconnectFacts | None) -> dict:
-    """The server arguments the launch sets for the interconnect (the `launch.gate` seam applies them)."""
+    """The server arguments the launch sets for the interconnect (the launch stage applies them)."""
     return {} if custom_all_reduce_allowed(f) else {"disable_custom_all_reduce": True}
 
 
@@ -339,3 +340,21 @@ def check_speculative(algorithm: str | None, m: ModelFacts) -> Finding:
                  + (" (it carries a DSPARK draft: the 0731 / Vision-Exp releases)" if dspark else ""),
                  "a V3-style MTP layer for NEXTN/EAGLE (it would run on uninitialised weights: accept rate 0)",
                  "use --speculative-algorithm DSPARK" if dspark else "drop --speculative-algorithm")
+
+
+def check_server_arg(rule: ServerArg, server_args) -> Finding:
+    """One stage's rule on a server argument (seams.SERVER_ARGS): a value the launch replaces, one it keeps, or a
+    refusal naming the flag."""
+    value = rule.value(server_args)
+    if value in rule.sets:
+        return ok(rule.name, f"{rule.flag} {value}, set to {rule.sets[value]} at launch")
+    if value in rule.runs:
+        return ok(rule.name, f"{rule.flag} {value}")
+    then = f" (the launch then sets {rule.sets[rule.default]})" if rule.default in rule.sets else ""
+    return fail(rule.name, f"{rule.flag} {value}", f"{' or '.join([*rule.sets, *rule.runs])}: {rule.why}",
+                f"drop {rule.flag}{then}")
+
+
+def server_arg_settings(server_args) -> dict:
+    """attribute -> value for every SERVER_ARGS rule whose value the launch replaces."""
+    return {r.attr: r.sets[v] for r in SERVER_ARGS if (v := r.value(server_args)) in r.sets}

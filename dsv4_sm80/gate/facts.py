@@ -397,6 +397,15 @@ def index_name_problem(name) -> str | None:
     return None
 
 
+def tokenizer_wanted(server_args) -> bool:
+    """Whether SGLang will load the checkpoint folder's own tokenizer."""
+    if getattr(server_args, "skip_tokenizer_init", False):
+        return False
+    tok = getattr(server_args, "tokenizer_path", None)
+    model = getattr(server_args, "model_path", None)
+    return tok is None or model is None or os.path.abspath(tok) == os.path.abspath(model)
+
+
 def collect_model(path: str | None, tokenizer: bool = True) -> ModelFacts:
     f = ModelFacts(path=path, tokenizer_wanted=tokenizer)
     try:

@@ -82,7 +82,7 @@ def test_report_json_and_text(unit_ckpt):
     assert doc["ok"] is False
     assert [c["check"] for c in doc["checks"] if c["status"] == "fail"] == ["gpu.count"]
     text = cc.report(f, findings)
-    assert text.splitlines()[-1] == "gate: REFUSED, 1 check(s) failed"
+    assert text.splitlines()[-1] == "gate: REFUSED, 1 failed (gpu.count)"
 
 
 # --- SGLang red lines -----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""JIT caches: the gate's jit.cache check (injected facts and real probes) and the jit.disk_full seam
+"""JIT caches: the gate's jit.cache check (injected facts and real probes) and the launch.jit_disk_full seam
 around SGLang 0.5.16's own load_jit (applied in a fresh interpreter, the build made to hit ENOSPC)."""
 
 import errno
@@ -96,19 +96,23 @@ def _raise(exc):
                                  RuntimeError("ninja: build stopped: subcommand failed.\n/usr/bin/ld: final "
                                               "link failed: No space left on device")])
 def test_disk_full_build_becomes_a_clear_error(exc, tmp_path):
+    from dsv4_sm80.stages.launch import load_jit_naming_a_full_disk
+
     with pytest.raises(jitcache.JitCacheFull) as e:
-        jitcache.load_jit_clear_disk_error(_raise(exc), "dsv4", "rope", build_directory=str(tmp_path / "m"))
+        load_jit_naming_a_full_disk(_raise(exc), "dsv4", "rope", build_directory=str(tmp_path / "m"))
     msg = str(e.value)
     assert "jit.disk_full" in msg and "'dsv4_rope'" in msg and str(tmp_path / "m") in msg
     assert "GiB free" in msg and "TVM_FFI_CACHE_DIR" in msg and e.value.__cause__ is exc
 
 
 def test_other_build_errors_pass_through_unchanged():
+    from dsv4_sm80.stages.launch import load_jit_naming_a_full_disk
+
     err = RuntimeError("nvcc: error: identifier foo is undefined")
     with pytest.raises(RuntimeError) as e:
-        jitcache.load_jit_clear_disk_error(_raise(err), "m")
+        load_jit_naming_a_full_disk(_raise(err), "m")
     assert e.value is err
-    assert jitcache.load_jit_clear_disk_error(lambda *a, **k: ("ok", a, k), "m", x=1) == ("ok", ("m",), {"x": 1})
+    assert load_jit_naming_a_full_disk(lambda *a, **k: ("ok", a, k), "m", x=1) == ("ok", ("m",), {"x": 1})
 
 
 SEAM_IN_SGLANG = r"""

@@ -78,11 +78,12 @@ from dsv4_lab import routes as L
 from dsv4_lab.seams import LAB_SEAMS
 from dsv4_sm80 import apply
 from dsv4_sm80.seams import SEAMS
+from vision_backport.seams import VISION_SEAMS
 
 def stacked(target, *hooks):  # target wrapped by the named seams' hooks in table order, as the applier stacks them
     fn = target
     for name, hook in hooks:
-        fn = apply._wrap(next(s for s in (*SEAMS, *LAB_SEAMS) if s.name == name), fn, hook)
+        fn = apply._wrap(next(s for s in (*SEAMS, *VISION_SEAMS, *LAB_SEAMS) if s.name == name), fn, hook)
     return fn
 
 TOPK = stacked(TopK.forward_native, ("vision.topk", R.topk_with_vl), ("lab.route_trace_topk", L.topk))
