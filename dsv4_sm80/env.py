@@ -99,7 +99,7 @@ VISION = Knob(
     "DSV4_SM80_VISION", "0", ("0", "1"),
     "Experimental: 1 installs the Vision-Exp backport (VL model class, image processor, bias_vl routing, the "
     "bidirectional image window in the SM80 attention, prefill chunks cut only at image-block edges); with "
-    "ENABLE_SGLANG_DSV4_A100_PATCH=0 the overlay alone on native SGLang (for A/B). Not yet run on a GPU. "
+    "ENABLE_SGLANG_DSV4_A100_PATCH=0 the overlay alone on native SGLang (for A/B). "
     "0: not installed.",
 )
 

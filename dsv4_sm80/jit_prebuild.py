@@ -189,6 +189,7 @@ def run(args, environ: Mapping[str, str] | None = None) -> int:
         for f in as_completed(futures):
             r = f.result()
             results.append(r)
+            # a build tool's own result line per module (not a refusal: the gate's refusals are above)
             print(f"  OK   {r.label} ({r.seconds:.0f} s)" if r.ok else
                   f"  FAIL {r.label}: {r.error.strip().splitlines()[-1][:300] if r.error.strip() else r.error}"
                   f"{_hint(r.error)}", flush=True)

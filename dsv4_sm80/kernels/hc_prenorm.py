@@ -29,9 +29,9 @@ BLOCK_K = 64
 
 
 def default_config(m: int) -> dict:
-    """Tiles by row count: 16-row blocks up to 16 rows (decode), else 64. On the H200 (2026-12-01, bench/mhc.py):
-    1.1x DeepGEMM's time at 1-16 rows, 1.8x at 64-256, 3.2-4.5x at 1024-8192 (32 % of copy bandwidth);
-    bench/mhc.py --variants times the alternatives below. Tiles change no result beyond fp32 summation order."""
+    """Tiles by row count: 16-row blocks up to 16 rows (decode), else 64: the fastest of the tiles bench/mhc.py
+    --variants times (its figures against DeepGEMM's: docs/results/README.md). Tiles change no result beyond fp32
+    summation order."""
     return {"block_m": 16 if m <= 16 else 64, "block_k": BLOCK_K, "num_warps": 4, "num_stages": 3}
 
 
