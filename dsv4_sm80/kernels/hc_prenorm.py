@@ -116,7 +116,8 @@ def hc_prenorm(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, sqrsum: torch.
     launch = dict(BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_K=block_k,
                   num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     _hc_prenorm_kernel[(triton.cdiv(m, block_m), splits * inner)](
-        a, b, dd, ss, m, n, k, share * block_k, k_share, inner, a.stride(0), b.stride(0), **launch)
+        a_ptr=a, b_ptr=b, d_ptr=dd, s_ptr=ss, M=m, N=n, K=k, outer_share=share * block_k, inner_share=k_share,
+        INNER=inner, stride_am=a.stride(0), stride_bn=b.stride(0), **launch)
     if inner == 1:
         return
     torch.sum(dd.view(splits, inner, m, n), dim=1, out=d.view(splits, m, n))

@@ -328,15 +328,14 @@ def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=Non
     sink_arg = sink if sink is not None else q
     grid = (t_total, triton.cdiv(heads, BLOCK_H), splits)
     _sparse_attn_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        swa_cache, swa_ids, swa_ids.stride(0), swa_lens, swa_ids.shape[1],
-        extra_cache, extra_ids, extra_ids.stride(0), extra_lens, extra_ids.shape[1],
-        sink_arg, out, out.stride(0), out.stride(1), ws_acc, ws_ml,
-        heads, float(scale),
-        HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLITS=splits, D=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_N=block_n,
-        DOT_F32=_INTERPRETED, NORM_PARTIAL=norm_partial and splits > 1, JOINT=joint and has_extra,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+        q_ptr=q, stride_qt=q.stride(0), stride_qh=q.stride(1), swa_ptr=swa_cache, swa_ids_ptr=swa_ids,
+        stride_swa_ids=swa_ids.stride(0), swa_lens_ptr=swa_lens, swa_width=swa_ids.shape[1], ext_ptr=extra_cache,
+        ext_ids_ptr=extra_ids, stride_ext_ids=extra_ids.stride(0), ext_lens_ptr=extra_lens,
+        ext_width=extra_ids.shape[1], sink_ptr=sink_arg, o_ptr=out, stride_ot=out.stride(0), stride_oh=out.stride(1),
+        ws_acc_ptr=ws_acc, ws_ml_ptr=ws_ml, heads=heads, scale=float(scale), HAS_EXTRA=has_extra,
+        HAS_SINK=sink is not None, SPLITS=splits, D=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_N=block_n, DOT_F32=_INTERPRETED,
+        NORM_PARTIAL=norm_partial and splits > 1, JOINT=joint and has_extra, num_warps=num_warps,
+        num_stages=num_stages)
     if splits > 1 and combine == "tiles":
         splits_p2 = triton.next_power_of_2(splits)
         block_d = max(16, min(128, 512 // splits_p2))  # SPLITS_P2 x 16 heads x block_d = 8192 values a program
