@@ -216,19 +216,32 @@ def _marks(fn) -> list:
     return out
 
 
+def _target(seam: Seam, module: types.ModuleType):
+    """(the object holding the target attribute, its raw value) in an executed module; SeamRefusal if absent."""
+    owner = module
+    for part in seam.attr_path[:-1]:
+        if not hasattr(owner, part):
+            raise _refuse(seam.name, f"target {seam.target} not found ({part!r} missing)")
+        owner = getattr(owner, part)
+    attr = seam.attr_path[-1]
+    raw = vars(owner).get(attr, _MISSING) if isinstance(owner, (type, types.ModuleType)) else _MISSING
+    if raw is _MISSING:
+        raise _refuse(seam.name, f"target {seam.target} not found ({attr!r} is not defined there)")
+    return owner, raw
+
+
+def bound(seam: Seam):
+    """What the seam's target is now, in its imported module (a classmethod's or staticmethod's function)."""
+    raw = _target(seam, sys.modules[seam.module])[1]
+    return getattr(raw, "__func__", raw)
+
+
 def apply_seam(seam: Seam, module: types.ModuleType) -> bool:
     """Apply one seam to its (already executed) target module. False if it was already applied."""
     with _lock:
         _init_status([seam], None)
-        owner = module
-        for part in seam.attr_path[:-1]:
-            if not hasattr(owner, part):
-                raise _refuse(seam.name, f"target {seam.target} not found ({part!r} missing)")
-            owner = getattr(owner, part)
+        owner, raw = _target(seam, module)
         attr = seam.attr_path[-1]
-        raw = vars(owner).get(attr, _MISSING) if isinstance(owner, (type, types.ModuleType)) else _MISSING
-        if raw is _MISSING:
-            raise _refuse(seam.name, f"target {seam.target} not found ({attr!r} is not defined there)")
         wrapper_type = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
         original = raw.__func__ if wrapper_type else raw
         st = _status[seam.name]

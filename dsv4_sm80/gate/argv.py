@@ -7,58 +7,47 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-# The flags the gate's server checks read, spelled as SGLang 0.5.16's parser spells them, every alias included
-# (tests/unit/test_gate_argv.py holds them to ServerArgs.add_cli_args): attribute -> (flags, kind); a "flag" takes
-# no value, a "value" one, "values" all that follow it up to the next option.
-FLAGS = {
-    "model_path": (("--model-path", "--model"), "value"),
-    "tokenizer_path": (("--tokenizer-path",), "value"),
-    "skip_tokenizer_init": (("--skip-tokenizer-init",), "flag"),
-    "host": (("--host",), "value"),
-    "api_key": (("--api-key",), "value"),
-    "speculative_algorithm": (("--speculative-algorithm",), "value"),
-    "ep_size": (("--ep-size", "--expert-parallel-size", "--ep"), "value"),
-    "moe_a2a_backend": (("--moe-a2a-backend",), "value"),
-    "moe_runner_backend": (("--moe-runner-backend",), "value"),
-    "kv_cache_dtype": (("--kv-cache-dtype",), "value"),
-    "enable_dp_attention": (("--enable-dp-attention",), "flag"),
-    "enable_two_batch_overlap": (("--enable-two-batch-overlap",), "flag"),
-    "enable_single_batch_overlap": (("--enable-single-batch-overlap",), "flag"),
-    "enable_hierarchical_cache": (("--enable-hierarchical-cache",), "flag"),
-    "enable_hisparse": (("--enable-hisparse",), "flag"),
-    "enable_pdmux": (("--enable-pdmux",), "flag"),
-    "enable_mixed_chunk": (("--enable-mixed-chunk",), "flag"),
-    "enable_torch_compile": (("--enable-torch-compile",), "flag"),
-    "disaggregation_mode": (("--disaggregation-mode",), "value"),
-    "pp_size": (("--pp-size", "--pipeline-parallel-size"), "value"),
-    "nnodes": (("--nnodes",), "value"),
-    "dp_size": (("--dp-size", "--data-parallel-size"), "value"),
-    "enable_lora": (("--enable-lora",), "flag"),
-    "lora_paths": (("--lora-paths",), "values"),
-    "enable_deterministic_inference": (("--enable-deterministic-inference",), "flag"),
-    "enable_eplb": (("--enable-eplb",), "flag"),
-    "enable_dp_lm_head": (("--enable-dp-lm-head",), "flag"),
-}
+from ..seams import SERVER_ARGS
+from .checks import UNVERIFIED_MODES
+
+# The attributes the gate's server checks read, each spelled on the command line as SGLang 0.5.16's parser spells
+# it: `--` and the attribute with dashes, plus SGLang's aliases (tests/unit/test_gate_argv.py holds them to
+# ServerArgs.add_cli_args). A switch takes no value, a list all values up to the next option.
+ATTRS = ("model_path", "tokenizer_path", "skip_tokenizer_init", "host", "api_key", "speculative_algorithm",
+         *(attr for attr, _, _ in UNVERIFIED_MODES), *(rule.attr for rule in SERVER_ARGS))
+ALIASES = {"model_path": ("--model",), "ep_size": ("--expert-parallel-size", "--ep"),
+           "pp_size": ("--pipeline-parallel-size",), "dp_size": ("--data-parallel-size",)}
+SWITCHES = {"skip_tokenizer_init", *(attr for attr in ATTRS if attr.startswith("enable_"))}
+LISTS = {"lora_paths"}
+
+
+def flags(attr: str) -> tuple[str, ...]:
+    return ("--" + attr.replace("_", "-"), *ALIASES.get(attr, ()))
+
+
+def kind(attr: str) -> str:
+    return "flag" if attr in SWITCHES else "values" if attr in LISTS else "value"
+
 
 SECRET_FLAGS = ("--api-key", "--admin-api-key", "--ssl-keyfile-password")
 
 
 def server_args(argv) -> SimpleNamespace:
-    """The FLAGS attributes `argv` names (the last one wins, as in argparse); the gate's checks take an absent one
+    """The ATTRS `argv` names (the last one wins, as in argparse); the gate's checks take an absent one
     as SGLang's default. Everything else on the command line is SGLang's alone."""
-    by_flag = {f: (attr, kind) for attr, (flags, kind) in FLAGS.items() for f in flags}
+    by_flag = {f: (attr, kind(attr)) for attr in ATTRS for f in flags(attr)}
     out, i = {}, 0
     while i < len(argv):
         name, eq, inline = argv[i].partition("=")
         i += 1
         if name not in by_flag:
             continue
-        attr, kind = by_flag[name]
-        if kind == "flag":
+        attr, how = by_flag[name]
+        if how == "flag":
             out[attr] = True
         elif eq:
-            out[attr] = inline if kind == "value" else [inline]
-        elif kind == "value":
+            out[attr] = inline if how == "value" else [inline]
+        elif how == "value":
             if i < len(argv):
                 out[attr], i = argv[i], i + 1
         else:

@@ -23,13 +23,12 @@ def sglang_parser():
 def test_every_flag_the_checks_read_is_read_as_sglang_spells_it(sglang_parser):
     read = {"host", "api_key", "speculative_algorithm", "skip_tokenizer_init", "tokenizer_path", "model_path",
             *(attr for attr, _, _ in UNVERIFIED_MODES), *(r.attr for r in SERVER_ARGS)}
-    assert read == set(argv.FLAGS)
+    assert read == set(argv.ATTRS)
     actions = {a.dest: a for a in sglang_parser._actions}
-    for attr, (flags, kind) in argv.FLAGS.items():
+    for attr in argv.ATTRS:
         action = actions[attr]
-        assert tuple(action.option_strings) == flags, attr
-        want = "flag" if action.nargs == 0 else "values" if action.nargs == "*" else "value"
-        assert kind == want, attr
+        assert tuple(action.option_strings) == argv.flags(attr), attr
+        assert argv.kind(attr) == ("flag" if action.nargs == 0 else "values" if action.nargs == "*" else "value"), attr
 
 
 def test_a_command_line_reads_as_sglang_parses_it(sglang_parser):

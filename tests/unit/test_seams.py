@@ -103,11 +103,7 @@ for name in by_module(apply.all_seams()):
     importlib.import_module(name)
 marks = {}
 for s in apply.all_seams():
-    owner = sys.modules[s.module]
-    for part in s.attr_path[:-1]:
-        owner = getattr(owner, part)
-    raw = vars(owner)[s.attr_path[-1]]
-    raw = getattr(raw, "__func__", raw)
+    raw = apply.bound(s)
     # a value seam's mark is its value: the replacement applied to its own result changes nothing (one that
     # returns its input unchanged and acts by a side effect says itself whether that happened: .applied())
     # callables: the seam's mark is on its wrapper, somewhere along the chain (stages may stack)
@@ -297,3 +293,14 @@ print(json.dumps(out))
     assert "armed" not in proc.stderr
     assert off["wrapper"] == "dsv4_sm80.stages.mhc" and not any(v is True for v in off.values()), off
     assert not off["call"].startswith("TripwireError"), off
+
+
+def test_the_architecture_page_lists_every_seam_and_rule():
+    """docs/architecture.md answers "where does the replacement for X live": a row per seam, each rule named."""
+    from conftest import REPO
+
+    page = open(os.path.join(REPO, "docs", "architecture.md"), encoding="utf-8").read()
+    for s in ALL:
+        file = s.replacement.split(":")[0].replace(".", "/") + ".py"
+        assert f"| `{s.name}` ({s.kind}) | `{file}`: `{s.replacement.split(':')[1]}` |" in page, s.name
+    assert all(f"`{r.name}`" in page for r in SERVER_ARGS)
