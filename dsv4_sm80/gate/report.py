@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 
 from .. import env
 
-OFFICIAL = "the official, unconverted checkpoint (deepseek-ai/DeepSeek-V4-Flash-0731 or DeepSeek-V4-Flash-Vision-Exp)"
+RELEASES = ("deepseek-ai/DeepSeek-V4-Flash-0731", "deepseek-ai/DeepSeek-V4-Flash-Vision-Exp")  # README names the same
+OFFICIAL = f"the official, unconverted checkpoint ({' or '.join(RELEASES)})"
 
 
 @dataclass
