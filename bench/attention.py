@@ -237,7 +237,8 @@ def main(argv=None) -> int:
                             # splits on; here each the other way round
                             "tiles" if plan["combine"] == "loop" else "loop combine": dict(
                                 splits=splits, combine="loop" if plan["combine"] == "tiles" else "tiles"),
-                            "joint" if not plan["joint"] else "lists apart": dict(splits=splits, joint=not plan["joint"]),
+                            "joint" if not plan["joint"] else "lists apart": dict(splits=splits,
+                                                                                  joint=not plan["joint"]),
                             f"joint, tiles, splits {min(64, splits * 2)}": dict(
                                 splits=min(64, splits * 2), joint=True, combine="tiles"),
                             f"joint, tiles, splits {min(64, splits * 4)}, block_n 16": dict(

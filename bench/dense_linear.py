@@ -29,7 +29,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
-# per-rank (out N, in K) at TP4 (DeepSeek-V4-Flash's config.json split as SGLang 0.5.16 shards it): attention TP = 4, shared expert TP, no DP-attention
+# per-rank (out N, in K) at TP4 (DeepSeek-V4-Flash's config.json split as SGLang 0.5.16 shards it): attention TP = 4,
+# shared expert TP, no DP-attention
 SHAPES = (
     ("wqkv_a (replicated)", 1536, 4096),
     ("wq_b / indexer wq_b", 8192, 1024),
@@ -236,7 +237,7 @@ def main(argv=None) -> int:
     by = {(r["shape"], r["method"], r["tokens"]): r for r in record["rows"]}
     print(f"{'shape':22s} {'tokens':>6s} " + " ".join(f"{m:>34s}" for m in methods))
     print(f"{'':22s} {'':6s} " + " ".join(f"{'us  TFLOP/s(%pk)  GB/s(%pk)  x nat':>34s}" for _ in methods))
-    for shape_name, n, k in SHAPES:
+    for shape_name, _, _ in SHAPES:
         for m in tokens:
             cells = []
             nat = by.get((shape_name, "native_fp8", m))

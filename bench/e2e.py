@@ -10,7 +10,8 @@ Both use CUDA graphs (SGLang's defaults for DSV4), TP1, the tokenizer skipped, g
 ignored so every request decodes exactly --decode tokens.
 
     python bench/e2e.py --ckpt /tmp/dsv4-wide --out e2e.json      (an H200 prints H200 numbers)
-    python bench/e2e.py --preset full --ckpt /tmp/dsv4-full --modes patched,patched-fp8 --batches 1,16,64 --out full.json
+    python bench/e2e.py --preset full --ckpt /tmp/dsv4-full --modes patched,patched-fp8 --batches 1,16,64 \
+        --out full.json
 
 Measured per batch size (1 and 16 by default), best of --reps:
   TTFT      wall time of a generate() of --prompt-len ids with max_new_tokens=1 (the batch at once)
@@ -109,8 +110,9 @@ def step_bytes(config: dict, tp: int, mode: str, batch: int) -> float:
 def measured_copy_gbps() -> float | None:
     """The device-copy peak (bench/common.py), measured in a process of its own so that no CUDA context stays
     in this one beside the engines; None where it fails."""
-    code = ("import json, sys; sys.path.insert(0, %r); import common; print('PEAK', json.dumps(common.copy_gbps()))"
-            % os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import json, sys; sys.path.insert(0, {here!r}); import common; "
+            "print('PEAK', json.dumps(common.copy_gbps()))")
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout
         line = next((x for x in out.splitlines() if x.startswith("PEAK ")), None)
@@ -179,7 +181,8 @@ def child(args) -> dict:
 
     vocab = int(json.load(open(os.path.join(args.ckpt, "config.json")))["vocab_size"])
     rng = random.Random(0)
-    prompts = [[rng.randrange(1000, min(vocab, 128000)) for _ in range(args.prompt_len)] for _ in range(max(args.batches))]
+    prompts = [[rng.randrange(1000, min(vocab, 128000)) for _ in range(args.prompt_len)]
+               for _ in range(max(args.batches))]
     t0 = time.time()
     # graphs captured up to the largest measured batch only (SGLang's default captures far more: minutes at start)
     engine = sglang.Engine(model_path=args.ckpt, skip_tokenizer_init=True, tp_size=args.tp, moe_runner_backend="marlin",
@@ -242,7 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (4: the production topology)")
     ap.add_argument("--log-level", default="warning", help="the engine's (info: load and capture progress)")
     ap.add_argument("--child-timeout", type=float, default=None, help="seconds per path (a stuck start fails alone)")
-    ap.add_argument("--profile", help="a folder: each mode's kernels over --profile-steps decode steps (SGLang's profiler)")
+    ap.add_argument("--profile",
+                    help="a folder: each mode's kernels over --profile-steps decode steps (SGLang's profiler)")
     ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--child", choices=tuple(MODES), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

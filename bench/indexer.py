@@ -64,8 +64,8 @@ def main(argv=None) -> int:
         floor = empty_us / 1e6 + nbytes / (peak * 1e9)
         r = dict(keys, us=sec * 1e6, gbps=nbytes / sec / 1e9, floor_us=floor * 1e6)
         record[kind].append(r)
-        return r, f"{sec * 1e6:8.1f} us {r['gbps']:7.0f} GB/s ({100 * r['gbps'] / peak:3.0f}%) floor {floor * 1e6:6.1f} us " \
-                  f"x{sec / floor:5.2f}"
+        return r, (f"{sec * 1e6:8.1f} us {r['gbps']:7.0f} GB/s ({100 * r['gbps'] / peak:3.0f}%) "
+                   f"floor {floor * 1e6:6.1f} us x{sec / floor:5.2f}")
 
     freqs = torch.polar(torch.ones(1 << 20, 32, device=dev), torch.rand(1 << 20, 32, device=dev, generator=gen) * 6.28)
     tokens = [int(x) for x in args.tokens.split(",")]
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
             alts = "  ".join(f"{k} {v:.1f}" for k, v in r["variants_us"].items())
             line += f"  (a program per page: {r['per_page_us']:8.1f} us; {alts})"
         print(f"logits   {rounding:7s} {t:5d} tokens {ctx:7d} ctx {line}")
-        del cache, table, out
+        cache = table = out = None  # freed before the next context
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)

@@ -31,11 +31,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
 E, H, I_PP, TOP_K = 256, 4096, 512, 6
-import common  # noqa: E402
-from common import PROFILE_CALLS, kernel_profile, timed  # noqa: E402
-
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+import common  # noqa: E402
+from common import PROFILE_CALLS, kernel_profile, timed  # noqa: E402
 
 READ_CHUNK = 16384  # bytes per program of the read floor's kernel
 

@@ -140,10 +140,10 @@ def _op(line):
 def loops(text: str) -> dict:
     """{'loops': [Counter per backward-branch loop with >= 1 IMMA], 'LDL': n, 'STL': n} for one kernel."""
     lines = text.splitlines()
-    labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", l))}
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
     out = []
-    for i, l in enumerate(lines):
-        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", l)
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
         if m and labels.get(m.group(1), 1 << 30) < i:
             cnt = collections.Counter(o for o in map(_op, lines[labels[m.group(1)]:i + 1]) if o)
             if cnt["IMMA"]:

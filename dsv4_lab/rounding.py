@@ -122,7 +122,7 @@ def fp8_act(x: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
     return (q * (amax * (1.0 / FP8_MAX))).flatten(-2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sglang_act_quantizer():
     """SGLang's own per-token-group FP8 activation quantizer (`sglang_per_token_group_quant_fp8`, what native's
     DeepGEMM block linear calls on SM90), or None where SGLang does not provide it. `python -m dsv4_lab.trace DIR
@@ -167,7 +167,7 @@ def fp8_act_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Te
     return out.to(x.dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _items() -> frozenset:
     """Read once per process (the stores call this per layer; the environment does not change under a
     running server). Tests that change the knob call `_items.cache_clear()`."""

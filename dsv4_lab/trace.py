@@ -2,9 +2,10 @@
 where the SM80 path and native part ways.
 
 Why: with native's FP8 roundings replayed (rounding kv,act,idx) the patched path still agrees with native
-on only 95-98 % of confident positions against native's 99 % with itself (docs/results/README.md, 2026-11-30 and 2026-12-01),
-and the end-to-end logprobs cannot say which module adds the difference. Two traces of the same prompt (native,
-patched) compared module by module can: a module whose output differs much more than its input is where the
+on only 95-98 % of confident positions against native's 99 % with itself (docs/results/README.md, 2026-11-30
+and 2026-12-01), and the end-to-end logprobs cannot say which module adds the difference. Two traces of the same
+prompt (native, patched) compared module by module can: a module whose output differs much more than its input is
+where the
 arithmetic differs.
 
 How: SGLang 0.5.16 registers `ServerArgs.forward_hooks` specs on the matching modules after CUDA-graph capture
@@ -352,7 +353,6 @@ def sglang_models() -> dict:
     If `sglang quant` matches native, the quantizer is what the fp8-act model misses; if only `sglang linear`
     does, DeepGEMM's product (accumulation) is."""
     import torch
-
     from sglang.srt.layers.quantization.fp8_utils import deepgemm_w8a8_block_fp8_linear_with_fallback
 
     from .rounding import sglang_act

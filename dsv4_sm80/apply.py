@@ -13,9 +13,10 @@ A missing or changed target raises `SeamRefusal`, which derives from BaseExcepti
 SGLang imports some modules under `except Exception` (e.g. its model registry), and a refusal
 must stop the process rather than degrade into a missing model class.
 
-The lab (`dsv4_lab`, a separate package never in the image) plugs in here too: with DSV4_SM80_LAB=1
-its seam table (`dsv4_lab.seams.LAB_SEAMS`) is appended to the product's, so on a shared target its
-seams wrap the product's. That switch and the guarded import in `lab_seams` are all the product knows of it.
+The Vision-Exp overlay's table (`vision_backport.seams.VISION_SEAMS`) is appended to the product's, and the
+lab's (`dsv4_lab`, a separate package never in the image) after both, only with DSV4_SM80_LAB=1: on a shared target
+the later tables' seams wrap the earlier ones'. That switch and the guarded import in `lab_seams` are all the product
+knows of the lab.
 
 Why our own finder rather than SGLang 0.5.16's plugin entry points + HookRegistry: HookRegistry logs and continues
 when a hook fails (`hook_registry.py`, apply_hooks), it applies only when `load_plugins()` runs, after many sglang
@@ -32,8 +33,10 @@ import importlib.abc
 import sys
 import threading
 import types
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Optional
+
+from vision_backport.seams import VISION_SEAMS
 
 from . import env
 from .seams import SEAMS, Seam, by_module
@@ -69,8 +72,8 @@ def lab_seams(environ=None) -> tuple[Seam, ...]:
 
 
 def all_seams(environ=None) -> tuple[Seam, ...]:
-    """The product's seams, then the lab's (only with DSV4_SM80_LAB=1)."""
-    return (*SEAMS, *lab_seams(environ))
+    """The product's seams, the vision overlay's, then the lab's (only with DSV4_SM80_LAB=1)."""
+    return (*SEAMS, *VISION_SEAMS, *lab_seams(environ))
 
 
 @dataclass
@@ -87,12 +90,12 @@ class SeamStatus:
 
 _lock = threading.RLock()
 _status: dict[str, SeamStatus] = {}
-_finder: Optional["SeamFinder"] = None
+_finder: SeamFinder | None = None
 
 
 def _toggle_text(seam: Seam) -> str:
-    switch = {"sm80": (f"{env.PATCH.name}=1",), "lab": (f"{env.LAB.name}=1",)}.get(seam.overlay, ())
-    return " and ".join(switch + seam.when)
+    switch = {"sm80": env.PATCH, "vision": env.VISION, "lab": env.LAB}[seam.overlay]
+    return " and ".join((f"{switch.name}=1", *seam.when))
 
 
 def _init_status(seams: Iterable[Seam], environ) -> None:
@@ -127,7 +130,7 @@ def _refuse(seam_name: str, message: str) -> SeamRefusal:
         st = _status.get(seam_name)
         if st is not None:
             st.state, st.detail = "refused", message
-    seam = next((s for s in (*SEAMS, *lab_seams()) if s.name == seam_name), None)
+    seam = next((s for s in all_seams() if s.name == seam_name), None)
     overlay = seam.overlay if seam is not None else "sm80"
     off = {"vision": f"unset {env.VISION.name} to run without the Vision-Exp overlay",
            "lab": f"unset {env.LAB.name} to run without the lab's seams"}.get(
@@ -138,7 +141,7 @@ def _refuse(seam_name: str, message: str) -> SeamRefusal:
     )
 
 
-def verify_file(module_name: str, path: Optional[str], seams: list[Seam]) -> None:
+def verify_file(module_name: str, path: str | None, seams: list[Seam]) -> None:
     want = FINGERPRINTS.get(module_relpath(module_name))
     if path is None:
         raise _refuse(seams[0].name, f"{module_name} has no source file to fingerprint")
@@ -213,19 +216,32 @@ def _marks(fn) -> list:
     return out
 
 
+def _target(seam: Seam, module: types.ModuleType):
+    """(the object holding the target attribute, its raw value) in an executed module; SeamRefusal if absent."""
+    owner = module
+    for part in seam.attr_path[:-1]:
+        if not hasattr(owner, part):
+            raise _refuse(seam.name, f"target {seam.target} not found ({part!r} missing)")
+        owner = getattr(owner, part)
+    attr = seam.attr_path[-1]
+    raw = vars(owner).get(attr, _MISSING) if isinstance(owner, (type, types.ModuleType)) else _MISSING
+    if raw is _MISSING:
+        raise _refuse(seam.name, f"target {seam.target} not found ({attr!r} is not defined there)")
+    return owner, raw
+
+
+def bound(seam: Seam):
+    """What the seam's target is now, in its imported module (a classmethod's or staticmethod's function)."""
+    raw = _target(seam, sys.modules[seam.module])[1]
+    return getattr(raw, "__func__", raw)
+
+
 def apply_seam(seam: Seam, module: types.ModuleType) -> bool:
     """Apply one seam to its (already executed) target module. False if it was already applied."""
     with _lock:
         _init_status([seam], None)
-        owner = module
-        for part in seam.attr_path[:-1]:
-            if not hasattr(owner, part):
-                raise _refuse(seam.name, f"target {seam.target} not found ({part!r} missing)")
-            owner = getattr(owner, part)
+        owner, raw = _target(seam, module)
         attr = seam.attr_path[-1]
-        raw = vars(owner).get(attr, _MISSING) if isinstance(owner, (type, types.ModuleType)) else _MISSING
-        if raw is _MISSING:
-            raise _refuse(seam.name, f"target {seam.target} not found ({attr!r} is not defined there)")
         wrapper_type = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
         original = raw.__func__ if wrapper_type else raw
         st = _status[seam.name]
@@ -327,7 +343,8 @@ def install(environ=None) -> bool:
 
 
 def import_targets() -> list[dict]:
-    """Import every enabled seam's module so its seams apply now (doctor --apply)."""
-    for name in sorted(by_module([s for s in all_seams() if s.enabled()])):
+    """Import the module of every pending seam so it applies now (doctor --apply)."""
+    pending = {st["name"] for st in status() if st["state"] == "pending"}
+    for name in sorted({s.module for s in all_seams() if s.name in pending}):
         importlib.import_module(name)
     return status()

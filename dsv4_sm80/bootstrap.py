@@ -1,29 +1,49 @@
-"""What `sitecustomize` does when ENABLE_SGLANG_DSV4_A100_PATCH=1, in every Python process.
+"""What `sitecustomize` does when the SM80 patch or the vision overlay is switched on, in every Python process.
 
-It must not import torch or sglang (no CUDA initialisation before SGLang spawns its workers): it
-sets the import-time SGLang knobs the user left unset and installs the seam finder. The patches
+It must not import torch or sglang (no CUDA initialisation before SGLang spawns its workers): it checks the env
+contract, sets the import-time SGLang knobs the user left unset and installs the seam finder. The patches
 themselves are applied later, module by module, as SGLang imports its own code.
+
+Nothing is installed half-way: a knob outside its column, or the lab switch on without the lab, installs nothing
+and returns the one line `sitecustomize` refuses every SGLang launch of this process with.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 from . import apply, env
+
+REFUSAL = "dsv4-sm80 refuses to launch SGLang: "
+
+
+def contract_refusal(environ) -> str | None:
+    """The gate's env.knobs line when a dsv4-sm80 knob holds a value outside its column, else None."""
+    for knob in env.KNOBS:
+        try:
+            env.get(knob, environ)
+        except env.EnvError:
+            from .gate.checks import check_env_knobs
+
+            knobs = {k.name: v for k in env.KNOBS if (v := environ.get(k.name)) is not None}
+            return check_env_knobs(knobs).line()
+    return None
 
 
 def install(environ=None) -> dict:
     environ = os.environ if environ is None else environ
-    state = {"enabled": False, "installed": False, "defaults_set": {}, "vision": None, "error": None}
-    try:
-        state["enabled"] = env.patch_enabled(environ)
-        vision = env.get(env.VISION, environ) == "1"
-    except env.EnvError as e:
-        state["error"] = str(e)
-        sys.stderr.write(f"dsv4-sm80: refusing to patch: {e}\n")
+    state = {"enabled": False, "installed": False, "defaults_set": {}, "error": None, "refusal": None}
+    problem = contract_refusal(environ)
+    if problem is None:
+        try:
+            apply.all_seams(environ)  # the lab's table, when its switch is on
+        except apply.LabMissing as e:
+            problem = str(e)
+    if problem is not None:
+        state.update(error=problem, refusal=REFUSAL + problem)
         return state
-    if not state["enabled"] and not vision:
+    state["enabled"] = env.patch_enabled(environ)
+    if not state["enabled"] and env.get(env.VISION, environ) != "1":
         return state
     if state["enabled"]:
         state["defaults_set"] = env.apply_import_time_defaults(environ)
@@ -32,15 +52,11 @@ def install(environ=None) -> dict:
 
             environ["TRITON_CACHE_MANAGER"] = TRITON_CACHE_MANAGER
             state["defaults_set"]["TRITON_CACHE_MANAGER"] = TRITON_CACHE_MANAGER
-    else:  # the vision overlay alone on native SGLang: its image window rides FlashMLA's SWA lists, which
-        # the native sparse-prefill branch (on by default) rebuilds without it (vision_backport/window.py)
-        if env.NATIVE_VISION_PREFILL.name not in environ:
-            environ[env.NATIVE_VISION_PREFILL.name] = "0"
-            state["defaults_set"] = {env.NATIVE_VISION_PREFILL.name: "0"}
+    elif env.NATIVE_VISION_PREFILL.name not in environ:
+        # the vision overlay alone on native SGLang: its image window rides FlashMLA's SWA lists, which the native
+        # sparse-prefill branch (on by default) rebuilds without it (vision_backport/window.py)
+        environ[env.NATIVE_VISION_PREFILL.name] = "0"
+        state["defaults_set"] = {env.NATIVE_VISION_PREFILL.name: "0"}
     # with the patch off and DSV4_SM80_VISION=1, only the vision overlay's seams are enabled (native A/B)
     state["installed"] = apply.install(environ)
-    # The vision overlay comes second (container contract: A100 patch, then vision).
-    import vision_backport
-
-    state["vision"] = vision_backport.install(environ)
     return state

@@ -7,15 +7,13 @@ non-zero exit status; nothing here prints a traceback for a user's mistake.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import os
 import sys
 import time
 
-from . import __version__, env, upstream
-from .seams import SEAMS, Seam
+from . import __version__, env
 
 
 class UsageError(Exception):
@@ -71,185 +69,43 @@ def _model_dir(cmd, path):
                          "model.safetensors.index.json, the shards)")
 
 
-# --- doctor ------------------------------------------------------------------------------------
+# --- doctor, serve ------------------------------------------------------------------------------
 
-def _defined(tree: ast.Module, path: tuple) -> bool:
-    """Is module attribute path (e.g. ('Engine', '_launch_subprocesses')) defined in the source?"""
-    scope = tree.body
-    for i, name in enumerate(path):
-        found = None
-        for node in scope:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
-                found = node
-            elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-                found = node
-            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
-                found = node
-            elif isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
-                found = node  # a module global bound by import (e.g. mxfp4_marlin_moe.is_sm90_supported)
-        if found is None:
-            return False
-        if i < len(path) - 1:
-            if not isinstance(found, ast.ClassDef):
-                return False
-            scope = found.body
-    return True
+def _server_args(cmd, model, rest):
+    """SGLang's arguments after ours, as the gate reads them (`gate.argv`); a stray word is refused here."""
+    from .gate import argv
+
+    if rest and not rest[0].startswith("-"):
+        raise UsageError(f"{cmd}: unrecognized arguments: {' '.join(rest)}; expected SGLang launch_server options "
+                         "(--name value) after this command's own")
+    return argv.server_args(([] if model is None else ["--model-path", model]) + rest)
 
 
-def seam_preview(seam: Seam, pkg_dir) -> str:
-    """Static check, without importing SGLang: is the target file the 0.5.16 one, is the target there?"""
-    if pkg_dir is None:
-        return "no sglang package"
-    rel = seam.upstream_file
-    problem = upstream.mismatches(pkg_dir, {rel: upstream.FINGERPRINTS.get(rel)}).get(rel)
-    if problem == "missing":
-        return f"missing file {rel}"
-    if problem:
-        return f"{rel} is not the 0.5.16 file"
-    path = os.path.join(pkg_dir, rel)
-    if not _defined(ast.parse(open(path, encoding="utf-8").read()), seam.attr_path):
-        return f"target {seam.target} not defined"
-    return "ok"
-
-
-def doctor(args) -> int:
-    from . import apply, gate
+def doctor(args, rest) -> int:
+    from .doctor import doctor as report
 
     _model_dir("doctor", args.model_path)
-    if args.as_is:
-        patch_environ, assumed = None, []
-    else:
-        patch_environ, assumed = gate.launch_environ()
-    facts, findings = gate.run_gate(args.model_path, patch_environ)
-    if args.apply:  # imports the modules of whatever is enabled (nothing with the patch off and no overlay)
-        apply.import_targets()
-    states = apply.status()
-    pkg = facts.sglang.location
-    for st in states:
-        st["target_check"] = seam_preview(next(s for s in apply.all_seams() if s.name == st["name"]), pkg)
-    seam_bad = [s for s in states if s["target_check"] != "ok" or s["state"] == "refused"]
-    gate_bad = gate.failures(findings)
-    where = ("this shell's environment as it is (--as-is)" if args.as_is else
-             "the environment `serve` launches SGLang in, assuming " + "; ".join(assumed)
-             + " (--as-is: this shell's environment as it is)")
-    if args.json:
-        report = json.loads(gate.report(facts, findings, as_json=True))
-        report["evaluated_for"] = "as-is" if args.as_is else "serve"
-        report["assumed"] = assumed
-        report["seams"] = states
-        report["ok"] = not gate_bad and not seam_bad
-        print(json.dumps(report, indent=2))
-    else:
-        print(f"doctor: evaluated for {where}")
-        print("== gate")
-        print(gate.report(facts, findings))
-        print(f"== seams ({len(states)} declared; in this process, {env.PATCH.name}="
-              f"{os.environ.get(env.PATCH.name, '')!r})")
-        for st in states:
-            detail = f" - {st['detail']}" if st["detail"] else ""
-            print(f"{st['state'].upper():8s} {st['name']}: {st['target']} [{st['kind']}, upstream {st['upstream']}, "
-                  f"toggle {st['toggle']}] target {st['target_check']}{detail}")
-        applied = sum(s["state"] == "applied" for s in states)
-        print(f"seams: {applied} applied in this process"
-              + ("" if applied or env.patch_enabled() else " (patch off and no overlay switched on: none is applied)"))
-    return 1 if gate_bad or seam_bad else 0
-
-
-# --- serve -------------------------------------------------------------------------------------
-
-def _lab_model() -> str:
-    """The embedded default model of lab mode: the tiny checkpoint, generated once."""
-    from .tiny.generate import PRESETS, generate, tiny_config
-
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dsv4_sm80", "tiny-s0-tok")
-    if not os.path.isfile(os.path.join(cache, "model.safetensors.index.json")):
-        generate(cache, tiny_config(PRESETS["tiny"]), seed=0, head_scale=12.0)
-    return cache
-
-
-SECRET_FLAGS = ("--api-key", "--admin-api-key", "--ssl-keyfile-password")
-
-
-def _flag_value(argv, flag):
-    """The value of `flag` in an argv list (`--flag V` or `--flag=V`), the last one wins; None if absent."""
-    value = None
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif a.startswith(flag + "="):
-            value = a.split("=", 1)[1]
-    return value
-
-
-def redact(argv):
-    """argv with the values of secret flags replaced by ***, for anything printed or logged."""
-    out, hide = [], False
-    for a in argv:
-        if hide:
-            out.append("***")
-            hide = False
-        elif a in SECRET_FLAGS:
-            out.append(a)
-            hide = True
-        elif a.split("=", 1)[0] in SECRET_FLAGS and "=" in a:
-            out.append(a.split("=", 1)[0] + "=***")
-        else:
-            out.append(a)
-    return out
-
-
-FIRST_START_WATCHDOG_S = 1800
-
-
-def first_start_args(rest: list, environ=None) -> tuple:
-    """(rest, note): on a host whose Triton cache holds none of this path's kernels (jitcache.ours_built) or whose
-    SGLang JIT (tvm-ffi) cache is empty or lacks a module the configured modes build at their first forward
-    (jitcache.FIRST_FORWARD_MODULES) (a cold first start), SGLang's scheduler watchdog (300 s) would kill the
-    first forward while it compiles (native SGLang's cold first forward of this model: still compiling after 7.5
-    minutes on an H200), so --watchdog-timeout FIRST_START_WATCHDOG_S is added for this start, with
-    a note saying so. A user's own --watchdog-timeout always wins; a warm cache changes nothing."""
-    from . import jitcache
-
-    if _flag_value(rest, "--watchdog-timeout") is not None:
-        return rest, None
-    cold = jitcache.cold_reasons(environ)
-    if not cold:
-        return rest, None
-    return [*rest, "--watchdog-timeout", str(FIRST_START_WATCHDOG_S)], (
-        f"serve: first start on this host ({'; '.join(cold)}): the first forward compiles for minutes, so "
-        f"SGLang's scheduler watchdog is {FIRST_START_WATCHDOG_S} s for this start (--watchdog-timeout to choose; "
-        "keep the cache directories to start warm next time; `python -m dsv4_sm80 prebuild-jit` builds SGLang's JIT "
-        "modules ahead, several at a time)")
+    return report(args.model_path, _server_args("doctor", args.model_path, rest), args.as_is, args.apply, args.json)
 
 
 def serve(args, rest) -> int:
     from . import gate
+    from .gate.argv import redact
+    from .stages.launch import first_start_args
 
     model = args.model_path
-    lab = env.lab_overrides()
     if model is None:
-        if not lab:
+        if not env.lab_overrides():
             raise UsageError("serve: --model-path is required (the official checkpoint directory); only lab mode "
                              "has an embedded default model")
-        model = _lab_model()
+        from .tiny.generate import lab_checkpoint
+
+        model = lab_checkpoint()
     _model_dir("serve", model)
-    bind = gate.check_bind(_flag_value(rest, "--host"), bool(_flag_value(rest, "--api-key")))
-    if bind.status == "fail":
-        print(f"serve: {bind.line()}", file=sys.stderr)
-        return 1
-    if "WITHOUT" in bind.found:
-        print(f"serve: {bind.line()}", file=sys.stderr)
-    # before SGLang parses its arguments: its DSV4 hook asserts on NEXTN (deepseek_v4_hook.py:55-59) before the
-    # in-launch gate could name the reason, the missing e_proj/h_proj draft
-    algo = _flag_value(rest, "--speculative-algorithm")
-    if algo:
-        spec = gate.check_speculative(algo, gate.collect_model(model))
-        if spec.status == "fail":
-            print(f"serve: {spec.line()}", file=sys.stderr)
-            return 1
+    server_args = _server_args("serve", model, rest)
     launch_env, _ = gate.launch_environ()
-    tokenizer = not ("--skip-tokenizer-init" in rest or _flag_value(rest, "--tokenizer-path") is not None)
-    rc = gate.run(model, patch_environ=launch_env, tokenizer=tokenizer)
+    rc = gate.run(model, patch_environ=launch_env, tokenizer=gate.tokenizer_wanted(server_args),
+                  server_args=server_args)
     if rc:
         return rc
     rest, note = first_start_args(rest, launch_env)
@@ -384,12 +240,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"dsv4-sm80 {__version__}",
                     help="print the version and exit")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    d = sub.add_parser("doctor", help="will `serve` start here? the gate's checks and the seam status",
+    d = sub.add_parser("doctor", help="will `serve` start here? the gate's checks and the seam status; unknown "
+                                      "arguments are SGLang's, judged as serve judges them",
                        description="The gate's checks as `serve` would run them (its launch environment: the patch "
                                    "switch and PYTHONPATH it sets), then the seam status.")
     d.add_argument("--model-path", help="the checkpoint directory to check")
     d.add_argument("--json", action="store_true", help="the report as JSON")
-    d.add_argument("--apply", action="store_true", help="import every seam target now (imports SGLang)")
+    d.add_argument("--apply", action="store_true",
+                   help="import every pending seam's module now, in the evaluated environment (imports SGLang)")
     d.add_argument("--as-is", action="store_true",
                    help="evaluate this shell's environment as it is, not the one `serve` launches in")
     s = sub.add_parser("serve", help="gate, then SGLang's launch_server with the patch on; "
@@ -438,10 +296,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = parser()
     args, rest = ap.parse_known_args(argv)
-    if args.cmd != "serve" and rest:
+    if args.cmd not in ("serve", "doctor") and rest:
         ap.error(f"{args.cmd}: unrecognized arguments: {' '.join(rest)}")
-    run = {"serve": lambda: serve(args, rest), "doctor": lambda: doctor(args), "make-tiny": lambda: make_tiny(args),
-           "footprint": lambda: footprint(args), "prebuild-jit": lambda: prebuild_jit(args)}[args.cmd]
+    run = {"serve": lambda: serve(args, rest), "doctor": lambda: doctor(args, rest),
+           "make-tiny": lambda: make_tiny(args), "footprint": lambda: footprint(args),
+           "prebuild-jit": lambda: prebuild_jit(args)}[args.cmd]
     try:
         return run()
     except UsageError as e:

@@ -8,8 +8,8 @@ runs `sitecustomize` again).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 SGLANG_VERSION = "0.5.16"
 SGLANG_COMMIT = "fdebc938f7f4d16fe6b9f55dcd9a767cf0899ea1"
@@ -99,7 +99,7 @@ VISION = Knob(
     "DSV4_SM80_VISION", "0", ("0", "1"),
     "Experimental: 1 installs the Vision-Exp backport (VL model class, image processor, bias_vl routing, the "
     "bidirectional image window in the SM80 attention, prefill chunks cut only at image-block edges); with "
-    "ENABLE_SGLANG_DSV4_A100_PATCH=0 the overlay alone on native SGLang (for A/B). Not yet run on a GPU. "
+    "ENABLE_SGLANG_DSV4_A100_PATCH=0 the overlay alone on native SGLang (for A/B). "
     "0: not installed.",
 )
 
@@ -115,7 +115,7 @@ KNOBS = (PATCH, INT8_INDEXER, KV_ROUNDING, INDEXER_ROUNDING, MOE_BACKEND, DENSE,
          LOAD_REPORT, ALLOW_OPEN_BIND, VISION, LAB)
 
 
-def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:
+def get(knob: Knob, environ: Mapping[str, str] | None = None) -> str:
     """The knob's value, its default when unset or empty; EnvError outside its choices."""
     environ = os.environ if environ is None else environ
     raw = environ.get(knob.name, "")
@@ -127,11 +127,11 @@ def get(knob: Knob, environ: Optional[Mapping[str, str]] = None) -> str:
     return value
 
 
-def patch_enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
+def patch_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return get(PATCH, environ) == "1"
 
 
-def lab_enabled(environ: Optional[Mapping[str, str]] = None) -> bool:
+def lab_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return get(LAB, environ) == "1"
 
 
@@ -148,12 +148,12 @@ def use_lab_knobs(knobs) -> None:
     _lab_knobs = tuple(knobs)
 
 
-def lab_overrides(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+def lab_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     environ = os.environ if environ is None else environ
     return {k.name: environ[k.name] for k in (LAB_GPU_COUNT, LAB_CC) if environ.get(k.name, "").strip()}
 
 
-def lab_banner(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+def lab_banner(environ: Mapping[str, str] | None = None) -> str | None:
     overrides = lab_overrides(environ)
     switch = (environ if environ is not None else os.environ).get(LAB.name, "").strip() == "1"
     if not overrides and not switch:

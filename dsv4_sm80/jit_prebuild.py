@@ -24,9 +24,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
-from typing import Callable, Mapping, Optional
 
 from . import env, jitcache
 
@@ -35,14 +35,19 @@ from . import env, jitcache
 class Module:
     label: str
     build: Callable[[], object]  # SGLang's own module function, called with this path's arguments
-    mode: Optional[tuple] = None  # (knob, value): only when that mode is chosen (or --all-modes)
+    mode: tuple | None = None  # (knob, value): only when that mode is chosen (or --all-modes)
 
 
 def modules() -> list[Module]:
     import torch
-
-    from sglang.jit_kernel import (all_reduce, clamp_position, gptq_marlin, gptq_marlin_repack, moe_fused_gate,
-                                   moe_wna16_marlin)
+    from sglang.jit_kernel import (
+        all_reduce,
+        clamp_position,
+        gptq_marlin,
+        gptq_marlin_repack,
+        moe_fused_gate,
+        moe_wna16_marlin,
+    )
     from sglang.jit_kernel.dsv4 import attn, compress, elementwise, moe, topk
 
     f32, bf16 = torch.float32, torch.bfloat16
@@ -73,8 +78,8 @@ def modules() -> list[Module]:
     ]
 
 
-def select(mods: list[Module], environ: Optional[Mapping[str, str]] = None, all_modes: bool = False,
-           only: Optional[list[str]] = None) -> list[Module]:
+def select(mods: list[Module], environ: Mapping[str, str] | None = None, all_modes: bool = False,
+           only: list[str] | None = None) -> list[Module]:
     """The modules the configured modes call (every mode's with all_modes); `only`: labels containing one of them."""
     out = []
     for m in mods:
@@ -86,7 +91,7 @@ def select(mods: list[Module], environ: Optional[Mapping[str, str]] = None, all_
     return out
 
 
-def parse_arch(text: str) -> Optional[tuple[int, int, str]]:
+def parse_arch(text: str) -> tuple[int, int, str] | None:
     """"8.0" -> (8, 0, ""); "9.0a" -> (9, 0, "a"): SGLang's ArchInfo fields. "gpu" -> None: the visible GPU's, as
     SGLang's own first call resolves it (no override; e.g. the lab's H200 host before its engines start)."""
     import re
@@ -108,7 +113,7 @@ class Result:
     error: str = ""
 
 
-def _build_one(label: str, arch: Optional[tuple[int, int, str]]) -> Result:
+def _build_one(label: str, arch: tuple[int, int, str] | None) -> Result:
     """In a fresh process: the arch overridden before SGLang resolves it (PDL follows it), then the module; with
     arch None SGLang resolves the visible GPU's itself."""
     import logging
@@ -139,7 +144,7 @@ def _hint(error: str) -> str:
     return ""
 
 
-def run(args, environ: Optional[Mapping[str, str]] = None) -> int:
+def run(args, environ: Mapping[str, str] | None = None) -> int:
     environ = os.environ if environ is None else environ
     try:
         arch = parse_arch(args.arch)
@@ -184,6 +189,7 @@ def run(args, environ: Optional[Mapping[str, str]] = None) -> int:
         for f in as_completed(futures):
             r = f.result()
             results.append(r)
+            # a build tool's own result line per module (not a refusal: the gate's refusals are above)
             print(f"  OK   {r.label} ({r.seconds:.0f} s)" if r.ok else
                   f"  FAIL {r.label}: {r.error.strip().splitlines()[-1][:300] if r.error.strip() else r.error}"
                   f"{_hint(r.error)}", flush=True)

@@ -1,19 +1,18 @@
 """The JIT caches this datapath writes, checked before start and watched while it builds.
 
 A cold start of the SM80 path compiles kernels into three caches: Triton's (our kernels and SGLang's
-Triton kernels), SGLang's tvm-ffi JIT modules (`load_jit`) and TileLang's. On the tiny checkpoint those
-caches held about 117 MB after a cold start (the H200 test bed); the real model compiles more shapes. A
-disk that fills half-way through shows up deep in a compiler as a linker or ninja failure; here:
+Triton kernels), SGLang's tvm-ffi JIT modules (`load_jit`) and TileLang's (what a cold start writes:
+docs/results/README.md). A disk that fills half-way through shows up deep in a compiler as a linker or
+ninja failure; here:
 
 - `facts()` / `gate.check_jit_cache`: before start, each cache directory must be writable and
   its filesystem must have at least MIN_FREE_BYTES free, or the gate refuses, naming the directory.
-- `load_jit_clear_disk_error` (seam `jit.disk_full`, around SGLang's `load_jit`): a build that fails
-  because the disk is full is re-raised as `JitCacheFull`, naming the module, the directory, what is
-  free and what to do, instead of the compiler's output.
+- `disk_full_error`: the `jit.disk_full` error a build or cache write that fails for lack of space is
+  re-raised as, naming the module, the directory, what is free and what to do, instead of the compiler's
+  output; raised around SGLang's `load_jit` by the launch stage (seam `launch.jit_disk_full`) and by
+  `triton_cache.DiskFullClearCacheManager` (Triton's own `TRITON_CACHE_MANAGER` hook, set by the bootstrap).
 - `nvcc_facts()` / `gate.check_jit_compiler`: before start, the nvcc those builds run must exist
   and be a 12.x+ release, or the gate refuses (instead of the first build failing while the model loads).
-- `triton_cache.DiskFullClearCacheManager` (Triton's own `TRITON_CACHE_MANAGER` hook, set by the
-  bootstrap): the same for a Triton kernel file that cannot be written.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 from . import env
 
@@ -32,17 +31,18 @@ from . import env
 # fail for lack of space raise JitCacheFull too (triton_cache.py; named here, where no Triton is imported)
 TRITON_CACHE_MANAGER = "dsv4_sm80.triton_cache:DiskFullClearCacheManager"
 
-MIN_FREE_BYTES = 1 << 30  # 1 GiB: ~9x what a cold start of the tiny model wrote (117 MB)
+MIN_FREE_BYTES = 1 << 30  # 1 GiB: several times what a cold start of the tiny model writes
 
 
-def cache_dirs(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+def cache_dirs(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """label -> directory, resolved as each tool resolves it (env override, else its default)."""
     e = os.environ if environ is None else environ
     home = os.path.expanduser("~")
     triton = e.get("TRITON_CACHE_DIR") or os.path.join(e.get("TRITON_HOME") or home, ".triton", "cache")
     return {
         "Triton (TRITON_CACHE_DIR)": triton,
-        "SGLang JIT / tvm-ffi (TVM_FFI_CACHE_DIR)": os.path.expanduser(e.get("TVM_FFI_CACHE_DIR") or "~/.cache/tvm-ffi"),
+        "SGLang JIT / tvm-ffi (TVM_FFI_CACHE_DIR)":
+            os.path.expanduser(e.get("TVM_FFI_CACHE_DIR") or "~/.cache/tvm-ffi"),
         "TileLang (TILELANG_CACHE_DIR)": os.path.expanduser(e.get("TILELANG_CACHE_DIR") or "~/.tilelang/cache"),
     }
 
@@ -54,11 +54,11 @@ class CacheDirFacts:
     exists: bool = False
     anchor: str = ""  # the directory itself, or its nearest existing ancestor (where it would be created)
     writable: bool = False
-    free_bytes: Optional[int] = None
-    error: Optional[str] = None
-    ours_built: Optional[bool] = None  # Triton's cache only: this path's kernels compiled here before (warm)
+    free_bytes: int | None = None
+    error: str | None = None
+    ours_built: bool | None = None  # Triton's cache only: this path's kernels compiled here before (warm)
     # SGLang's tvm-ffi cache only: FIRST_FORWARD_MODULES the configured modes need that are not built here yet
-    modules_missing: Optional[list] = None
+    modules_missing: list | None = None
 
 
 def _nearest_existing(path: str) -> str:
@@ -120,8 +120,8 @@ def ours_built(triton_dir: str) -> bool:
 
 # SGLang JIT (tvm-ffi) modules a mode builds at its first forward, not while loading: (knob, value, module). The
 # load builds others (the repacks, the mHC prewarm), and a cold cache is caught as a whole by cold_reasons; these
-# are what a host that has served another mode before still lacks. On an H200 host (2026-12-04; 16 cores, TP1, no CUDA
-# graphs): with SGLANG_DSV4_A100_DENSE=fp8_marlin the first forward was still building gptq_marlin 3 minutes in.
+# are what a host that has served another mode before still lacks (a first forward builds them for minutes:
+# docs/results/README.md).
 FIRST_FORWARD_MODULES = (
     (env.DENSE, "fp8_marlin", "gptq_marlin"),  # jit_kernel/gptq_marlin.py:19, the FP8-Marlin W8A16 GEMM
     (env.MOE_BACKEND, "marlin", "moe_wna16_marlin"),  # jit_kernel/moe_wna16_marlin.py:19, the MXFP4 Marlin MoE
@@ -144,7 +144,7 @@ def module_built(tvm_dir: str, module: str) -> bool:
     return False
 
 
-def modules_missing(tvm_dir: str, environ: Optional[Mapping[str, str]] = None) -> list[str]:
+def modules_missing(tvm_dir: str, environ: Mapping[str, str] | None = None) -> list[str]:
     """`module (KNOB=value)` for each FIRST_FORWARD_MODULES entry the configured modes need and the cache lacks."""
     out = []
     for knob, value, module in FIRST_FORWARD_MODULES:
@@ -165,7 +165,7 @@ def _has_entries(path: str) -> bool:
         return False
 
 
-def cold_reasons(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+def cold_reasons(environ: Mapping[str, str] | None = None) -> list[str]:
     """Why a start on this host would compile for minutes before its first forward ends (empty: warm): none of
     this path's kernels in Triton's cache, an empty SGLang JIT (tvm-ffi) cache, or one without a module the
     configured modes build at their first forward (FIRST_FORWARD_MODULES)."""
@@ -182,7 +182,7 @@ def cold_reasons(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     return out
 
 
-def facts(environ: Optional[Mapping[str, str]] = None) -> list[CacheDirFacts]:
+def facts(environ: Mapping[str, str] | None = None) -> list[CacheDirFacts]:
     out = [probe(label, path) for label, path in cache_dirs(environ).items()]
     for f in out:
         if f.label.startswith("Triton"):
@@ -201,13 +201,13 @@ MIN_NVCC = (12, 0)
 
 @dataclass
 class NvccFacts:
-    path: Optional[str] = None  # the nvcc SGLang's JIT would run, None: none found
+    path: str | None = None  # the nvcc SGLang's JIT would run, None: none found
     how: str = ""  # how it was found (tvm-ffi's order: CUDA_HOME / CUDA_PATH, PATH, /usr/local/cuda)
-    version: Optional[str] = None  # "12.8"
-    error: Optional[str] = None
+    version: str | None = None  # "12.8"
+    error: str | None = None
 
 
-def nvcc_facts(environ: Optional[Mapping[str, str]] = None) -> NvccFacts:
+def nvcc_facts(environ: Mapping[str, str] | None = None) -> NvccFacts:
     """Find nvcc as tvm-ffi's `_find_cuda_home` does (the strictest of SGLang's JIT paths; TileLang also
     searches the nvidia-cuda-nvcc wheel) and ask it its release."""
     import re
@@ -232,13 +232,14 @@ def nvcc_facts(environ: Optional[Mapping[str, str]] = None) -> NvccFacts:
         if m:
             f.version = f"{m.group(1)}.{m.group(2)}"
         else:
-            f.error = f"`nvcc --version` exited {r.returncode} without a release: {(r.stdout + r.stderr).strip()[-200:]}"
+            said = (r.stdout + r.stderr).strip()[-200:]
+            f.error = f"`nvcc --version` exited {r.returncode} without a release: {said}"
     except (OSError, subprocess.SubprocessError) as e:
         f.error = f"{type(e).__name__}: {e}"
     return f
 
 
-def gib(n: Optional[int]) -> str:
+def gib(n: int | None) -> str:
     return "unknown" if n is None else f"{n / (1 << 30):.2f} GiB"
 
 
@@ -246,7 +247,8 @@ class JitCacheFull(RuntimeError):
     """A JIT build failed because its cache's disk is full."""
 
 
-def _disk_full(exc: BaseException) -> bool:
+def disk_full(exc: BaseException) -> bool:
+    """Whether a full disk (ENOSPC/EDQUOT, or a compiler's message saying so) is anywhere in the exception chain."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -256,12 +258,6 @@ def _disk_full(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-def _module_dir(kwargs) -> str:
-    if kwargs.get("build_directory"):
-        return str(kwargs["build_directory"])
-    return os.path.expanduser(os.environ.get("TVM_FFI_CACHE_DIR") or "~/.cache/tvm-ffi")
 
 
 def disk_full_error(what: str, where: str, cache_vars: str, exc: BaseException) -> JitCacheFull:
@@ -275,17 +271,3 @@ def disk_full_error(what: str, where: str, cache_vars: str, exc: BaseException) 
         f"dsv4-sm80 jit.disk_full: {what} failed: no space left on the device of {where} ({gib(free)} free; a "
         f"cold start needs about {gib(MIN_FREE_BYTES)}). Free space there, or set {cache_vars} to a disk with "
         f"room, then restart. Cause: {type(exc).__name__}: {str(exc)[-300:]}")
-
-
-def load_jit_clear_disk_error(original, *args, **kwargs):
-    """Around sglang.jit_kernel.utils.compile.load_jit: the same call; a failure caused by a full disk
-    (ENOSPC/EDQUOT anywhere in the exception chain, or the compiler's "No space left on device") becomes
-    JitCacheFull with the module, the directory and the free space."""
-    try:
-        return original(*args, **kwargs)
-    except Exception as e:
-        if not _disk_full(e):
-            raise
-        module = "_".join(str(a) for a in args) or "?"
-        raise disk_full_error(f"building SGLang JIT module {module!r}", _module_dir(kwargs),
-                              "TVM_FFI_CACHE_DIR (and TRITON_CACHE_DIR)", e) from e

@@ -14,23 +14,29 @@ Kinds:
   value    the attribute becomes `replacement(original)` (module constants captured at import time);
            the replacement must be idempotent (applied exactly once is checked by equality)
 
-Toggles: an "sm80" seam needs ENABLE_SGLANG_DSV4_A100_PATCH=1, a "vision" seam its own switch in `when`, a
-"lab" seam DSV4_SM80_LAB=1; `when` adds conditions on other knobs of `dsv4_sm80.env` (or, for a lab seam, of
-the lab's knob list) as "KNOB=value", e.g. a MoE seam used only by one backend.
+Toggles: an "sm80" seam needs ENABLE_SGLANG_DSV4_A100_PATCH=1, a "vision" seam DSV4_SM80_VISION=1, a "lab" seam
+DSV4_SM80_LAB=1; `when` adds conditions on other knobs of `dsv4_sm80.env` (or, for a lab seam, of the lab's knob
+list) as "KNOB=value", e.g. a MoE seam used only by one backend.
 
-One block per datapath stage file (`dsv4_sm80/stages/`). Seams on one target apply in table order, each
-wrapping the one before; the lab's seams (`dsv4_lab/seams.py`) come after all of these.
+One block per stage, in STAGES order: each seam is named `stage.what` and its replacement lives in
+`dsv4_sm80/stages/<stage>.py`. Seams on one target apply in table order, each wrapping the one before; the vision
+overlay's table (`vision_backport/seams.py`) and then the lab's (`dsv4_lab/seams.py`) come after this one.
+
+Where a stage needs one of SGLang's server arguments set or refused, it declares a `ServerArg` in SERVER_ARGS: the
+gate judges every one (a finding named like the rule, in every report) and the launch stage sets them, in one place,
+before any scheduler process starts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
 
 from . import env
 
 KINDS = ("before", "after", "around", "replace", "value")
 OVERLAYS = ("sm80", "vision", "lab")
+STAGES = ("launch", "dense", "moe", "attention", "mhc", "requests")  # the product table's blocks, in order
 
 
 @dataclass(frozen=True)
@@ -42,9 +48,9 @@ class Seam:
     reason: str
     upstream: str  # "srt/...py:LINE[-LINE]", relative to the sglang package
     when: tuple[str, ...] = field(default=())
-    # "sm80": part of the SM80 patch, only with ENABLE_SGLANG_DSV4_A100_PATCH=1. "vision": the separate
-    # Vision-Exp overlay, toggled by its own knob (in `when`) with the patch on or off, so the VL model can
-    # also run on native SGLang for A/B. "lab": the laboratory's (dsv4_lab/seams.py), only with DSV4_SM80_LAB=1.
+    # "sm80": part of the SM80 patch, only with ENABLE_SGLANG_DSV4_A100_PATCH=1. "vision": the Vision-Exp
+    # overlay's (vision_backport/seams.py), only with DSV4_SM80_VISION=1, with the patch on or off, so the VL model
+    # can also run on native SGLang for A/B. "lab": the laboratory's (dsv4_lab/seams.py), only with DSV4_SM80_LAB=1.
     overlay: str = "sm80"
 
     @property
@@ -59,8 +65,10 @@ class Seam:
     def upstream_file(self) -> str:
         return self.upstream.split(":", 1)[0]
 
-    def enabled(self, environ: Optional[Mapping[str, str]] = None) -> bool:
+    def enabled(self, environ: Mapping[str, str] | None = None) -> bool:
         if self.overlay == "sm80" and not env.patch_enabled(environ):
+            return False
+        if self.overlay == "vision" and env.get(env.VISION, environ) != "1":
             return False
         if self.overlay == "lab" and not env.lab_enabled(environ):
             return False
@@ -73,56 +81,112 @@ class Seam:
 
 
 SEAMS: tuple[Seam, ...] = (
-    # --- launch: the gate runs inside SGLang too --------------------------------------------------
+    # --- launch (launch.py): the gate inside SGLang's launch, the server arguments, a cold start's JIT builds ---
     Seam(
         name="launch.gate",
         target="sglang.srt.entrypoints.engine:Engine._launch_subprocesses",
         kind="before",
-        replacement="dsv4_sm80.gate:before_launch",
+        replacement="dsv4_sm80.stages.launch:gate_and_set_args",
         reason=(
-            "Users who inject the overlay with PYTHONPATH and run `python -m sglang.launch_server` "
-            "(or sglang.Engine) bypass `serve` and the entrypoint; the compatibility gate must still "
-            "refuse before any scheduler process starts. Every launch path (Engine, HTTP server) "
-            "goes through this classmethod. Without NVLink between every pair of GPUs it also turns "
-            "SGLang's custom all-reduce off (disable_custom_all_reduce) before the schedulers get the "
-            "arguments."
-        ),
-        upstream="srt/entrypoints/engine.py:765-790",
-    ),
-    # --- moe: routed experts stay MXFP4; W4A8 on INT8 tensor cores or SGLang's Marlin (moe.py) ----------
-    Seam(
-        name="moe.launch_args",
-        target="sglang.srt.entrypoints.engine:Engine._launch_subprocesses",
-        kind="before",
-        replacement="dsv4_sm80.stages.moe:route_experts_at_launch",
-        reason=(
-            "Both SM80 expert backends build on SGLang's MXFP4 parameter layout, which only the marlin "
-            "MoE runner backend selects (auto would pick the Triton FP8 path that cannot run on SM80); "
-            "expert parallelism must be refused before model construction raises NotImplementedError "
-            "deep inside FusedMoE."
+            "Users who inject the overlay with PYTHONPATH and run `python -m sglang.launch_server` (or "
+            "sglang.Engine) bypass `serve` and the entrypoint; the gate must still refuse before any scheduler "
+            "process starts, and the server arguments the stages need (SERVER_ARGS; the custom all-reduce off "
+            "without NVLink) must be set before the schedulers receive them. Every launch path (Engine, HTTP "
+            "server) goes through this classmethod."
         ),
         upstream="srt/entrypoints/engine.py:765-790",
     ),
     Seam(
-        name="jit.disk_full",
+        name="launch.jit_disk_full",
         target="sglang.jit_kernel.utils.compile:load_jit",
         kind="around",
-        replacement="dsv4_sm80.jitcache:load_jit_clear_disk_error",
+        replacement="dsv4_sm80.stages.launch:load_jit_naming_a_full_disk",
         reason=("A JIT build that fails on a full disk (cold starts compile SGLang's JIT modules into "
                 "TVM_FFI_CACHE_DIR) is reported as jit.disk_full naming the module, directory and free "
                 "space, instead of a compiler or ninja error."),
         upstream="jit_kernel/utils/compile.py:170-295",
     ),
     Seam(
-        name="requests.input_ids_range",
-        target="sglang.srt.managers.tokenizer_manager:TokenizerManager._validate_one_request",
-        kind="around",
-        replacement="dsv4_sm80.stages.requests:validate_one_request",
-        reason=("Caller-supplied input_ids outside [0, vocab) reach DSV4's embedding and hash-layer table "
-                "unchecked in 0.5.16 and a device-side assert kills the server; they are answered 400 naming "
-                "input_ids.range instead."),
-        upstream="srt/managers/tokenizer_manager.py:983-1064",
+        name="launch.footprint",
+        target="sglang.srt.model_executor.model_runner:ModelRunner.init_cuda_graphs",
+        kind="after",
+        replacement="dsv4_sm80.stages.launch:log_footprint",
+        reason=(
+            "One line per GPU and model once everything is allocated: weights (vision apart), the KV pool, "
+            "the CUDA graphs' memory, the W4A8 MoE's expand workspace (a transient) and the free headroom, to "
+            "compare with docs/footprint.md."
+        ),
+        upstream="srt/model_executor/model_runner.py:838",
     ),
+    # --- dense (dense.py): FP8 block linears -> BF16 at load, or SGLang's FP8-Marlin W8A16 -----------------
+    Seam(
+        name="dense.quant_method",
+        target="sglang.srt.layers.quantization.fp8:Fp8Config.get_quant_method",
+        kind="around",
+        replacement="dsv4_sm80.stages.dense:select_quant_method",
+        reason=(
+            "SM80 has no FP8 tensor cores: every FP8 block linear DSV4 builds gets the SM80 method "
+            "(exact BF16 at load, BF16 GEMM) or, with SGLANG_DSV4_A100_DENSE=fp8_marlin, SGLang's own "
+            "FP8-Marlin W8A16 forced on as an A800 selects it, also when a lab run is on SM90."
+        ),
+        upstream="srt/layers/quantization/fp8.py:336-354",
+    ),
+    Seam(
+        name="dense.weight_loader_v2",
+        target="sglang.srt.layers.linear:WEIGHT_LOADER_V2_SUPPORTED",
+        kind="value",
+        replacement="dsv4_sm80.stages.dense:with_sm80_loader_name",
+        reason=(
+            "Linear layers pick their weight loader by the quant method's class name (linear.py:367, "
+            ":1449); the SM80 method loads the checkpoint's FP8 weight and block scale exactly as "
+            "Fp8LinearMethod does, so it needs the block-scale-aware v2 loader - with v1 the fused "
+            "wqkv_a and shared-expert gate_up narrow their 128-row block scales by weight rows."
+        ),
+        upstream="srt/layers/linear.py:58-79",
+    ),
+    Seam(
+        name="dense.marlin_fp32_reduce",
+        target="sglang.srt.layers.quantization.marlin_utils_fp8:should_use_atomic_add_reduce",
+        kind="value",
+        replacement="dsv4_sm80.stages.dense:marlin_reduce_as_sm80",
+        reason=(
+            "FP8-Marlin sums split-K partials with BF16 atomicAdd on SM90+ only (marlin_utils.py:479); "
+            "a lab run on an H200 must reduce in fp32 as an A800 does, or it tests another datapath."
+        ),
+        upstream="srt/layers/quantization/marlin_utils_fp8.py:13",
+    ),
+    Seam(
+        name="dense.wo_a_fp8_param",
+        target="sglang.srt.models.deepseek_v4:MqaAttentionBase.__init__",
+        kind="around",
+        replacement="dsv4_sm80.stages.dense:build_wo_a_from_checkpoint",
+        reason=(
+            "wo_a is dequantized on the CPU, whole and unsharded, in every rank when the FP8 wo_a GEMM "
+            "(DeepGEMM, SM90+) is off; building it with the FP8 quant config lets each rank load its "
+            "FP8 shard and convert it on the GPU while the forward keeps its BF16 einsum."
+        ),
+        upstream="srt/models/deepseek_v4.py:378-511",
+    ),
+    Seam(
+        name="dense.wo_a_no_cpu_dequant",
+        target="sglang.srt.models.deepseek_v4:_dequant_fp8_wo_a",
+        kind="replace",
+        replacement="dsv4_sm80.stages.dense:keep_wo_a_fp8_for_gpu",
+        reason=(
+            "With wo_a built as an FP8 parameter pair (dense.wo_a_fp8_param) its weight and scale must "
+            "reach the loader unchanged; the DSPARK draft binds this same function by name."
+        ),
+        upstream="srt/models/deepseek_v4.py:3112-3128",
+    ),
+    Seam(
+        name="dense.load_summary",
+        target="sglang.srt.model_loader.loader:DefaultModelLoader.load_weights_and_postprocess",
+        kind="after",
+        replacement="dsv4_sm80.stages.dense:log_load_summary",
+        reason="One line per GPU after loading: tensors converted, bytes before/after, seconds.",
+        upstream="srt/model_loader/loader.py:804-849",
+    ),
+    # --- moe (moe.py): routed experts stay MXFP4; W4A8 on INT8 tensor cores or SGLang's Marlin ----------
     Seam(
         name="moe.quant_method",
         target="sglang.srt.layers.quantization.fp8:Fp8Config.get_quant_method",
@@ -154,16 +218,7 @@ SEAMS: tuple[Seam, ...] = (
         reason="A start-up line per GPU: expert bytes resident, which must be 4 bits + E8M0 per 32.",
         upstream="srt/model_loader/loader.py:804-849",
     ),
-    # --- attention: BF16 KV, INT8 indexer, Triton sparse attention (attention.py) -------------------------
-    Seam(
-        name="attention.kv_dtype",
-        target="sglang.srt.entrypoints.engine:Engine._launch_subprocesses",
-        kind="before",
-        replacement="dsv4_sm80.stages.attention:bf16_kv_at_launch",
-        reason=("DSV4's KV cache dtype defaults to FP8 e4m3 (arg_groups/overrides.py:1463, registered at import, "
-                "so not patchable there); SM80 keeps it BF16."),
-        upstream="srt/entrypoints/engine.py:765-790",
-    ),
+    # --- attention (attention.py): BF16 KV, INT8 indexer, Triton sparse attention --------------------------
     Seam(
         name="attention.pool_bytes_per_token",
         target="sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4SingleKVPool.get_bytes_per_token",
@@ -283,7 +338,7 @@ SEAMS: tuple[Seam, ...] = (
         reason="FlashMLA sparse prefill over an FP8 workspace; unreachable with the SM80 forward, and kept so.",
         upstream="srt/layers/attention/deepseek_v4_backend.py:1757-1862",
     ),
-    # --- mHC (mhc.py): the hyper-connection pre-norm GEMM ---------------------------------------------
+    # --- mhc (mhc.py): the hyper-connection pre-norm GEMM ------------------------------------------------
     Seam(
         name="mhc.hc_prenorm_gemm",
         target="sglang.srt.layers.deep_gemm_wrapper.entrypoint:tf32_hc_prenorm_gemm",
@@ -294,226 +349,65 @@ SEAMS: tuple[Seam, ...] = (
                 "tensor cores with the same contract; its callers import this attribute when they run."),
         upstream="srt/layers/deep_gemm_wrapper/entrypoint.py:214-223",
     ),
-    # --- vision (vision_backport/), experimental: only with DSV4_SM80_VISION=1 ---------------------------
+    # --- requests (requests.py): checks SGLang leaves out, at the tokenizer manager -------------------------
     Seam(
-        name="vision.model_class",
-        target="sglang.srt.models.registry:ModelRegistry",
-        kind="value",
-        replacement="vision_backport.install:register_model",
-        reason=("Stock 0.5.16 dies on a Vision-Exp checkpoint (KeyError: aligner.gate_up_proj) and would drop "
-                "image content; the VL class loads the vision weights and embeds images."),
-        upstream="srt/models/registry.py:130",
-        when=("DSV4_SM80_VISION=1",),
-        overlay="vision",
-    ),
-    Seam(
-        name="vision.processor",
-        target="sglang.srt.managers.multimodal_processor:PROCESSOR_MAPPING",
-        kind="value",
-        replacement="vision_backport.install:register_processor",
-        reason="Images of a request become each image's token block and patches.",
-        upstream="srt/managers/multimodal_processor.py:13",
-        when=("DSV4_SM80_VISION=1",),
-        overlay="vision",
-    ),
-    Seam(
-        name="vision.model_config",
-        target="sglang.srt.configs.model_config:ModelConfig.__init__",
-        kind="after",
-        replacement="vision_backport.install:mark_multimodal",
-        reason="0.5.16 does not know DeepseekV4ForCausalLM can be multimodal (model_config.py:414).",
-        upstream="srt/configs/model_config.py:232",
-        when=("DSV4_SM80_VISION=1",),
-        overlay="vision",
-    ),
-    Seam(
-        name="vision.text_embeds",
-        target="sglang.srt.models.deepseek_v4:DeepseekV4Model.forward",
+        name="requests.input_ids_range",
+        target="sglang.srt.managers.tokenizer_manager:TokenizerManager._validate_one_request",
         kind="around",
-        replacement="vision_backport.model:text_forward_with_embeds",
-        reason=("DeepseekV4Model.forward ignores input_embeds (deepseek_v4.py:2259); the multimodal routine "
-                "passes the image embeddings that way, and the routing needs the image mask."),
-        upstream="srt/models/deepseek_v4.py:2250",
-        when=("DSV4_SM80_VISION=1",),
-        overlay="vision",
+        replacement="dsv4_sm80.stages.requests:validate_one_request",
+        reason=("Caller-supplied input_ids outside [0, vocab) reach DSV4's embedding and hash-layer table "
+                "unchecked in 0.5.16 and a device-side assert kills the server; they are answered 400 naming "
+                "input_ids.range instead."),
+        upstream="srt/managers/tokenizer_manager.py:983-1064",
     ),
-    Seam(
-        name="vision.chat",
-        target="sglang.srt.entrypoints.openai.serving_chat:OpenAIServingChat._apply_jinja_template",
-        kind="around",
-        replacement="vision_backport.chat:chat_with_images",
-        reason=("The DSV4 chat branch flattens content lists and drops image blocks (serving_chat.py:916); "
-                "images become placeholders and image_data instead."),
-        upstream="srt/entrypoints/openai/serving_chat.py:863",
-        when=("DSV4_SM80_VISION=1",),
-        overlay="vision",
+)
+
+
+@dataclass(frozen=True)
+class ServerArg:
+    """A stage's rule on one of SGLang's server arguments: a value in `sets` is replaced at launch by the value it
+    maps to, a value in `runs` is kept, any other is refused by the gate (check `name`)."""
+    name: str  # stage.what, the gate's check
+    attr: str  # the ServerArgs field
+    flag: str  # its launch_server flag
+    default: str  # SGLang's default, for a command line that does not name the flag
+    sets: Mapping[str, str]
+    runs: tuple[str, ...]
+    why: str  # what the stage needs and why
+    upstream: str  # where SGLang decides it, "srt/...py:LINE"
+
+    def value(self, server_args) -> str:
+        v = getattr(server_args, self.attr, None)
+        return self.default if v is None or v == "" else str(v)
+
+
+SERVER_ARGS: tuple[ServerArg, ...] = (
+    # --- moe: both expert backends build on SGLang's MXFP4 parameter layout; tensor parallelism only -------
+    ServerArg(
+        name="moe.runner_backend", attr="moe_runner_backend", flag="--moe-runner-backend", default="auto",
+        sets={"auto": "marlin"}, runs=("marlin",),
+        why=("both SM80 expert backends build on SGLang's MXFP4 parameter layout, which only the marlin MoE runner "
+             "backend selects (auto would pick the Triton FP8 path, which cannot run on SM80)"),
+        upstream="srt/layers/quantization/fp8.py:371",
     ),
-    Seam(
-        name="vision.topk",
-        target="sglang.srt.layers.moe.topk:TopK.forward_cuda",
-        kind="around",
-        replacement="vision_backport.routing:topk_with_vl",
-        reason="Image-block tokens choose experts with bias_vl, text tokens with the correction bias.",
-        upstream="srt/layers/moe/topk.py:484",
-        when=("DSV4_SM80_VISION=1",),
-        overlay="vision",
+    ServerArg(
+        name="moe.expert_parallel", attr="ep_size", flag="--ep-size", default="1", sets={}, runs=("1",),
+        why=("tensor parallelism only: SGLang 0.5.16's expert-parallel MoE paths (DeepEP, Marlin without an expert "
+             "map) need SM90 kernels, and model construction would raise NotImplementedError deep inside FusedMoE"),
+        upstream="srt/layers/moe/fused_moe_triton/layer.py:104",
     ),
-    Seam(
-        name="vision.hash_topk",
-        target="sglang.srt.layers.moe.hash_topk:HashTopK.forward",
-        kind="around",
-        replacement="vision_backport.routing:hash_topk_with_vl",
-        reason=("Hash layers route image tokens by bias_vl instead of the token table, which an image pad "
-                "value would index out of range."),
-        upstream="srt/layers/moe/hash_topk.py:180",
-        when=("DSV4_SM80_VISION=1",),
-        overlay="vision",
+    ServerArg(
+        name="moe.a2a_backend", attr="moe_a2a_backend", flag="--moe-a2a-backend", default="none", sets={},
+        runs=("none",), why="tensor parallelism only: every all-to-all backend is an expert-parallel path (SM90)",
+        upstream="srt/layers/moe/fused_moe_triton/layer.py:104-144",
     ),
-    Seam(
-        name="vision.whole_image_blocks",
-        target="sglang.srt.managers.schedule_batch:Req.set_extend_range",
-        kind="around",
-        replacement="vision_backport.scheduling:set_extend_range_whole_blocks",
-        reason=("Every prefill chunk cut goes through Req.set_extend_range; a cut inside an image block moves "
-                "to the block's start (or past its end when the block is longer than the chunk), so a block's "
-                "bidirectional queries always run in one forward."),
-        upstream="srt/managers/schedule_batch.py:1153-1154",
-        when=("DSV4_SM80_VISION=1",),
-        overlay="vision",
-    ),
-    Seam(
-        name="vision.whole_block_unchunks",
-        target="sglang.srt.managers.schedule_policy:PrefillAdder.add_one_req",
-        kind="around",
-        replacement="vision_backport.scheduling:add_req_unchunked_when_whole",
-        reason=("When vision.whole_image_blocks moves a chunk's cut to the prompt's end, the request is no longer "
-                "chunked; SGLang flagged it from its own cut and would schedule an empty extend next round."),
-        upstream="srt/managers/schedule_policy.py:1001-1185",
-        when=("DSV4_SM80_VISION=1",),
-        overlay="vision",
-    ),
-    Seam(
-        name="vision.whole_block_unchunks_ignore_eos",
-        target="sglang.srt.managers.schedule_policy:PrefillAdder.add_one_req_ignore_eos",
-        kind="around",
-        replacement="vision_backport.scheduling:add_req_unchunked_when_whole",
-        reason="The same for SGLang's ignore_eos admission path.",
-        upstream="srt/managers/schedule_policy.py:887-999",
-        when=("DSV4_SM80_VISION=1",),
-        overlay="vision",
-    ),
-    Seam(
-        name="vision.whole_block_ends_chunking",
-        target="sglang.srt.managers.schedule_policy:PrefillAdder.add_chunked_req",
-        kind="around",
-        replacement="vision_backport.scheduling:add_chunked_req_unchunked_when_whole",
-        reason=("The same for a later chunk: a chunk moved to the prompt's end is the last one, whatever SGLang's "
-                "own cut said."),
-        upstream="srt/managers/schedule_policy.py:830-870",
-        when=("DSV4_SM80_VISION=1",),
-        overlay="vision",
-    ),
-    Seam(
-        name="vision.sm80_window",
-        target="sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend.forward",
-        kind="around",
-        replacement="vision_backport.window:sm80_forward_with_window",
-        reason=("Image-block queries of a prefill attend to their whole block both ways (the Vision-Exp window): "
-                "the SM80 forward (attention.forward, declared before this) reads the widened SWA lists."),
-        upstream="srt/layers/attention/deepseek_v4_backend.py:1600-1755",
-        when=("DSV4_SM80_VISION=1", "ENABLE_SGLANG_DSV4_A100_PATCH=1"),
-        overlay="vision",
-    ),
-    Seam(
-        name="vision.native_window",
-        target="sglang.srt.layers.attention.deepseek_v4_backend:DeepseekV4AttnBackend.forward",
-        kind="around",
-        replacement="vision_backport.window:native_forward_with_window",
-        reason=("Native A/B (patch off): image-block queries of a prefill get the bidirectional window in "
-                "FlashMLA's SWA index lists (vision.sm80_window gives the SM80 forward the same lists)."),
-        upstream="srt/layers/attention/deepseek_v4_backend.py:1600-1755",
-        when=("DSV4_SM80_VISION=1", "ENABLE_SGLANG_DSV4_A100_PATCH=0"),
-        overlay="vision",
-    ),
-    # --- dense: FP8 block linears -> BF16 at load (linear.py) ------------------------------------------
-    Seam(
-        name="dense.quant_method",
-        target="sglang.srt.layers.quantization.fp8:Fp8Config.get_quant_method",
-        kind="around",
-        replacement="dsv4_sm80.stages.dense:select_quant_method",
-        reason=(
-            "SM80 has no FP8 tensor cores: every FP8 block linear DSV4 builds gets the SM80 method "
-            "(exact BF16 at load, BF16 GEMM) or, with SGLANG_DSV4_A100_DENSE=fp8_marlin, SGLang's own "
-            "FP8-Marlin W8A16 forced on as an A800 selects it, also when a lab run is on SM90."
-        ),
-        upstream="srt/layers/quantization/fp8.py:336-354",
-    ),
-    Seam(
-        name="dense.weight_loader_v2",
-        target="sglang.srt.layers.linear:WEIGHT_LOADER_V2_SUPPORTED",
-        kind="value",
-        replacement="dsv4_sm80.stages.dense:with_sm80_loader_name",
-        reason=(
-            "Linear layers pick their weight loader by the quant method's class name (linear.py:367, "
-            ":1449); the SM80 method loads the checkpoint's FP8 weight and block scale exactly as "
-            "Fp8LinearMethod does, so it needs the block-scale-aware v2 loader - with v1 the fused "
-            "wqkv_a and shared-expert gate_up narrow their 128-row block scales by weight rows."
-        ),
-        upstream="srt/layers/linear.py:58-79",
-    ),
-    Seam(
-        name="dense.marlin_fp32_reduce",
-        target="sglang.srt.layers.quantization.marlin_utils_fp8:should_use_atomic_add_reduce",
-        kind="value",
-        replacement="dsv4_sm80.stages.dense:marlin_reduce_as_sm80",
-        reason=(
-            "FP8-Marlin sums split-K partials with BF16 atomicAdd on SM90+ only (marlin_utils.py:479); "
-            "a lab run on an H200 must reduce in fp32 as an A800 does, or it tests another datapath."
-        ),
-        upstream="srt/layers/quantization/marlin_utils_fp8.py:13",
-    ),
-    Seam(
-        name="footprint.startup",
-        target="sglang.srt.model_executor.model_runner:ModelRunner.init_cuda_graphs",
-        kind="after",
-        replacement="dsv4_sm80.footprint:log_startup",
-        reason=(
-            "One line per GPU and model once everything is allocated: weights (vision apart), the KV pool, "
-            "the CUDA graphs' memory, the W4A8 MoE's expand workspace (a transient) and the free headroom, to "
-            "compare with docs/footprint.md."
-        ),
-        upstream="srt/model_executor/model_runner.py:838",
-    ),
-    Seam(
-        name="dense.wo_a_fp8_param",
-        target="sglang.srt.models.deepseek_v4:MqaAttentionBase.__init__",
-        kind="around",
-        replacement="dsv4_sm80.stages.dense:build_wo_a_from_checkpoint",
-        reason=(
-            "wo_a is dequantized on the CPU, whole and unsharded, in every rank when the FP8 wo_a GEMM "
-            "(DeepGEMM, SM90+) is off; building it with the FP8 quant config lets each rank load its "
-            "FP8 shard and convert it on the GPU while the forward keeps its BF16 einsum."
-        ),
-        upstream="srt/models/deepseek_v4.py:378-511",
-    ),
-    Seam(
-        name="dense.wo_a_no_cpu_dequant",
-        target="sglang.srt.models.deepseek_v4:_dequant_fp8_wo_a",
-        kind="replace",
-        replacement="dsv4_sm80.stages.dense:keep_wo_a_fp8_for_gpu",
-        reason=(
-            "With wo_a built as an FP8 parameter pair (dense.wo_a_fp8_param) its weight and scale must "
-            "reach the loader unchanged; the DSPARK draft binds this same function by name."
-        ),
-        upstream="srt/models/deepseek_v4.py:3112-3128",
-    ),
-    Seam(
-        name="dense.load_summary",
-        target="sglang.srt.model_loader.loader:DefaultModelLoader.load_weights_and_postprocess",
-        kind="after",
-        replacement="dsv4_sm80.stages.dense:log_load_summary",
-        reason="One line per GPU after loading: tensors converted, bytes before/after, seconds.",
-        upstream="srt/model_loader/loader.py:804-849",
+    # --- attention: the KV cache is BF16 -----------------------------------------------------------------
+    ServerArg(
+        name="attention.kv_cache_dtype", attr="kv_cache_dtype", flag="--kv-cache-dtype", default="auto",
+        sets={"auto": "bfloat16", "fp8_e4m3": "bfloat16"}, runs=("bfloat16",),
+        why=("SM80 has no FP8: DSV4's KV cache rows are BF16, 1024 bytes a token and layer instead of 584 (SGLang's "
+             "DSV4 default fp8_e4m3 is set at import, arg_groups/overrides.py:1463, so it is replaced at launch)"),
+        upstream="srt/arg_groups/overrides.py:1463",
     ),
 )
 
@@ -558,4 +452,25 @@ def validate_table(seams=SEAMS, fingerprints=None, lab_knobs=()) -> list[str]:
             if name not in (lab_knob_names if s.overlay == "lab" else product_knobs) or not value:
                 problems.append(f"{s.name}: toggle {cond!r} is not KNOB=value of dsv4_sm80.env"
                                 + (" or the lab's knobs" if s.overlay == "lab" else ""))
+    return problems
+
+
+def order_problems(seams=SEAMS) -> list[str]:
+    """The product table's order rule: one contiguous block per stage, in STAGES order, each seam named for its
+    stage and replaced from that stage's file."""
+    problems, seen = [], []
+    for s in seams:
+        stage = s.name.split(".", 1)[0]
+        if stage not in STAGES:
+            problems.append(f"{s.name}: {stage!r} is not one of the stages {', '.join(STAGES)}")
+            continue
+        if not s.replacement.startswith(f"dsv4_sm80.stages.{stage}:"):
+            problems.append(f"{s.name}: replacement {s.replacement} is not in dsv4_sm80/stages/{stage}.py")
+        if seen and seen[-1] == stage:
+            continue
+        if stage in seen:
+            problems.append(f"{s.name}: a second {stage} block (after {seen[-1]})")
+        elif seen and STAGES.index(stage) < STAGES.index(seen[-1]):
+            problems.append(f"{s.name}: the {stage} block comes after {seen[-1]}, against STAGES")
+        seen.append(stage)
     return problems

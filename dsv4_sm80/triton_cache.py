@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from triton.runtime.cache import FileCacheManager
 
-from .jitcache import _disk_full, disk_full_error
+from .jitcache import disk_full, disk_full_error
 
 
 class DiskFullClearCacheManager(FileCacheManager):
@@ -23,7 +23,7 @@ class DiskFullClearCacheManager(FileCacheManager):
         try:
             return super().put(data, filename, binary)
         except Exception as e:
-            if not _disk_full(e):
+            if not disk_full(e):
                 raise
             raise disk_full_error(f"writing Triton kernel file {filename!r}", self.cache_dir or "?",
                                   "TRITON_CACHE_DIR (and TVM_FFI_CACHE_DIR)", e) from e

@@ -50,9 +50,10 @@ FILES = [
 
 def main(wheel: str) -> None:
     from dsv4_lab.seams import LAB_SEAMS
-    from dsv4_sm80.seams import SEAMS
+    from dsv4_sm80.seams import SEAMS, SERVER_ARGS
+    from vision_backport.seams import VISION_SEAMS
 
-    files = set(FILES) | {s.upstream_file for s in (*SEAMS, *LAB_SEAMS)}
+    files = set(FILES) | {s.upstream.split(":", 1)[0] for s in (*SEAMS, *VISION_SEAMS, *LAB_SEAMS, *SERVER_ARGS)}
     with zipfile.ZipFile(wheel) as z:
         record_name = next(n for n in z.namelist() if n.endswith(".dist-info/RECORD"))
         rows = csv.reader(io.TextIOWrapper(z.open(record_name), "utf-8"))

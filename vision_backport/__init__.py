@@ -13,18 +13,9 @@ block on the SM80 forward and on native FlashMLA alike), and prefill chunks cut 
 (`scheduling.py`, at `Req.set_extend_range`; a split block still reaching the forward is refused with a
 message, not attended wrongly).
 
-Installed into SGLang only with the experimental switch DSV4_SM80_VISION=1 (the `vision.*` seams of
-`dsv4_sm80/seams.py`, replacements in `install.py` and the modules above); with ENABLE_SGLANG_DSV4_A100_PATCH=0
-the overlay runs alone on native SGLang for A/B. Nothing of it has run on a GPU: the switch stays experimental.
-The gate meanwhile validates a Vision-Exp checkpoint's vision tensors, so a converted one is refused.
+Installed into SGLang only with the experimental switch DSV4_SM80_VISION=1: the seams of `seams.py` (this overlay's
+own table, which the product's applier appends to its own), replacements in `install.py` and the modules above; with
+ENABLE_SGLANG_DSV4_A100_PATCH=0 the overlay runs alone on native SGLang for A/B. What has run where:
+docs/vision.md and docs/results/README.md. The gate validates a Vision-Exp checkpoint's vision tensors, so a
+converted one is refused.
 """
-
-
-def install(environ=None) -> dict:
-    """Called by the bootstrap after the SM80 patch. The vision replacements are applied by the one seam
-    mechanism (the `vision.*` seams, toggled by DSV4_SM80_VISION); this reports the switch."""
-    from dsv4_sm80 import env
-
-    on = env.get(env.VISION, environ) == "1"
-    return {"switch": f"{env.VISION.name}={'1' if on else '0'}",
-            "note": "experimental: not yet run on a GPU" if on else "not installed"}

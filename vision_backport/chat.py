@@ -42,7 +42,8 @@ def extract_images(messages: list) -> tuple[list, list]:
                 kind = block.get("type") if isinstance(block, dict) else None
                 if kind in IMAGE_BLOCK_TYPES:
                     if msg.get("role") != "user":
-                        raise ImageRefused(f"message {i} ({msg.get('role')}): images are accepted in user messages only")
+                        raise ImageRefused(f"message {i} ({msg.get('role')}): images are accepted in user messages "
+                                           "only")
                     images.append(_image_ref(block))
                     parts.append(PLACEHOLDER)
                 elif kind == "text":

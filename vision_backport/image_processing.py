@@ -32,7 +32,7 @@ class Geometry:
     max_wh_ratio: int = 8
 
     @classmethod
-    def from_config(cls, config) -> "Geometry":
+    def from_config(cls, config) -> Geometry:
         get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
         return cls(int(get("vision_patch_size")), int(get("vision_downsample_ratio")), int(get("vision_max_n_token")),
                    int(get("vision_min_pixels")), int(get("vision_max_wh_ratio")))

@@ -1,6 +1,6 @@
-"""The Vision-Exp path's replacements for the seam table (`dsv4_sm80/seams.py`, the `vision.*` seams), all
-behind DSV4_SM80_VISION=1: an explicit, experimental switch (never run on a GPU yet). Off by default. The
-chunk hook `vision.whole_image_blocks` lives in `scheduling.py`.
+"""The Vision-Exp overlay's replacements at SGLang's model registry, processor map and model config (seams
+`vision.model_class`, `vision.processor`, `vision.model_config` of `seams.py`), behind the experimental switch
+DSV4_SM80_VISION=1, off by default. The chunk hooks live in `scheduling.py`.
 
 - `register_model`      value of registry.ModelRegistry: "DeepseekV4ForCausalLM" -> the VL class (text-only
                         configs still get the plain text model from it).
@@ -15,14 +15,14 @@ from __future__ import annotations
 import functools
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def vl_class():
     from .model import vl_model_class
 
     return vl_model_class()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def processor_class():
     from .processor import _processor_class
 

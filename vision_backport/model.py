@@ -58,7 +58,8 @@ class VisionPart(nn.Module):
         g = lambda k: _get(config, k)  # noqa: E731
         hidden = int(g("hidden_size"))
         self.vision = VisionTower(int(g("vision_dim")), int(g("vision_n_layers")), int(g("vision_n_heads")),
-                                  int(g("vision_inter_dim")), int(g("vision_patch_size")), float(g("vision_rope_theta")))
+                                  int(g("vision_inter_dim")), int(g("vision_patch_size")),
+                                  float(g("vision_rope_theta")))
         self.aligner = VisionAligner(int(g("vision_dim")), hidden, int(g("vision_downsample_ratio")))
         self.to(dtype)
         for m in self.vision.modules():  # RMSNorm weights stay fp32 (computed in fp32)

@@ -15,8 +15,7 @@ token budget ends (`PrefillAdder.add_one_req` / `add_chunked_req`), and each cut
   allocated for the real length; the prefill budget of that round is the only thing under-counted);
 - a range that ends at the prompt's end, or a cut outside every block, is left as SGLang made it.
 
-(The first H200 run of the unaligned rule never reached a chunked image: the vision server failed at its
-warmup. Page-aligned ends keep the one invariant of chunked prefill this seam could otherwise break.)
+Page-aligned ends keep the one invariant of chunked prefill this seam could otherwise break.
 
 Because chunk ends never fall inside a block, the prefix SGLang caches for a chunked request never ends
 inside one either, and a block's pad ids (one hash per image for the whole block, `processor.block_hash`)

@@ -46,8 +46,8 @@ def main(argv=None) -> int:
         print("attention_kit: ENABLE_SGLANG_DSV4_A100_PATCH=1 is required (it is what is being tested)")
         return 2
     import sglang.test.kits.attention_unittest.attention_methods.dsv4_attention as K
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.mem_cache import deepseek_v4_memory_pool as P
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     original_init = P.DeepSeekV4TokenToKVPool.__init__
 

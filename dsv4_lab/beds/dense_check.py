@@ -101,9 +101,8 @@ def main(argv=None) -> int:
 
     from dsv4_sm80 import env
     from dsv4_sm80.stages import dense as linear
-    from reference import dequant_fp8_bf16, load_raw
-
     from dsv4_sm80.tiny.generate import ensure, head_scale_for
+    from reference import dequant_fp8_bf16, load_raw
 
     args.head_scale = head_scale_for(args.preset, args.head_scale)  # peaked outputs at every width
     ensure(args.ckpt, args.preset, head_scale=args.head_scale)
@@ -143,8 +142,9 @@ def main(argv=None) -> int:
         y = mod.quant_method.apply(mod, x)
         y_ref32 = x.float() @ ref_w.float().t()
         y_bf16 = F.linear(x, ref_w)
-        rel = lambda a: float((a.float() - y_ref32).abs().max() / y_ref32.abs().max())  # noqa: E731
-        rec = dict(row, ckpt=parts, rel_err=rel(y), rel_err_bf16_gemm=rel(y_bf16))
+        scale = y_ref32.abs().max()
+        rec = dict(row, ckpt=parts, rel_err=float((y.float() - y_ref32).abs().max() / scale),
+                   rel_err_bf16_gemm=float((y_bf16.float() - y_ref32).abs().max() / scale))
         always_bf16 = row["name"].endswith(linear.ALWAYS_BF16_SUFFIXES)
         if dense == "bf16" or always_bf16:
             rec["weight_exact"] = bool(mod.weight.dtype == torch.bfloat16 and torch.equal(mod.weight, ref_w))
@@ -160,8 +160,9 @@ def main(argv=None) -> int:
             fail(f"{row['name']}: {rec}")
         record["linears"].append(rec)
 
-    wanted = {name.rsplit(".", 1)[0] for name in json.load(open(os.path.join(args.ckpt, "model.safetensors.index.json")))
-              ["weight_map"] if name.startswith("layers.") and name.endswith(".scale") and ".experts." not in name}
+    index = json.load(open(os.path.join(args.ckpt, "model.safetensors.index.json")))
+    wanted = {name.rsplit(".", 1)[0] for name in index["weight_map"]
+              if name.startswith("layers.") and name.endswith(".scale") and ".experts." not in name}
     if wanted != seen_ckpt:
         fail(f"FP8 linears of the checkpoint not found as modules: {sorted(wanted - seen_ckpt)}; "
              f"unexpected: {sorted(seen_ckpt - wanted)}")
@@ -176,8 +177,8 @@ def main(argv=None) -> int:
           f"methods {sorted({(r['method'], r['dtype']) for r in checked})}")
     print(f"  max rel err vs fp32 reference product: this path {max(r['rel_err'] for r in checked):.2e}, "
           f"BF16 GEMM of the reference weight {max(r['rel_err_bf16_gemm'] for r in checked):.2e}")
-    print(f"  FP8-checkpoint linears resident {record['dense_resident_bytes'] / 2**20:.1f} MiB; GPU peak allocated during load "
-          f"{peak_load / 2**20:.1f} MiB, after {record['allocated_after_load'] / 2**20:.1f} MiB")
+    print(f"  FP8-checkpoint linears resident {record['dense_resident_bytes'] / 2**20:.1f} MiB; GPU peak allocated "
+          f"during load {peak_load / 2**20:.1f} MiB, after {record['allocated_after_load'] / 2**20:.1f} MiB")
     for line in record["failures"]:
         print("  FAIL", line)
     print("dense_check:", "OK" if not record["failures"] else "FAILED", "->", args.out)

@@ -122,7 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-runner-backend", default="marlin",
                     help="native SM90 needs marlin (auto misroutes MXFP4 experts)")
     ap.add_argument("--cuda-graph", action="store_true")
-    ap.add_argument("--cuda-graph-max-bs", type=int, help="capture graphs up to this batch (fewer graphs: faster start)")
+    ap.add_argument("--cuda-graph-max-bs", type=int,
+                    help="capture graphs up to this batch (fewer graphs: faster start)")
     ap.add_argument("--speculative-algorithm", help="e.g. DSPARK (draft stages bundled in the checkpoint)")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
     ap.add_argument("--max-total-tokens", type=int, default=int(os.environ.get("DSV4_BED_MAX_TOKENS", 0)) or None,
@@ -134,8 +135,10 @@ def main(argv=None) -> int:
                     help="lab noise floor: the embedding output moved one BF16 ulp in this share of its entries "
                          "(dsv4_lab/perturb.py; eager runs only)")
     ap.add_argument("--watchdog-timeout", type=float, default=BED_WATCHDOG_S,
-                    help="SGLang's scheduler watchdog (its default 300 s: the `cold` step measures a first start with it)")
-    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (lab mode: DSV4_SM80_LAB_GPU_COUNT=N unless N is the production 4)")
+                    help="SGLang's scheduler watchdog (its default 300 s: the `cold` step measures a first start "
+                         "with it)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallel size (lab mode: DSV4_SM80_LAB_GPU_COUNT=N unless N is the production 4)")
     ap.add_argument("--teacher-mode", choices=("batched", "alone", "reversed"), default="batched",
                     help="how the teacher-forced sequences are submitted: a floor run should differ from the "
                          "oracle's batch composition (alone or reversed), or it measures only determinism")
@@ -272,8 +275,9 @@ def main(argv=None) -> int:
                 ids[k], mi["input_token_ids_logprobs"]))
     write_record(args.out, record)
 
-    print(f"engine_bed: patch={'on' if patch else 'off'} gpu={record['gpu']} sm{''.join(map(str, record['capability']))} "
-          f"sglang {record['sglang']} timings={record['timings']}")
+    sm = "".join(map(str, record["capability"]))
+    print(f"engine_bed: patch={'on' if patch else 'off'} gpu={record['gpu']} sm{sm} sglang {record['sglang']} "
+          f"timings={record['timings']}")
     ok = True
     for pr in record["prompts"]:
         lp = pr["batched"]["logprobs"]

@@ -25,7 +25,8 @@ KEY = "lab-key-1"
 
 def call(port, path, body=None, key=KEY, raw=None, method=None):
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method or ("POST" if data else "GET"))
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 method=method or ("POST" if data else "GET"))
     req.add_header("Content-Type", "application/json")
     if key:
         req.add_header("Authorization", f"Bearer {key}")
@@ -90,8 +91,8 @@ def main(argv=None) -> int:
             results.append({"check": name, "status": status, "expected": want or "4xx", "ok": good, "body": first})
             if status == 200 and path == "/generate":  # greedy output, for A/B against the other path
                 out = json.loads(text)
-                results[-1]["output"] = {"ids": out.get("output_ids"),
-                                         "logprobs": [x[0] for x in out["meta_info"].get("output_token_logprobs") or []]}
+                logprobs = [x[0] for x in out["meta_info"].get("output_token_logprobs") or []]
+                results[-1]["output"] = {"ids": out.get("output_ids"), "logprobs": logprobs}
         if args.vision:  # the image reaches the model: a different image, different logprobs
             lps = []
             for color in ((220, 20, 20), (20, 20, 220)):
@@ -116,8 +117,8 @@ def main(argv=None) -> int:
                             "body": json.dumps(routed)})
         healthy = call(args.port, "/health", key=None)[0] == 200
         ok &= healthy and server.poll() is None
-    print(f"http_check: server healthy after {startup:.0f} s; {sum(r['ok'] for r in results)}/{len(results)} as expected; "
-          f"alive and healthy after all requests: {healthy}")
+    print(f"http_check: server healthy after {startup:.0f} s; {sum(r['ok'] for r in results)}/{len(results)} as "
+          f"expected; alive and healthy after all requests: {healthy}")
     for r in results:
         print(f"  {'OK  ' if r['ok'] else 'FAIL'} {r['check']:34s} {r['status']} (want {r['expected']}): {r['body']}")
     with open(args.out, "w") as f:
@@ -129,7 +130,8 @@ def main(argv=None) -> int:
             if a and b:
                 same = sum(x == y for x, y in zip(a["ids"] or [], b["ids"] or []))
                 dlp = max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=float("nan"))
-                print(f"  A/B {r['check']:34s} greedy tokens agree {same}/{len(a['ids'] or [])}, max |dlogprob| {dlp:.3f}")
+                print(f"  A/B {r['check']:34s} greedy tokens agree {same}/{len(a['ids'] or [])}, "
+                      f"max |dlogprob| {dlp:.3f}")
     if args.compare and args.vision:  # teacher-forced: the native record is the oracle (a), its floor beside it
         import compare
 
@@ -165,7 +167,7 @@ REFUSED_STARTS = [
 
 def refused_start(port, serve_args, want, extra_env, timeout=240):
     """(True, the refusal's line) if `dsv4_sm80 serve` with these arguments exits non-zero within `timeout`
-    and its output names `want`; never leaves a process behind."""
+    and the gate's report fails check `want`; never leaves a process behind."""
     import subprocess
 
     cmd = [sys.executable, "-m", "dsv4_sm80", "serve", "--host", "127.0.0.1", "--port", str(port + 1), *serve_args]
@@ -178,7 +180,8 @@ def refused_start(port, serve_args, want, extra_env, timeout=240):
         os.killpg(proc.pid, 9)
         proc.communicate()
         return False, f"still running after {timeout} s"
-    line = next((x.strip() for x in out.splitlines() if want in x), None)
+    check = want.removeprefix("FAIL ")
+    line = next((x.strip() for x in out.splitlines() if x.startswith(f"FAIL {check}:")), None)
     if proc.returncode != 0 and line:
         return True, f"exit {proc.returncode}: {line[:150]}"
     tail = [x.strip() for x in out.splitlines() if x.strip()][-1:] or [""]
@@ -306,25 +309,30 @@ def vision_checks(port):
 
 
 def text_checks(context, long_ids):
+    def gen(**params):
+        return {"sampling_params": {"max_new_tokens": 4, **params}}
+
+    def chat(text, **kw):
+        return {"model": "x", "messages": [{"role": "user", "content": text}], **kw}
+
     return [  # name, path, body / raw, key, expected status (None: any 4xx)
-            ("chat completion", "/v1/chat/completions",
-             {"model": "x", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8, "temperature": 0}, KEY, 200),
-            ("generate text", "/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}, KEY, 200),
-            ("generate ids", "/generate", {"input_ids": [0, 2, 100, 200], "sampling_params": {"max_new_tokens": 8}}, KEY, 200),
-            ("completion", "/v1/completions", {"model": "x", "prompt": "Hi", "max_tokens": 4}, KEY, 200),
-            ("no API key", "/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "Hi"}]}, None, 401),
-            ("wrong API key", "/generate", {"text": "Hi"}, "wrong", 401),
-            ("prompt longer than the context", "/generate", {"input_ids": long_ids, "sampling_params": {"max_new_tokens": 4}}, KEY, None),
-            ("max_tokens beyond the context", "/v1/completions", {"model": "x", "prompt": "Hi", "max_tokens": context * 4}, KEY, None),
-            ("empty prompt", "/v1/completions", {"model": "x", "prompt": "", "max_tokens": 4}, KEY, None),
-            ("empty messages", "/v1/chat/completions", {"model": "x", "messages": []}, KEY, None),
-            ("token id beyond the vocabulary", "/generate", {"input_ids": [0, 10_000_000], "sampling_params": {"max_new_tokens": 4}}, KEY, None),
-            ("negative token id", "/generate", {"input_ids": [0, -5], "sampling_params": {"max_new_tokens": 4}}, KEY, None),
-            ("malformed JSON", "/v1/chat/completions", b'{"model": "x", "messages": [', KEY, None),
-            ("negative max_tokens", "/v1/completions", {"model": "x", "prompt": "Hi", "max_tokens": -1}, KEY, None),
-            ("chat after the bad requests", "/v1/chat/completions",
-             {"model": "x", "messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 8}, KEY, 200),
-        ]
+        ("chat completion", "/v1/chat/completions", chat("Hello", max_tokens=8, temperature=0), KEY, 200),
+        ("generate text", "/generate", {"text": "Hello", **gen(max_new_tokens=8, temperature=0)}, KEY, 200),
+        ("generate ids", "/generate", {"input_ids": [0, 2, 100, 200], **gen(max_new_tokens=8)}, KEY, 200),
+        ("completion", "/v1/completions", {"model": "x", "prompt": "Hi", "max_tokens": 4}, KEY, 200),
+        ("no API key", "/v1/chat/completions", chat("Hi"), None, 401),
+        ("wrong API key", "/generate", {"text": "Hi"}, "wrong", 401),
+        ("prompt longer than the context", "/generate", {"input_ids": long_ids, **gen()}, KEY, None),
+        ("max_tokens beyond the context", "/v1/completions",
+         {"model": "x", "prompt": "Hi", "max_tokens": context * 4}, KEY, None),
+        ("empty prompt", "/v1/completions", {"model": "x", "prompt": "", "max_tokens": 4}, KEY, None),
+        ("empty messages", "/v1/chat/completions", {"model": "x", "messages": []}, KEY, None),
+        ("token id beyond the vocabulary", "/generate", {"input_ids": [0, 10_000_000], **gen()}, KEY, None),
+        ("negative token id", "/generate", {"input_ids": [0, -5], **gen()}, KEY, None),
+        ("malformed JSON", "/v1/chat/completions", b'{"model": "x", "messages": [', KEY, None),
+        ("negative max_tokens", "/v1/completions", {"model": "x", "prompt": "Hi", "max_tokens": -1}, KEY, None),
+        ("chat after the bad requests", "/v1/chat/completions", chat("Still there?", max_tokens=8), KEY, 200),
+    ]
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Page hygiene on the GPU: stale KV bytes never reach a request.
 
 Three processes run the same request sequence on the patched path (lab mode, tripwire on): two clean (the
-floor: what another process changes by itself), the third with DSV4_SM80_LAB_POISON=1, so after every cache flush each byte of the target's and the draft's pools
-(SWA/C4/C128 KV rows, INT8 indexer pages, compressor state rings) is 0xFF, a NaN in BF16 and in the
+floor: what another process changes by itself), the third with DSV4_SM80_LAB_POISON=1, so after every cache
+flush each byte of the target's and the draft's pools (SWA/C4/C128 KV rows, INT8 indexer pages, compressor
+state rings) is 0xFF, a NaN in BF16 and in the
 indexer's fp32 scales (dsv4_lab/hygiene.py). The sequence: fill the pool with long prompts (every page
 written), flush, then the measured prompts (batched; they recycle those pages across the SWA, C4 and C128
 views), flush, the same prompts again one at a time. Any byte a request reads that it did not write turns
@@ -11,8 +12,8 @@ it must equal them (logprobs within --tolerance, 1e-4), elsewhere it may differ 
 own difference (the first H200 run, without the floor, saw 0.15-0.31 at 3000 and 5000 ids only: the
 sparse-selection lengths).
 
-    ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_LAB=1 DSV4_SM80_TRIPWIRE=1 \
-        python dsv4_lab/beds/hygiene.py --out hygiene.json [--dspark]
+    ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_LAB=1 \
+        DSV4_SM80_TRIPWIRE=1 python dsv4_lab/beds/hygiene.py --out hygiene.json [--dspark]
 
 --dspark runs the draft too (DSPARK in 0.5.16 returns no logprobs: tokens are compared).
 """

@@ -11,8 +11,9 @@ tvm-ffi cache (`$TVM_FFI_CACHE_DIR`, default `~/.cache/tvm-ffi`) holding the gen
 
 `pack` keeps the text files of every directory whose `.so` exists (with `--unfinished`, also those still building:
 build.ninja written, no `.so` yet), a few KB per module; `build` writes them back where absent (files that exist
-must hold the same text, as tvm-ffi's own `_maybe_write` leaves them) and runs ninja in those directories in parallel, each under the directory's `lock`
-that tvm-ffi takes around its own build (an engine starting meanwhile waits for that module instead of building
+must hold the same text, as tvm-ffi's own `_maybe_write` leaves them) and runs ninja in those directories in
+parallel, each under the directory's `lock` that tvm-ffi takes around its own build (an engine starting meanwhile
+waits for that module instead of building
 it twice). A seed names absolute paths of the host it was packed on (include directories, nvcc, the sources
 `#include`d); a module whose paths are absent here is skipped and named. Lab tooling for the offline GPU host
 (steps.sh `bg` builds `dsv4_lab/beds/jit-seed/*.json.xz` when present; `wait` packs this host's into $OUT).
@@ -36,7 +37,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 FORMAT = "dsv4-sm80 tvm-ffi jit seed 1"
 # the text files tvm-ffi writes into a module's directory (build_inline: main.cpp, cuda.cu; _build_impl: build.ninja)
@@ -52,7 +52,7 @@ def cache_dir(environ=None) -> Path:
     return Path(path)
 
 
-def ninja_default(text: str) -> Optional[str]:
+def ninja_default(text: str) -> str | None:
     """The target of build.ninja's `default` line: the module's `.so` (or `.o`) file name."""
     m = re.findall(r"^default\s+(\S+)\s*$", text, flags=re.M)
     return m[-1] if m else None
@@ -117,14 +117,14 @@ def merge(*seeds: dict) -> dict:
 _CACHE_KEY = "@cache"  # in a merged seed's module: the cache directory it was packed from
 
 
-def origin(seed: dict) -> Optional[Path]:
+def origin(seed: dict) -> Path | None:
     """The one cache directory every module of `seed` was packed from, if they share one."""
     found = {m.get(_CACHE_KEY) for m in seed["modules"].values()} | ({seed["cache"]} if seed.get("cache") else set())
     found.discard(None)
     return Path(found.pop()) if len(found) == 1 else None
 
 
-def moved(files: dict, origin: Optional[str], name: str, cache: Path) -> dict:
+def moved(files: dict, origin: str | None, name: str, cache: Path) -> dict:
     """The module's text files with its directory on the packing host (origin/name) replaced by cache/name."""
     files = {k: v for k, v in files.items() if k != _CACHE_KEY}
     new = str(cache.resolve() / name)
@@ -182,7 +182,7 @@ def _lock(directory: Path):
     return FileLock(str(directory / "lock"))
 
 
-def restore(name: str, files: dict, cache: Path, origin: Optional[str] = None) -> Optional[Result]:
+def restore(name: str, files: dict, cache: Path, origin: str | None = None) -> Result | None:
     """Write a module's files back (those absent); a Result when it cannot or need not be built."""
     d = cache / name
     if built(d):
@@ -233,10 +233,10 @@ def find_ninja() -> str:
 
         return os.path.join(ninja.BIN_DIR, "ninja")
     except ImportError:
-        raise SystemExit("jit_seed: no ninja on PATH nor the `ninja` package: tvm-ffi builds with it too")
+        raise SystemExit("jit_seed: no ninja on PATH nor the `ninja` package: tvm-ffi builds with it too") from None
 
 
-def build(seed: dict, cache: Path, jobs: int, ninja: Optional[str] = None, log=print) -> Report:
+def build(seed: dict, cache: Path, jobs: int, ninja: str | None = None, log=print) -> Report:
     """Restore and build every module of `seed` missing from `cache`, `jobs` ninja processes at a time."""
     t0 = time.monotonic()
     report = Report()
@@ -268,8 +268,10 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack", help="every built module's sources into a seed")
     p.add_argument("--out", type=Path, required=True, help="seed file (.json, or .json.xz compressed)")
-    p.add_argument("--cache", type=Path, default=None, help="tvm-ffi cache (default $TVM_FFI_CACHE_DIR or ~/.cache/tvm-ffi)")
-    p.add_argument("--merge", type=Path, action="append", default=[], help="an earlier seed to keep beside (repeatable)")
+    p.add_argument("--cache", type=Path, default=None,
+                   help="tvm-ffi cache (default $TVM_FFI_CACHE_DIR or ~/.cache/tvm-ffi)")
+    p.add_argument("--merge", type=Path, action="append", default=[],
+                   help="an earlier seed to keep beside (repeatable)")
     p.add_argument("--unfinished", action="store_true",
                    help="also modules still building (build.ninja written, no .so yet): a run cut mid-build")
     b = sub.add_parser("build", help="build a seed's modules missing from the cache, in parallel")

@@ -38,7 +38,8 @@ def lab_server(port: int, args: list, log_path: str, extra_env: dict | None = No
     """Yields (process, seconds to healthy). Raises if it exits or is not healthy within `timeout`.
     native=True: SGLang's own launch_server with the patch off (for A/B; the overlay on the path still
     applies what extra_env switches on, e.g. DSV4_SM80_VISION=1)."""
-    env = dict(os.environ, DSV4_SM80_LAB="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(extra_env or {}))
+    env = dict(os.environ, DSV4_SM80_LAB="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **(extra_env or {}))
     entry = ["sglang.launch_server"] if native else ["dsv4_sm80", "serve"]
     if native:
         env["ENABLE_SGLANG_DSV4_A100_PATCH"] = "0"

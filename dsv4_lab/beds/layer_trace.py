@@ -37,14 +37,15 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-runner-backend", default="marlin")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
     ap.add_argument("--perturb", type=float, default=0.0,
-                    help="the embedding output moved one BF16 ulp in this share of entries (dsv4_lab.perturb): the floor trace")
+                    help="the embedding output moved one BF16 ulp in this share of entries (dsv4_lab.perturb): "
+                         "the floor trace")
     args = ap.parse_args(argv)
 
     from engine_bed import BED_WATCHDOG_S, prompt_ids
 
-    from dsv4_sm80 import env
     from dsv4_lab.perturb import perturb_spec
     from dsv4_lab.trace import trace_spec
+    from dsv4_sm80 import env
     from dsv4_sm80.tiny.generate import ensure, head_scale_for
 
     args.head_scale = head_scale_for(args.preset, args.head_scale)  # peaked outputs at every width

@@ -27,10 +27,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
-    import torch
     import deep_gemm
+    import torch
 
-    from dsv4_sm80.kernels import hc_prenorm, hc_prenorm_ref as ref
+    from dsv4_sm80.kernels import hc_prenorm
+    from dsv4_sm80.kernels import hc_prenorm_ref as ref
 
     assert torch.cuda.get_device_capability()[0] == 9, "DeepGEMM's hc pre-norm GEMM is compared on SM90"
     k, rows, worst = 16384, [], 0.0

@@ -207,9 +207,9 @@ def main(argv=None) -> int:
     if args.dspark:
         serve_args += ["--speculative-algorithm", "DSPARK"]
     if args.native:  # SGLang's own launch_server: the model lab mode's serve would pick, named
-        from dsv4_sm80.cli import _lab_model
+        from dsv4_sm80.tiny.generate import lab_checkpoint
 
-        serve_args += ["--model-path", _lab_model()]
+        serve_args += ["--model-path", lab_checkpoint()]
     memlog = os.path.splitext(os.path.abspath(args.out))[0] + ".memlog.jsonl"
     for old in glob.glob(glob.escape(memlog) + "*"):  # the log, its site requests and answers
         os.remove(old)
@@ -310,7 +310,8 @@ def main(argv=None) -> int:
     stable = memory_stable(first, last) and slope is not None and slope < GROWTH_LIMIT
     report = {"minutes": args.minutes, "dspark": args.dspark, "native": args.native,
               "done": stats["done"], "cancelled": stats["cancelled"],
-              "errors": len(stats["errors"]), "error_samples": stats["errors"][:10], "nonfinite_logprobs": stats["nonfinite"],
+              "errors": len(stats["errors"]), "error_samples": stats["errors"][:10],
+              "nonfinite_logprobs": stats["nonfinite"],
               "tokens_requested": stats["tokens"], "used_tokens_idle": idle, "used_tokens_after_flush": after,
               "server_gpu_mib_first_minute": first, "server_gpu_mib_last_minute": last,
               "growth_mib_per_min_second_half": None if slope is None else round(slope, 1),

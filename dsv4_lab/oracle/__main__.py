@@ -19,7 +19,7 @@ def _load(path: str) -> dict:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise SystemExit(f"oracle: cannot read record {path!r} ({e}); expected an engine_bed.py or "
-                         "`oracle score` JSON record")
+                         "`oracle score` JSON record") from None
 
 
 def _finite(obj):

@@ -159,7 +159,7 @@ def relative_error(ref, other) -> float:
 
 def per_layer_relative_error(ref_layers: dict, other_layers: dict) -> dict:
     """{layer: relative_error} of two {layer: flat values} maps (hidden states of one sequence)."""
-    return {l: relative_error(ref_layers[l], other_layers[l]) for l in ref_layers}
+    return {layer: relative_error(ref_layers[layer], other_layers[layer]) for layer in ref_layers}
 
 
 def near_tie_disagreements(ref: dict, path: dict, margin_nats: float = RULE_MARGIN, tie_gap: float = 1e-3) -> dict:

@@ -42,9 +42,9 @@ def sequence_record(sequence: list[int], logprobs: torch.Tensor, rec: ChoiceReco
         "input_logprobs": [None] + [_r(x) for x in actual.tolist()],
         "top": [[]] + [[[int(i), _r(v)] for i, v in zip(ii, vv)] for ii, vv in zip(idx.tolist(), vals.tolist())],
         "choices": {
-            "experts": {str(l): t.tolist() for l, t in rec.experts.items()},
-            "expert_gap": {str(l): [_nan(x) for x in t.tolist()] for l, t in rec.expert_gap.items()},
-            "indexer_gap": {str(l): [_nan(x) for x in t.tolist()] for l, t in rec.indexer_gap.items()},
+            "experts": {str(n): t.tolist() for n, t in rec.experts.items()},
+            "expert_gap": {str(n): [_nan(x) for x in t.tolist()] for n, t in rec.expert_gap.items()},
+            "indexer_gap": {str(n): [_nan(x) for x in t.tolist()] for n, t in rec.indexer_gap.items()},
         },
     }
     if support is not None:
@@ -80,10 +80,10 @@ def choice_flips(a: ChoiceRecorder, b: ChoiceRecorder) -> dict:
     """Per layer, the share of positions whose routed expert set (and on C4 layers, whose indexer choice)
     differs between two forwards of the same sequence."""
     out = {"experts": {}, "indexer": {}}
-    for l, ea in a.experts.items():
-        out["experts"][str(l)] = _r((ea != b.experts[l]).any(-1).float().mean())
-    for l, ia in a.indexer.items():
-        out["indexer"][str(l)] = _r((ia != b.indexer[l]).any(-1).float().mean())
+    for layer, ea in a.experts.items():
+        out["experts"][str(layer)] = _r((ea != b.experts[layer]).any(-1).float().mean())
+    for layer, ia in a.indexer.items():
+        out["indexer"][str(layer)] = _r((ia != b.indexer[layer]).any(-1).float().mean())
     return out
 
 
@@ -111,10 +111,10 @@ def score(model, sequences: list[list[int]], names=("R_x", "R_q"), top: int = 20
             refs[n]["teacher"][-1]["support_mass"] = _r(support_mass(lp, support))
             if n != first:
                 base = runs[first][1]
-                hidden_err[n].append([_r(rel_error(base.hidden[l], rec.hidden[l])) for l in sorted(base.hidden)])
+                hidden_err[n].append([_r(rel_error(base.hidden[k], rec.hidden[k])) for k in sorted(base.hidden)])
                 flips[n].append(choice_flips(base, rec))
             if tensors_out:
-                saved[(n, s_i)] = {"hidden": {l: h.half() for l, h in rec.hidden.items()},
+                saved[(n, s_i)] = {"hidden": {k: h.half() for k, h in rec.hidden.items()},
                                    "experts": rec.experts, "indexer": rec.indexer}
         log(f"oracle score: sequence {s_i} ({len(seq)} tokens) done")
         del runs

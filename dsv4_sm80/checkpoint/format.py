@@ -303,7 +303,7 @@ def _inventory(c) -> list[TensorSpec]:
 
 def _vision_tensors(c, t, shard):
     """Vision-Exp: ViT, aligner and image-block vectors, all BF16."""
-    Vd, I = int(c["vision_dim"]), int(c["vision_inter_dim"])
+    Vd, Vi = int(c["vision_dim"]), int(c["vision_inter_dim"])
     P, r, H = int(c["vision_patch_size"]), int(c["vision_downsample_ratio"]), int(c["hidden_size"])
 
     def v(name, shape, init="normal"):
@@ -319,8 +319,8 @@ def _vision_tensors(c, t, shard):
         v(f"{p}.attn.wqkv.bias", (3 * Vd,), "zeros")
         v(f"{p}.attn.wo.weight", (Vd, Vd))
         v(f"{p}.attn.wo.bias", (Vd,), "zeros")
-        v(f"{p}.mlp.w1.weight", (2 * I, Vd))
-        v(f"{p}.mlp.w2.weight", (Vd, I))
+        v(f"{p}.mlp.w1.weight", (2 * Vi, Vd))
+        v(f"{p}.mlp.w2.weight", (Vd, Vi))
     v("vision.norm.weight", (Vd,), "ones")
     v("aligner.w1.weight", (H, Vd * r * r))
     v("aligner.w1.bias", (H,), "zeros")

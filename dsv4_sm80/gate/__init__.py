@@ -1,12 +1,14 @@
-"""The fail-fast gate of dsv4-sm80, assembled once: facts collected once (`facts`), pure checks
-(`checks`, `model_checks`, `inventory`), one report (`report`). `doctor`, `serve` (the container
-entrypoint runs them), `compat_check.py` and SGLang's own launch (the `launch.gate` seam,
-`before_launch`) all run `run_gate`.
+"""The fail-fast gate of dsv4-sm80, assembled once: facts collected once (`facts`; a launch_server command line
+read by `argv`), pure checks (`checks`, `model_checks`, `inventory`), one report (`report`). `doctor`, `serve` (the
+container entrypoint runs them), `compat_check.py` and SGLang's own launch (the launch stage,
+`dsv4_sm80/stages/launch.py`) all run `run_gate`; every refusal of the product is one of its findings.
 
 Order: compatibility (SGLang 0.5.16 @ fdebc938, exactly 4 visible GPUs of compute capability 8.0,
 their interconnect, the knobs, the JIT caches and compiler), the config, the patch, then the checkpoint files (index,
-every shard's header, the native inventory) and the tokenizer. Lab overrides (DSV4_SM80_LAB_GPU_COUNT,
-DSV4_SM80_LAB_CC) relax only the GPU checks, are never defaults, and print a banner on every run.
+every shard's header, the native inventory) and the tokenizer; with server arguments, then the speculative draft,
+the unverified modes, the bind rule and the stages' rules on SGLang's arguments (`seams.SERVER_ARGS`). Lab
+overrides (DSV4_SM80_LAB_GPU_COUNT, DSV4_SM80_LAB_CC) relax only the GPU checks, are never defaults, and print a
+banner on every run.
 """
 
 from __future__ import annotations
@@ -16,28 +18,56 @@ import json
 import os
 import sys
 from dataclasses import asdict
-from typing import Optional
 
 from .. import env
-from .checks import (COUNT_MODES, UNVERIFIED_MODES, check_bind, check_env_knobs, check_gpus, check_interconnect,
-                     check_jit_cache, check_jit_compiler, check_modes, check_patch, check_sglang, check_sglang_knobs,
-                     check_speculative, interconnect_launch_args)
-from .facts import Facts, GpuFacts, InterconnectFacts, ModelFacts, PatchFacts, SGLangFacts, collect, collect_gpus, \
-    collect_interconnect, collect_model, collect_sglang
+from ..seams import SERVER_ARGS
+from .checks import (
+    COUNT_MODES,
+    UNVERIFIED_MODES,
+    check_bind,
+    check_env_knobs,
+    check_gpus,
+    check_interconnect,
+    check_jit_cache,
+    check_jit_compiler,
+    check_modes,
+    check_patch,
+    check_server_arg,
+    check_sglang,
+    check_sglang_knobs,
+    check_speculative,
+    interconnect_launch_args,
+    server_arg_settings,
+)
+from .facts import (
+    Facts,
+    GpuFacts,
+    InterconnectFacts,
+    ModelFacts,
+    PatchFacts,
+    SGLangFacts,
+    collect,
+    collect_gpus,
+    collect_interconnect,
+    collect_model,
+    collect_sglang,
+    tokenizer_wanted,
+)
 from .model_checks import check_model_config, check_model_files, check_tokenizer
-from .report import Finding, GateRefused, banner_once, failures, guarded, refusal, report
+from .report import Finding, GateRefused, banner_once, failures, guarded, refusal, report, verdict
 
 __all__ = ["COUNT_MODES", "UNVERIFIED_MODES", "Facts", "Finding", "GateRefused", "GpuFacts", "InterconnectFacts",
-           "ModelFacts", "PatchFacts", "SGLangFacts", "before_launch", "check_bind", "check_interconnect",
+           "ModelFacts", "PatchFacts", "SGLangFacts", "check_bind", "check_interconnect", "check_server_arg",
            "check_jit_cache", "check_jit_compiler", "check_model_files", "check_modes", "check_speculative", "collect",
            "collect_gpus", "collect_interconnect", "collect_model", "collect_sglang", "evaluate", "failures",
-           "interconnect_launch_args", "launch_environ", "refusal", "report", "run", "run_gate",
-           "run_sglang_only"]
+           "interconnect_launch_args", "launch_environ", "launch_settings", "refusal", "report", "run",
+           "run_gate", "run_sglang_only", "tokenizer_wanted", "verdict"]
 
 
 def evaluate(facts: Facts, server_args=None) -> list[Finding]:
-    """Every check, in the gate's order; with `server_args` (SGLang's, at launch) also the server's
-    modes, bind address and speculative draft. A check that raises is its own FAIL line."""
+    """Every check, in the gate's order; with `server_args` (SGLang's at launch, or `argv.server_args` of a command
+    line) also the speculative draft, the server's modes and bind address and the stages' rules on its arguments. A
+    check that raises is its own FAIL line."""
     m = facts.model
     out = (guarded("sglang.installed", check_sglang, facts.sglang)
            + guarded("gpu.count", check_gpus, facts.gpus, facts.lab)
@@ -55,10 +85,17 @@ def evaluate(facts: Facts, server_args=None) -> list[Finding]:
                 + guarded("server.modes", check_modes, server_args)
                 + guarded("server.bind", check_bind, getattr(server_args, "host", None),
                           bool(getattr(server_args, "api_key", None))))
+        for rule in SERVER_ARGS:
+            out += guarded(rule.name, check_server_arg, rule, server_args)
     return out
 
 
-def run_gate(model_path: Optional[str] = None, patch_environ: Optional[dict] = None, tokenizer: bool = True,
+def launch_settings(facts: Facts, server_args) -> dict:
+    """attribute -> value: every server argument the launch sets, the stages' rules and the interconnect's."""
+    return {**server_arg_settings(server_args), **interconnect_launch_args(facts.interconnect)}
+
+
+def run_gate(model_path: str | None = None, patch_environ: dict | None = None, tokenizer: bool = True,
              server_args=None) -> tuple[Facts, list[Finding]]:
     """The facts (of this interpreter, or of a process started with `patch_environ`) and the findings."""
     banner_once()
@@ -66,8 +103,8 @@ def run_gate(model_path: Optional[str] = None, patch_environ: Optional[dict] = N
     return facts, evaluate(facts, server_args)
 
 
-def run(model_path=None, patch_environ=None, as_json=False, stream=None, tokenizer=True) -> int:
-    facts, findings = run_gate(model_path, patch_environ, tokenizer)
+def run(model_path=None, patch_environ=None, as_json=False, stream=None, tokenizer=True, server_args=None) -> int:
+    facts, findings = run_gate(model_path, patch_environ, tokenizer, server_args)
     print(report(facts, findings, as_json), file=stream or sys.stdout, flush=True)
     return 1 if failures(findings) else 0
 
@@ -98,41 +135,22 @@ def overlay_dirs() -> list[str]:
 
 
 def launch_environ(environ=None) -> tuple[dict, list[str]]:
-    """(the environment `serve` launches SGLang in, the knobs it sets there as NAME=value lines)."""
+    """(the environment `serve` launches SGLang in, the knobs it sets there as NAME=value lines). The patch switch
+    is turned on; a value outside its column is left as it is, for the gate to refuse by name."""
     out = dict(os.environ if environ is None else environ)
-    out[env.PATCH.name] = "1"
+    assumed = []
+    try:
+        env.get(env.PATCH, out)
+    except env.EnvError:
+        assumed.append(f"{env.PATCH.name}={out[env.PATCH.name]!r} as set, outside its column")
+    else:
+        out[env.PATCH.name] = "1"
+        assumed.append(f"{env.PATCH.name}=1")
     path = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
     front = [d for d in overlay_dirs() if d not in path]
     out["PYTHONPATH"] = os.pathsep.join(front + path)
-    assumed = [f"{env.PATCH.name}=1"] + ([f"PYTHONPATH starts with {os.pathsep.join(front)}"] if front else [])
+    assumed += [f"PYTHONPATH starts with {os.pathsep.join(front)}"] if front else []
     return out, assumed
-
-
-def tokenizer_wanted(server_args) -> bool:
-    """Whether SGLang will load the checkpoint folder's own tokenizer."""
-    if getattr(server_args, "skip_tokenizer_init", False):
-        return False
-    tok = getattr(server_args, "tokenizer_path", None)
-    return tok is None or os.path.abspath(tok) == os.path.abspath(server_args.model_path)
-
-
-def before_launch(cls, server_args, *args, **kwargs):
-    """The `launch.gate` seam: `Engine._launch_subprocesses` (srt/entrypoints/engine.py:765) is the one path by
-    which `sglang.Engine` and `python -m sglang.launch_server` (so `serve` too) start their schedulers, so a
-    PYTHONPATH-injected SGLang refuses here exactly like `serve` does. Then it sets the server arguments the
-    facts call for (SGLang's custom all-reduce off unless NVLink joins every pair of GPUs), before the scheduler
-    processes receive them."""
-    facts, findings = run_gate(server_args.model_path, tokenizer=tokenizer_wanted(server_args),
-                               server_args=server_args)
-    bad = failures(findings)
-    if bad:
-        raise refusal(f.line() for f in bad)
-    for name, value in interconnect_launch_args(facts.interconnect).items():
-        setattr(server_args, name, value)
-    for f in findings:
-        if f.status == "warn" or (f.check == "server.bind" and "WITHOUT" in f.found):
-            print(f"dsv4-sm80: {f.line()}", file=sys.stderr, flush=True)
-    return None
 
 
 def main(argv=None) -> int:
@@ -148,4 +166,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.sglang_only:
         return run_sglang_only(as_json=args.json)
+    if not args.json:
+        print(f"gate: evaluated for this interpreter's environment ({env.PATCH.name}="
+              f"{os.environ.get(env.PATCH.name, '')!r}); `python -m dsv4_sm80 doctor` evaluates the one `serve` "
+              "launches SGLang in, where serve sets the switch", flush=True)
     return run(args.model_path, as_json=args.json, tokenizer=not args.skip_tokenizer)

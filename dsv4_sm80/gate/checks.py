@@ -1,11 +1,10 @@
 """The gate's compatibility checks: pure functions of the facts (SGLang, GPUs, patch, knobs, JIT
-caches, the server's arguments). The checkpoint's checks are in `model_checks`."""
+caches, the server's arguments and the stages' rules on them). The checkpoint's checks are in `model_checks`."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 from .. import env, jitcache, upstream
+from ..seams import SERVER_ARGS, ServerArg
 from .facts import GpuFacts, InterconnectFacts, ModelFacts, PatchFacts, SGLangFacts
 from .report import Finding, fail, ok, skip, warn
 
@@ -61,7 +60,8 @@ def check_gpus(f: GpuFacts, lab: dict) -> list[Finding]:
     out = []
     if lab_count is not None:
         if not lab_count.isdigit() or int(lab_count) < 1:
-            return [fail("gpu.count", f"{env.LAB_GPU_COUNT.name}={lab_count!r}", "a positive integer", "fix the lab override")]
+            return [fail("gpu.count", f"{env.LAB_GPU_COUNT.name}={lab_count!r}", "a positive integer",
+                         "fix the lab override")]
         want_count = int(lab_count)
     if lab_cc is not None:
         want_cc = lab_cc
@@ -71,7 +71,8 @@ def check_gpus(f: GpuFacts, lab: dict) -> list[Finding]:
     if len(devs) != want_count:
         out.append(fail("gpu.count", f"{len(devs)} visible GPUs{suffix}{desc}",
                          f"exactly {want_count}" + ("" if lab_count else " (4 x A800 80GB, tensor parallel 4)"),
-                         f"{fix_lab}; CUDA_VISIBLE_DEVICES must list exactly four" if not lab_count else "check the lab machine"))
+                         f"{fix_lab}; CUDA_VISIBLE_DEVICES must list exactly four" if not lab_count
+                         else "check the lab machine"))
     else:
         out.append(ok("gpu.count", f"{len(devs)} visible GPUs{desc}"))
     if not devs:
@@ -81,8 +82,10 @@ def check_gpus(f: GpuFacts, lab: dict) -> list[Finding]:
     bad = [d for d in devs if d["cc"] != want_cc]
     if bad:
         out.append(fail("gpu.capability", f"compute capability {', '.join(sorted({d['cc'] for d in bad}))} "
-                         f"on {len(bad)} GPU(s) ({bad[0]['name']})", f"every GPU {want_cc}" + ("" if lab_cc else " (SM80: A800/A100)"),
-                         f"{fix_lab}; SM90+ GPUs should run native SGLang ({env.PATCH.name}=0)" if not lab_cc else "check the lab machine"))
+                         f"on {len(bad)} GPU(s) ({bad[0]['name']})",
+                         f"every GPU {want_cc}" + ("" if lab_cc else " (SM80: A800/A100)"),
+                         f"{fix_lab}; SM90+ GPUs should run native SGLang ({env.PATCH.name}=0)" if not lab_cc
+                         else "check the lab machine"))
     else:
         out.append(ok("gpu.capability", f"all {want_cc}"))
     small = [d for d in devs if d["memory_gib"] < A800_MIN_MEMORY_GIB]
@@ -103,15 +106,15 @@ CUSTOM_AR_RULE = "srt/distributed/device_communicators/custom_all_reduce_utils.p
 # (pymscclpp.py, PyMscclppCommunicator._SUPPORTED_WORLD_SIZES) and falls back to NCCL below; the product runs 4.
 
 
-def custom_all_reduce_allowed(f: Optional[InterconnectFacts]) -> bool:
+def custom_all_reduce_allowed(f: InterconnectFacts | None) -> bool:
     """SGLang's custom all-reduce may run only where NVML shows NVLink between every pair of the visible GPUs:
     over PCIe it can return a wrong sum without any error, NCCL costs only speed. An interconnect NVML cannot
     read counts as PCIe."""
     return f is not None and f.error is None and all(p["nvlink"] for p in f.pairs)
 
 
-def interconnect_launch_args(f: Optional[InterconnectFacts]) -> dict:
-    """The server arguments the launch sets for the interconnect (the `launch.gate` seam applies them)."""
+def interconnect_launch_args(f: InterconnectFacts | None) -> dict:
+    """The server arguments the launch sets for the interconnect (the launch stage applies them)."""
     return {} if custom_all_reduce_allowed(f) else {"disable_custom_all_reduce": True}
 
 
@@ -123,7 +126,7 @@ def _links_text(links: list) -> str:
     return f" (active NVLinks per GPU: {', '.join(map(str, links))})"
 
 
-def check_interconnect(f: Optional[InterconnectFacts]) -> Finding:
+def check_interconnect(f: InterconnectFacts | None) -> Finding:
     """NVLink between all visible GPUs: SGLang's custom all-reduce on; anything else: turned off at launch,
     with the reason and what it costs."""
     name = "gpu.interconnect"
@@ -150,7 +153,7 @@ def check_interconnect(f: Optional[InterconnectFacts]) -> Finding:
                       "it to take a large share of decode time (the intended machine has NVLink between all four)")
 
 
-def check_env_knobs(knobs: Optional[dict]) -> Finding:
+def check_env_knobs(knobs: dict | None) -> Finding:
     """Every dsv4-sm80 knob the launch sees holds one of its documented values (README "Environment")."""
     if knobs is None:
         return skip("env.knobs", "not collected")
@@ -164,7 +167,7 @@ def check_env_knobs(knobs: Optional[dict]) -> Finding:
     return ok("env.knobs", f"{len(knobs)} set, all within their values")
 
 
-def check_jit_cache(dirs: Optional[list]) -> list[Finding]:
+def check_jit_cache(dirs: list | None) -> list[Finding]:
     """Each JIT cache directory writable, with room on its disk: a cold start compiles into them, and a
     disk that fills half-way fails deep inside a compiler."""
     if dirs is None:
@@ -174,7 +177,8 @@ def check_jit_cache(dirs: Optional[list]) -> list[Finding]:
         var = d.label[d.label.find("(") + 1:d.label.find(")")] if "(" in d.label else "its cache variable"
         if not d.writable:
             out.append(fail("jit.cache", f"{d.label} at {d.path}: not writable ({d.error or 'no write access'})",
-                             "a writable cache directory", f"fix its permissions, or set {var} to a writable directory"))
+                             "a writable cache directory",
+                             f"fix its permissions, or set {var} to a writable directory"))
         elif d.free_bytes is not None and d.free_bytes < need:
             out.append(fail("jit.cache", f"{d.label} at {d.path}: {jitcache.gib(d.free_bytes)} free on its disk",
                              f">= {jitcache.gib(need)} free (a cold start compiles kernels into it)",
@@ -195,7 +199,7 @@ def check_jit_cache(dirs: Optional[list]) -> list[Finding]:
 MIN_NVCC_TEXT = ".".join(map(str, jitcache.MIN_NVCC))
 
 
-def check_jit_compiler(n: Optional[jitcache.NvccFacts]) -> Finding:
+def check_jit_compiler(n: jitcache.NvccFacts | None) -> Finding:
     """The nvcc SGLang's JIT builds run (jitcache.nvcc_facts): present and a release TileLang's C++20 builds
     accept; otherwise the first build (the mHC prewarm, while loading) fails half-way into the start."""
     if n is None:
@@ -239,12 +243,12 @@ def check_sglang_knobs(f: PatchFacts) -> Finding:
     return ok("patch.sglang_knobs", ", ".join(f"{d.name}={d.value}" for d in env.IMPORT_TIME_DEFAULTS))
 
 
-def is_loopback(host: Optional[str]) -> bool:
+def is_loopback(host: str | None) -> bool:
     h = (host or "127.0.0.1").strip().strip("[]").lower()
     return h in ("localhost", "::1", "ip6-localhost") or h.startswith("127.")
 
 
-def check_bind(host: Optional[str], has_api_key: bool, environ=None) -> Finding:
+def check_bind(host: str | None, has_api_key: bool, environ=None) -> Finding:
     """A patched server on a non-loopback address needs --api-key, or the logged opt-out
     DSV4_SM80_ALLOW_OPEN_BIND=1. Never sees or prints the key itself, only whether one is set."""
     host = host or "127.0.0.1"
@@ -316,7 +320,7 @@ def check_modes(server_args) -> Finding:
 EAGLE_LIKE = ("EAGLE", "EAGLE3", "NEXTN")
 
 
-def check_speculative(algorithm: Optional[str], m: ModelFacts) -> Finding:
+def check_speculative(algorithm: str | None, m: ModelFacts) -> Finding:
     """`--speculative-algorithm NEXTN/EAGLE` needs a V3-style MTP layer (`mtp.N.e_proj`/`h_proj`, the
     original V4-Flash release). The 0731 and Vision-Exp releases carry a DSPARK draft instead; NextN on
     them builds its projections from nothing and runs on uninitialised weights (accept rate 0, slower
@@ -336,3 +340,21 @@ def check_speculative(algorithm: Optional[str], m: ModelFacts) -> Finding:
                  + (" (it carries a DSPARK draft: the 0731 / Vision-Exp releases)" if dspark else ""),
                  "a V3-style MTP layer for NEXTN/EAGLE (it would run on uninitialised weights: accept rate 0)",
                  "use --speculative-algorithm DSPARK" if dspark else "drop --speculative-algorithm")
+
+
+def check_server_arg(rule: ServerArg, server_args) -> Finding:
+    """One stage's rule on a server argument (seams.SERVER_ARGS): a value the launch replaces, one it keeps, or a
+    refusal naming the flag."""
+    value = rule.value(server_args)
+    if value in rule.sets:
+        return ok(rule.name, f"{rule.flag} {value}, set to {rule.sets[value]} at launch")
+    if value in rule.runs:
+        return ok(rule.name, f"{rule.flag} {value}")
+    then = f" (the launch then sets {rule.sets[rule.default]})" if rule.default in rule.sets else ""
+    return fail(rule.name, f"{rule.flag} {value}", f"{' or '.join([*rule.sets, *rule.runs])}: {rule.why}",
+                f"drop {rule.flag}{then}")
+
+
+def server_arg_settings(server_args) -> dict:
+    """attribute -> value for every SERVER_ARGS rule whose value the launch replaces."""
+    return {r.attr: r.sets[v] for r in SERVER_ARGS if (v := r.value(server_args)) in r.sets}

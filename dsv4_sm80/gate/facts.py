@@ -13,7 +13,7 @@ import struct
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from .. import env, jitcache, upstream
 
@@ -27,19 +27,19 @@ MAX_HEADER = 100 << 20  # the safetensors library's own limit on the header leng
 
 @dataclass
 class SGLangFacts:
-    location: Optional[str] = None
-    version: Optional[str] = None
-    sglang_root: Optional[str] = None  # SGLANG_ROOT when it is a git tree
+    location: str | None = None
+    version: str | None = None
+    sglang_root: str | None = None  # SGLANG_ROOT when it is a git tree
     under_root: bool = False  # the imported package lives in SGLANG_ROOT/python
-    git_commit: Optional[str] = None
-    git_dirty: Optional[list] = None  # modified tracked files under python/ (None: git unavailable)
+    git_commit: str | None = None
+    git_dirty: list | None = None  # modified tracked files under python/ (None: git unavailable)
     fingerprint_mismatch: dict = field(default_factory=dict)
 
 
 @dataclass
 class GpuFacts:
     devices: list = field(default_factory=list)  # [{"index", "name", "cc", "memory_gib"}]
-    error: Optional[str] = None
+    error: str | None = None
 
 
 @dataclass
@@ -49,17 +49,17 @@ class InterconnectFacts:
     gpus: int = 0
     pairs: list = field(default_factory=list)  # [{"a", "b", "nvlink"}] over visible GPU indices, a < b
     links: list = field(default_factory=list)  # active NVLinks per visible GPU
-    error: Optional[str] = None  # NVML could not answer: the interconnect is unknown
+    error: str | None = None  # NVML could not answer: the interconnect is unknown
 
 
 @dataclass
 class PatchFacts:
     where: str = "this interpreter"
     env_value: str = ""
-    sitecustomize: Optional[str] = None
+    sitecustomize: str | None = None
     ours: bool = False
     hook_installed: bool = False
-    error: Optional[str] = None
+    error: str | None = None
     knobs: dict = field(default_factory=dict)  # the import-time SGLang knobs, as that process sees them
 
 
@@ -76,7 +76,7 @@ class FileFact:
 class JsonFact:
     file: FileFact
     value: Any = None
-    error: Optional[str] = None  # the file is there but is not JSON
+    error: str | None = None  # the file is there but is not JSON
 
 
 @dataclass
@@ -85,30 +85,30 @@ class HeaderFact:
     (duplicates kept), or None with `error` saying why the header is no JSON object."""
     file: FileFact
     header_len: int = 0
-    entries: Optional[list] = None
-    error: Optional[str] = None
+    entries: list | None = None
+    error: str | None = None
 
 
 @dataclass
 class ModelFacts:
-    path: Optional[str] = None
+    path: str | None = None
     is_dir: bool = False
     path_kind: str = ""  # what stands at path when it is no directory
-    config: Optional[JsonFact] = None
-    index: Optional[JsonFact] = None
+    config: JsonFact | None = None
+    index: JsonFact | None = None
     shards: dict = field(default_factory=dict)  # index file name -> HeaderFact (names that stay in the folder)
     tokenizer: dict = field(default_factory=dict)  # file name -> JsonFact
-    tokenizer_load_error: Optional[str] = None  # the tokenizers library's own parse of tokenizer.json
+    tokenizer_load_error: str | None = None  # the tokenizers library's own parse of tokenizer.json
     tokenizer_wanted: bool = True  # False: the server runs with --skip-tokenizer-init or another tokenizer
-    error: Optional[str] = None  # the collector itself failed (reported as a FAIL line, never raised)
+    error: str | None = None  # the collector itself failed (reported as a FAIL line, never raised)
 
     @property
-    def config_dict(self) -> Optional[dict]:
+    def config_dict(self) -> dict | None:
         v = self.config.value if self.config else None
         return v if isinstance(v, dict) else None
 
     @property
-    def weight_map(self) -> Optional[dict]:
+    def weight_map(self) -> dict | None:
         v = self.index.value if self.index else None
         wm = v.get("weight_map") if isinstance(v, dict) else None
         return wm if isinstance(wm, dict) else None
@@ -121,10 +121,10 @@ class Facts:
     patch: PatchFacts
     model: ModelFacts
     lab: dict = field(default_factory=dict)
-    jit: Optional[list] = None  # [jitcache.CacheDirFacts]; None: not collected
-    knobs: Optional[dict] = None  # dsv4-sm80's own env knobs as the launch sees them; None: not collected
-    nvcc: Optional[jitcache.NvccFacts] = None  # None: not collected
-    interconnect: Optional[InterconnectFacts] = None  # None: not collected
+    jit: list | None = None  # [jitcache.CacheDirFacts]; None: not collected
+    knobs: dict | None = None  # dsv4-sm80's own env knobs as the launch sees them; None: not collected
+    nvcc: jitcache.NvccFacts | None = None  # None: not collected
+    interconnect: InterconnectFacts | None = None  # None: not collected
 
 
 # --- SGLang, GPUs, patch --------------------------------------------------------------------------
@@ -385,7 +385,7 @@ def read_header(folder: str, name: str) -> HeaderFact:
     return h
 
 
-def index_name_problem(name) -> Optional[str]:
+def index_name_problem(name) -> str | None:
     """SGLang keeps the `*.safetensors` files of the model folder that the index names
     (weight_utils.filter_duplicate_safetensors_files): anything else in the index is never loaded."""
     if not isinstance(name, str):
@@ -397,7 +397,16 @@ def index_name_problem(name) -> Optional[str]:
     return None
 
 
-def collect_model(path: Optional[str], tokenizer: bool = True) -> ModelFacts:
+def tokenizer_wanted(server_args) -> bool:
+    """Whether SGLang will load the checkpoint folder's own tokenizer."""
+    if getattr(server_args, "skip_tokenizer_init", False):
+        return False
+    tok = getattr(server_args, "tokenizer_path", None)
+    model = getattr(server_args, "model_path", None)
+    return tok is None or model is None or os.path.abspath(tok) == os.path.abspath(model)
+
+
+def collect_model(path: str | None, tokenizer: bool = True) -> ModelFacts:
     f = ModelFacts(path=path, tokenizer_wanted=tokenizer)
     try:
         _collect_model(f)
@@ -427,7 +436,7 @@ def _collect_model(f: ModelFacts) -> None:
             f.tokenizer_load_error = _tokenizers_parse(os.path.join(path, "tokenizer.json"))
 
 
-def _tokenizers_parse(path: str) -> Optional[str]:
+def _tokenizers_parse(path: str) -> str | None:
     """The tokenizers library's own reading of tokenizer.json (what the server's tokenizer load runs)."""
     try:
         from tokenizers import Tokenizer
@@ -442,7 +451,7 @@ def _tokenizers_parse(path: str) -> Optional[str]:
     return None
 
 
-def collect(model_path: Optional[str] = None, patch_environ: Optional[dict] = None, tokenizer: bool = True) -> Facts:
+def collect(model_path: str | None = None, patch_environ: dict | None = None, tokenizer: bool = True) -> Facts:
     environ = patch_environ if patch_environ is not None else os.environ
     gpus = collect_gpus()
     return Facts(

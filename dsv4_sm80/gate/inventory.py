@@ -41,7 +41,8 @@ def compare_inventory(specs, actual: dict, vision: bool) -> list[Finding]:
             bits.append(f"{len(core_missing)} keys missing (e.g. {core_missing[0].name})")
         hf = any(n.startswith("model.layers.") or n.endswith("weight_scale_inv") for n in other_extra)
         out.append(fail("model.keys", "; ".join(bits) + (" - HF-style names: a converted checkpoint" if hf else ""),
-                         f"the {len(specs)} native keys the config implies (embed.weight, layers.N.attn.wq_a.weight, ...)",
+                         f"the {len(specs)} native keys the config implies (embed.weight, "
+                         "layers.N.attn.wq_a.weight, ...)",
                          f"use {OFFICIAL}; never a converted one"))
     else:
         out.append(ok("model.keys", f"{len(specs)} native keys"))
@@ -70,7 +71,8 @@ def compare_inventory(specs, actual: dict, vision: bool) -> list[Finding]:
                           f"use {OFFICIAL}; the text-only converter drops or corrupts vision tensors",
                           f"{count(fmt.VISION)} vision-side tensors"))
     elif vision_extra:
-        out.append(fail("model.vision", f"{len(vision_extra)} vision tensors (e.g. {vision_extra[0]}) but no vision_* fields in config.json",
+        out.append(fail("model.vision", f"{len(vision_extra)} vision tensors (e.g. {vision_extra[0]}) but no "
+                         "vision_* fields in config.json",
                          "vision_* config fields with vision tensors (Vision-Exp) or neither (Flash)",
                          f"the config was altered; use {OFFICIAL}"))
     else:
@@ -80,7 +82,8 @@ def compare_inventory(specs, actual: dict, vision: bool) -> list[Finding]:
     p_wrong = [(s, g) for s, g in wrong if s.family == fmt.PLAIN]
     if p_wrong:
         s, g = p_wrong[0]
-        out.append(fail("model.tensors", f"{len(p_wrong)} tensors with another dtype/shape (e.g. {s.name} {g[0]} {list(g[1])})",
+        out.append(fail("model.tensors", f"{len(p_wrong)} tensors with another dtype/shape "
+                         f"(e.g. {s.name} {g[0]} {list(g[1])})",
                          f"as shipped (e.g. {s.name} {s.dtype} {list(s.shape)})", f"use {OFFICIAL}"))
     else:
         out.append(ok("model.tensors", "BF16 / F32 / I64 tensors as shipped"))

@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
 
 from ..checkpoint import format as fmt
-from .facts import CONFIG, INDEX, OPTIONAL_TOKENIZER_FILES, TOKENIZER_FILES, FileFact, HeaderFact, JsonFact, \
-    ModelFacts, index_name_problem
+from .facts import (
+    CONFIG,
+    INDEX,
+    OPTIONAL_TOKENIZER_FILES,
+    TOKENIZER_FILES,
+    FileFact,
+    HeaderFact,
+    JsonFact,
+    ModelFacts,
+    index_name_problem,
+)
 from .inventory import compare_inventory
 from .report import OFFICIAL, fail, ok, skip
 
@@ -45,7 +53,7 @@ POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_r
 
 # --- files ------------------------------------------------------------------------------------------
 
-def file_problem(f: FileFact, folder: str) -> Optional[tuple[str, str]]:
+def file_problem(f: FileFact, folder: str) -> tuple[str, str] | None:
     """(what stands there, the fix for that cause), or None for a readable regular file."""
     path = os.path.join(folder, f.name)
     if f.kind == "file":
@@ -62,7 +70,7 @@ def file_problem(f: FileFact, folder: str) -> Optional[tuple[str, str]]:
     return f"unreadable ({f.detail})", f"the disk reported an error reading {path}: check the filesystem, copy it again"
 
 
-def json_problem(j: JsonFact, folder: str, restore: str) -> Optional[tuple[str, str]]:
+def json_problem(j: JsonFact, folder: str, restore: str) -> tuple[str, str] | None:
     bad = file_problem(j.file, folder)
     if bad:
         return f"{j.file.name}: {bad[0]}", bad[1]
@@ -82,7 +90,7 @@ def _type_name(v) -> str:
 
 # --- config.json ------------------------------------------------------------------------------------
 
-def type_problem(key: str, want, got) -> Optional[str]:
+def type_problem(key: str, want, got) -> str | None:
     """The first place where `got` does not have the release value `want`'s JSON type."""
     if isinstance(want, bool):
         good = isinstance(got, bool)
@@ -203,7 +211,7 @@ def config_usable(m: ModelFacts) -> bool:
 
 # --- safetensors headers ----------------------------------------------------------------------------
 
-def header_problem(h: HeaderFact) -> Optional[tuple[str, str]]:
+def header_problem(h: HeaderFact) -> tuple[str, str] | None:
     """(problem, cause) for the first violation of the safetensors format, cause 'truncated' or 'corrupt'."""
     if h.error or h.entries is None:
         return h.error or "no header", "corrupt"

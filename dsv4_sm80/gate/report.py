@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 
 from .. import env
 
-OFFICIAL = "the official, unconverted checkpoint (deepseek-ai/DeepSeek-V4-Flash-0731 or DeepSeek-V4-Flash-Vision-Exp)"
+RELEASES = ("deepseek-ai/DeepSeek-V4-Flash-0731", "deepseek-ai/DeepSeek-V4-Flash-Vision-Exp")  # README names the same
+OFFICIAL = f"the official, unconverted checkpoint ({' or '.join(RELEASES)})"
 
 
 @dataclass
@@ -61,16 +62,26 @@ class GateRefused(RuntimeError):
     """The gate failed; the message holds one line per failed check."""
 
 
-def refusal(lines) -> GateRefused:
-    """The refusal every launch-time check raises: its lines on stderr, then GateRefused, before any
-    scheduler process starts (the gate here; the MoE and attention launch checks too)."""
-    text = "dsv4-sm80 gate refused to launch SGLang:\n" + "\n".join(lines)
+def refusal(findings) -> GateRefused:
+    """The launch stage's refusal: the failed checks' lines and the verdict on stderr, then GateRefused, before any
+    scheduler process starts."""
+    bad = failures(findings)
+    text = "dsv4-sm80 gate refused to launch SGLang:\n" + "\n".join([*(f.line() for f in bad), verdict(findings)])
     print(text, file=sys.stderr, flush=True)
     return GateRefused(text)
 
 
 def failures(findings) -> list:
     return [f for f in findings if f.status == "fail"]
+
+
+def verdict(findings) -> str:
+    """The report's last line: passed, or refused naming every check that failed."""
+    bad = failures(findings)
+    if not bad:
+        return "gate: passed"
+    names = ", ".join(dict.fromkeys(f.check for f in bad))
+    return f"gate: REFUSED, {len(bad)} failed ({names})"
 
 
 def report(facts, findings, as_json=False) -> str:
@@ -90,10 +101,7 @@ def report(facts, findings, as_json=False) -> str:
                 "nvcc": asdict(facts.nvcc) if facts.nvcc is not None else None,
             },
         }, indent=2, default=str)
-    lines = [f.line() for f in findings]
-    bad = failures(findings)
-    lines.append(f"gate: {'REFUSED, ' + str(len(bad)) + ' check(s) failed' if bad else 'passed'}")
-    return "\n".join(lines)
+    return "\n".join([*(f.line() for f in findings), verdict(findings)])
 
 
 def banner_once(stream=None):

@@ -9,9 +9,9 @@ DeepSeek-V4 was trained with two quantization simulations that its inference cod
   2^-126) / 6)), x / s clamped to +-6 and rounded to e2m1 (ties to even). 2 * e2m1 is an integer of at most
   12 in magnitude: an INT8 code, with the scale kept as its exponent.
 
-Every step is exact fp32 arithmetic on bit patterns and powers of two built from bits (no division, no libdevice rounding function), so
-the kernels, the interpreter and the reference agree bit for bit. The scale is computed as the model's
-kernel computes it: the fp32 product amax * fl(1/max), then ceil(log2) from its bits.
+Every step is exact fp32 arithmetic on bit patterns and powers of two built from bits (no division, no libdevice
+rounding function), so the kernels, the interpreter and the reference agree bit for bit. The scale is computed as
+the model's kernel computes it: the fp32 product amax * fl(1/max), then ceil(log2) from its bits.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from .kv_store_ref import IDX_DIM, PAGE, hadamard128, rope_pairs
 NOPE = 448
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def e4m3_grid() -> torch.Tensor:
     """The non-negative finite e4m3fn values in code order (code = index)."""
     vals = [m * 2.0 ** -9 for m in range(8)]
@@ -32,7 +32,7 @@ def e4m3_grid() -> torch.Tensor:
     return torch.tensor(vals, dtype=torch.float64)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def e2m1_grid() -> torch.Tensor:
     return torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 

@@ -22,7 +22,7 @@ def rope_table(freqs_cis: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(freqs_cis) if freqs_cis.is_complex() else freqs_cis
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

@@ -21,8 +21,6 @@ on values: capture-safe.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -31,9 +29,9 @@ BLOCK_K = 64
 
 
 def default_config(m: int) -> dict:
-    """Tiles by row count: 16-row blocks up to 16 rows (decode), else 64. On the H200 (2026-12-01, bench/mhc.py): 1.1x DeepGEMM's
-    time at 1-16 rows, 1.8x at 64-256, 3.2-4.5x at 1024-8192 (32 % of copy bandwidth); bench/mhc.py --variants
-    times the alternatives below. Tiles change no result beyond fp32 summation order."""
+    """Tiles by row count: 16-row blocks up to 16 rows (decode), else 64: the fastest of the tiles bench/mhc.py
+    --variants times (its figures against DeepGEMM's: docs/results/README.md). Tiles change no result beyond fp32
+    summation order."""
     return {"block_m": 16 if m <= 16 else 64, "block_k": BLOCK_K, "num_warps": 4, "num_stages": 3}
 
 
@@ -78,7 +76,7 @@ def _check(cond: bool, what: str, found, expected):
 
 
 def hc_prenorm(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, sqrsum: torch.Tensor,
-               num_splits: Optional[int] = None, config: Optional[dict] = None) -> None:
+               num_splits: int | None = None, config: dict | None = None) -> None:
     """Fill d and sqrsum in place (shapes in the module docstring); config overrides default_config's tiles
     (block_m, block_k: powers of two >= 16; num_warps, num_stages) and may set inner_splits (default 1): each of
     the caller's splits cut into that many K shares more, as programs of their own, into a scratch buffer whose
@@ -118,7 +116,8 @@ def hc_prenorm(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, sqrsum: torch.
     launch = dict(BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_K=block_k,
                   num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     _hc_prenorm_kernel[(triton.cdiv(m, block_m), splits * inner)](
-        a, b, dd, ss, m, n, k, share * block_k, k_share, inner, a.stride(0), b.stride(0), **launch)
+        a_ptr=a, b_ptr=b, d_ptr=dd, s_ptr=ss, M=m, N=n, K=k, outer_share=share * block_k, inner_share=k_share,
+        INNER=inner, stride_am=a.stride(0), stride_bn=b.stride(0), **launch)
     if inner == 1:
         return
     torch.sum(dd.view(splits, inner, m, n), dim=1, out=d.view(splits, m, n))

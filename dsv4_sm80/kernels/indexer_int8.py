@@ -47,7 +47,7 @@ PAGE_BYTES = PAGE * ENTRY
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hadamard_halves(device: str):
     """H128 (entries +-1, exact in BF16) split by the input's even and odd dims, transposed: [64, 128] BF16
     each; the kernels apply the 1/sqrt(128) in fp32 after the product."""
@@ -166,8 +166,9 @@ def q_rope_hadamard_int8(q: torch.Tensor, weight: torch.Tensor, weight_scale: fl
         # memory (455 LDL / 353 STL in its SASS, Triton 3.6); at 32 none (tests/kernels/test_indexer_kv_store.py)
         block_h = 32 if heads >= 32 else 16
         _q_rope_hadamard_int8_kernel[(t_total, triton.cdiv(heads, block_h))](
-            q, q.stride(0), q.stride(1), weight, weight.stride(0), freqs, positions, he, ho, q_out, w_out, heads,
-            float(weight_scale), BLOCK_H=block_h, DOT_F32=_INTERPRETED, FP4_SIM=bool(fp4_sim))
+            q_ptr=q, stride_qt=q.stride(0), stride_qh=q.stride(1), w_ptr=weight, stride_wt=weight.stride(0),
+            freqs_ptr=freqs, pos_ptr=positions, he_ptr=he, ho_ptr=ho, qo_ptr=q_out, wo_ptr=w_out, heads=heads,
+            weight_scale=float(weight_scale), BLOCK_H=block_h, DOT_F32=_INTERPRETED, FP4_SIM=bool(fp4_sim))
     return q_out, w_out
 
 
@@ -329,12 +330,14 @@ def paged_mqa_logits_int8(q_int8: torch.Tensor, kv_cache: torch.Tensor, weights:
         splits = splits or logits_splits(t_total, max_seq_len, str(q.device))
         if fp4_sim:
             _logits_fp4_sim_kernel[(t_total, splits)](
-                q, raw.view(torch.int8), weights.reshape(t_total, heads).float(), seq_lens.reshape(-1), page_table,
-                page_table.stride(0), out, out.stride(0), max_seq_len, splits, HEADS=heads)
+                q_ptr=q, kv_ptr=raw.view(torch.int8), w_ptr=weights.reshape(t_total, heads).float(),
+                lens_ptr=seq_lens.reshape(-1), pt_ptr=page_table, stride_pt=page_table.stride(0), out_ptr=out,
+                stride_out=out.stride(0), max_len=max_seq_len, splits=splits, HEADS=heads)
             return out
         _logits_int8_kernel[(t_total, splits)](
-            q, raw.view(torch.int8), raw.view(torch.float32), weights.reshape(t_total, heads).float(),
-            seq_lens.reshape(-1), page_table, page_table.stride(0), out, out.stride(0), max_seq_len, splits,
+            q_ptr=q, kv_ptr=raw.view(torch.int8), kv_f32_ptr=raw.view(torch.float32),
+            w_ptr=weights.reshape(t_total, heads).float(), lens_ptr=seq_lens.reshape(-1), pt_ptr=page_table,
+            stride_pt=page_table.stride(0), out_ptr=out, stride_out=out.stride(0), max_len=max_seq_len, splits=splits,
             HEADS=heads, PREFETCH=bool(prefetch))
     return out
 
@@ -396,6 +399,6 @@ def compress_store_index_k_int8(kv: torch.Tensor, plan_rows: torch.Tensor, is_de
     he, ho = _hadamard_halves(str(kv.device))
     block_r = 16
     _compress_store_index_k_kernel[(triton.cdiv(n, block_r),)](
-        kv, plan, n, out_loc, norm_weight.float(), float(eps), freqs, he, ho, raw.view(torch.int8),
-        raw.view(torch.float32), IS_DECODE=bool(is_decode), RATIO=ratio, BLOCK_R=block_r, DOT_F32=_INTERPRETED,
-        FP4_SIM=bool(fp4_sim))
+        kv_ptr=kv, plan_ptr=plan, n_rows=n, out_loc_ptr=out_loc, w_ptr=norm_weight.float(), eps=float(eps),
+        freqs_ptr=freqs, he_ptr=he, ho_ptr=ho, cache_ptr=raw.view(torch.int8), cache_f32_ptr=raw.view(torch.float32),
+        IS_DECODE=bool(is_decode), RATIO=ratio, BLOCK_R=block_r, DOT_F32=_INTERPRETED, FP4_SIM=bool(fp4_sim))

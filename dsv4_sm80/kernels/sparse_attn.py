@@ -102,10 +102,8 @@ def _stream_joint(q, m, l, acc, swa_ptr, swa_ids_ptr, n_swa, ext_ptr, ext_ids_pt
 @triton.jit
 def _stream_list(q, m, l, acc, cache_ptr, ids_ptr, n, split, scale,
                  SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
-    """Fold this split's share of one index list into the running (m, l, acc). (A variant that issued the next
-    step's index load and row gather before this step's math was no faster at batch 1-8 and 50-80 % slower at
-    batch 64 on the H200 (2026-12-01): its second [BLOCK_N, 512] step in registers beside the fp32 accumulator
-    spilled, 653 LDL/STL in the sm_80 SASS.)"""
+    """Fold this split's share of one index list into the running (m, l, acc). One step in flight: a second
+    [BLOCK_N, 512] step held in registers beside the fp32 accumulator spills on sm_80 (docs/results/README.md)."""
     chunk = (n + SPLITS - 1) // SPLITS
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n)
@@ -244,11 +242,8 @@ def default_splits(rows: int, heads: int, width: int, device, waves: int = 2, mi
     """Split-K count from static shapes only (capture-safe): as many programs as fit in `waves` waves of one
     per SM (rounded down: a partly filled extra wave costs a whole one) when few queries carry long lists
     (decode), one split when queries are plenty (prefill); each split keeps at least `min_keys` list entries
-    (two BLOCK_N steps), at most `max_splits`. From the H200 benches (`bench/attention.py --variants`,
-    docs/attention.md): a 2026-11-30 run timed half and double the counts of 4 waves / 32 keys / 64 splits and took
-    these limits; a 2026-12-01 run timed 3, 4, 6 and 8 splits at batch 64 (BF16 partials): 4 (256 programs on 132
-    SMs) took 24.5 us against 27.9 for 5 (the earlier rounding up: 320 programs) at 640 entries, 113.6 against
-    107.5 at 4224. To re-tune on an A800 (108 SMs)."""
+    (two BLOCK_N steps), at most `max_splits`. The limits are the fastest of the counts `bench/attention.py
+    --variants` timed around them (docs/results/README.md); an A800's 108 SMs may move them."""
     sms = sm_count(device)
     if sms is None:
         return 1
@@ -272,18 +267,13 @@ def _split_choices(splits: int, width: int) -> dict:
 def decode_plan(rows: int, heads: int, width: int, device) -> dict:
     """`sparse_attn`'s choices for splits=None, from static shapes only: `default_splits`, twice the splits (a
     program a 32-entry step) while they still fit in one wave of one program per SM (few query tokens: batch 1-8
-    decode), and from SMALL_BATCH_SPLITS splits on the lists read as one (joint) with the tiled combine. The
-    H200 bench of 2026-12-02 at TP4 shapes (16 heads, 640 entries): batch 1 13.4-13.7 us -> 9.1-9.4 with joint, tiles and 20
-    splits (11.5-11.8 with the lists apart); batch 8 14.5-14.7 -> 11.4-11.7 (10 splits; 20: 12.0-12.3); C128 at
-    512K (4224 entries, 32 splits), batch 1 and 8: the tiled combine 23.8 -> 17.4 and 29.8 -> 24.5 us with the
-    lists apart, 18.7 and 25.4 joint, so joint only where a split's share is at most JOINT_MAX_SHARE entries. At
-    2-4 splits (batch 64) the loop combine stayed faster (24.4 against 29.6 us), and joint lost at 4224 entries
-    (123.0 against 111.8).
-    Short lists (below 8 splits by `default_splits`' 64 entries a split) double their splits by the same one-wave
-    test, then take joint and the tiled combine by the same rule where they reach 8: the H200 bench of 2026-12-02 (TP4
-    shapes, C128 layers at 4K / 16K / 32K context) at batch 1 / 8: 160 entries 11.5 / 12.2 us at 2 splits -> 10.0 /
-    11.0 at 4; 256 entries 10.0 / 10.6 at 4 -> 9.4 / 9.9 at 8 (joint, tiles); 384 entries 12.3 / 13.1 at 6 -> 9.8 /
-    10.3 at 12 (joint, tiles). The SWA-only layers' 128 entries (2 -> 4 splits) follow the rule untimed."""
+    decode), and from SMALL_BATCH_SPLITS splits on the lists read as one (joint) with the tiled combine; joint only
+    where a split's share is at most JOINT_MAX_SHARE entries (at long lists the lists apart were faster), the loop
+    combine below SMALL_BATCH_SPLITS (faster at the 2-4 splits of large batches). Short lists (below 8 splits by
+    `default_splits`' 64 entries a split) double their splits by the same one-wave test, then take joint and the
+    tiled combine by the same rule where they reach 8. Each rule is the faster side of a timed pair
+    (`bench/attention.py`, docs/results/README.md); the SWA-only layers' 128 entries (2 -> 4 splits) follow the rule
+    untimed."""
     splits = default_splits(rows, heads, width, device)
     wide = min(2 * splits, max(width // 32, 1), 32)
     if wide > splits and rows * triton.cdiv(heads, BLOCK_H) * wide <= (sm_count(device) or 1):
@@ -303,9 +293,8 @@ def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=Non
     partial normalised (acc / l: a weighted mean of value rows, rounded once to BF16, so off by at most 2^-9 of
     the largest value row, which exceeds the output's own rounding where splits cancel) and halves the workspace
     traffic, which at batch 64 and 640 keys per query is half as many bytes again as the keys themselves in fp32
-    with 4 splits of [16, 512] partials; float32 keeps each split's unnormalised sum. The H200 bench of 2026-12-01: BF16
-    partials as fast or faster on 7 of the 9 decode shapes (batch 64, 640 entries: 24.5 against 27.6 us at 4
-    splits), 0.2-1.3 us slower at 4224 entries and batch 1-8 (32 splits).
+    with 4 splits of [16, 512] partials; float32 keeps each split's unnormalised sum (BF16 partials time as fast or
+    faster at most decode shapes: docs/results/README.md).
     joint (with an extra list): a split owns a contiguous range of the SWA and extra lists read as one, not a share
     of each (`_stream_joint`). combine "tiles": the split-K combine loads every split's partial at once
     (`_combine_tiles_kernel`), "loop": one split after another (`_combine_kernel`). None (default): both from the
@@ -339,15 +328,14 @@ def sparse_attn(q, swa_cache, swa_ids, swa_lens, extra_cache=None, extra_ids=Non
     sink_arg = sink if sink is not None else q
     grid = (t_total, triton.cdiv(heads, BLOCK_H), splits)
     _sparse_attn_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        swa_cache, swa_ids, swa_ids.stride(0), swa_lens, swa_ids.shape[1],
-        extra_cache, extra_ids, extra_ids.stride(0), extra_lens, extra_ids.shape[1],
-        sink_arg, out, out.stride(0), out.stride(1), ws_acc, ws_ml,
-        heads, float(scale),
-        HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLITS=splits, D=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_N=block_n,
-        DOT_F32=_INTERPRETED, NORM_PARTIAL=norm_partial and splits > 1, JOINT=joint and has_extra,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+        q_ptr=q, stride_qt=q.stride(0), stride_qh=q.stride(1), swa_ptr=swa_cache, swa_ids_ptr=swa_ids,
+        stride_swa_ids=swa_ids.stride(0), swa_lens_ptr=swa_lens, swa_width=swa_ids.shape[1], ext_ptr=extra_cache,
+        ext_ids_ptr=extra_ids, stride_ext_ids=extra_ids.stride(0), ext_lens_ptr=extra_lens,
+        ext_width=extra_ids.shape[1], sink_ptr=sink_arg, o_ptr=out, stride_ot=out.stride(0), stride_oh=out.stride(1),
+        ws_acc_ptr=ws_acc, ws_ml_ptr=ws_ml, heads=heads, scale=float(scale), HAS_EXTRA=has_extra,
+        HAS_SINK=sink is not None, SPLITS=splits, D=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_N=block_n, DOT_F32=_INTERPRETED,
+        NORM_PARTIAL=norm_partial and splits > 1, JOINT=joint and has_extra, num_warps=num_warps,
+        num_stages=num_stages)
     if splits > 1 and combine == "tiles":
         splits_p2 = triton.next_power_of_2(splits)
         block_d = max(16, min(128, 512 // splits_p2))  # SPLITS_P2 x 16 heads x block_d = 8192 values a program

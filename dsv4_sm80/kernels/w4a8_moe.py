@@ -23,8 +23,15 @@ from typing import NamedTuple
 
 import torch
 
-from .w4a8_moe_expand import EXPAND_TOKENS, Expand, expand_experts, expand_moe, expand_share  # noqa: F401
-from .w4a8_moe_expand import _expand_kernel, _w8_moe_kernel  # noqa: F401  (bench/sass_census.py compiles them)
+from .w4a8_moe_expand import (  # noqa: F401  # noqa: F401  (bench/sass_census.py compiles them)
+    EXPAND_TOKENS,
+    Expand,
+    _expand_kernel,
+    _w8_moe_kernel,
+    expand_experts,
+    expand_moe,
+    expand_share,
+)
 from .w4a8_moe_gemv import Gemv, _w4a8_gemv_kernel, gemv_moe  # noqa: F401
 from .w4a8_moe_io import quantize_rows_int8, sum_pairs
 from .w4a8_moe_layout import CHUNK, INTERPRETED, decode_asm, repack_mxfp4_for_w4a8, shift_refs  # noqa: F401

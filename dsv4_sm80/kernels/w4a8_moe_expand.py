@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .w4a8_moe_layout import (CHUNK, TILE_COLS, _col_base, _DECODE_SHIFT_ASM_C, _e2m1x2, _e8m0,
-                              _scale_bytes)
+from .w4a8_moe_layout import _DECODE_SHIFT_ASM_C, CHUNK, TILE_COLS, _col_base, _e2m1x2, _e8m0, _scale_bytes
 from .w4a8_moe_mma import Mma, _moe_epilogue
 
 EXPAND_TOKENS = 8192  # the table's expanded row: above this many tokens a forward (at top-6, 49,152 pairs)
@@ -111,8 +110,10 @@ def expand_experts(w, scale, eref, w8, ok, e0: int, n_e: int, decode_asm: bool) 
     """`_expand_kernel` for experts e0 .. e0 + n_e - 1 of one weight (uint8 views of the kernel layout's bytes [E, N,
     K/2], its E8M0 scale bytes [E, N, K/32] and shift map [E, N]) into w8 [>= n_e, N, K] int8 and ok [>= n_e, N]."""
     _expand_kernel[(w8.shape[1] // TILE_COLS, n_e)](
-        w, scale, eref, w8, ok, w8.shape[2], e0, w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
-        eref.stride(0), w8.stride(0), w8.stride(1), ok.stride(0), BLOCK_N=TILE_COLS, DECODE_ASM=decode_asm, num_warps=2)
+        b_ptr=w, bs_ptr=scale, eref_ptr=eref, w8_ptr=w8, ok_ptr=ok, K=w8.shape[2], expert_lo=e0, stride_be=w.stride(0),
+        stride_bn=w.stride(1), stride_bse=scale.stride(0), stride_bsn=scale.stride(1), stride_ere=eref.stride(0),
+        stride_we=w8.stride(0), stride_wn=w8.stride(1), stride_oke=ok.stride(0), BLOCK_N=TILE_COLS,
+        DECODE_ASM=decode_asm, num_warps=2)
 
 
 @triton.jit
@@ -200,14 +201,19 @@ def expand_moe(cfg: Expand, xq, xs, w, aligned, topk_w, hq, hs, y, top_k: int, l
             expand_experts(wb, wsc, er, w8, okm, e0, n_e, decode_asm)
             if gated:
                 _w8_moe_kernel[(blocks * triton.cdiv(inter, t.block_n),)](
-                    xq, xs, w8, okm, hq, hs, sorted_ids, block_expert, num_padded, topk_w, inter, h, pairs,
-                    top_k, xs.shape[1], float(limit), e0, e0 + n_e, xq.stride(0), w8.stride(0),
-                    w8.stride(1), okm.stride(0), hq.stride(0), hs.shape[1], GATED=True, MUL_WEIGHT=False,
-                    A_GROUP=0, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=cfg.block_k,
-                    num_warps=t.warps, num_stages=t.stages)
+                    a_ptr=xq, a_scale_ptr=xs, w8_ptr=w8, ok_ptr=okm, c_ptr=hq, c_scale_ptr=hs,
+                    sorted_ids_ptr=sorted_ids, block_expert_ptr=block_expert, num_padded_ptr=num_padded,
+                    topk_w_ptr=topk_w, N=inter, K=h, num_pairs=pairs, a_row_div=top_k, a_scale_groups=xs.shape[1],
+                    limit=float(limit), expert_lo=e0, expert_hi=e0 + n_e, stride_am=xq.stride(0),
+                    stride_we=w8.stride(0), stride_wn=w8.stride(1), stride_oke=okm.stride(0), stride_cm=hq.stride(0),
+                    c_scale_groups=hs.shape[1], GATED=True, MUL_WEIGHT=False, A_GROUP=0, BLOCK_M=t.block_m,
+                    BLOCK_N=t.block_n, BLOCK_K=cfg.block_k, num_warps=t.warps, num_stages=t.stages)
             else:
                 _w8_moe_kernel[(blocks * triton.cdiv(h, t.block_n2),)](
-                    hq, hs, w8, okm, y, y, sorted_ids, block_expert, num_padded, topk_w, h, inter, pairs, 1,
-                    hs.shape[1], 0.0, e0, e0 + n_e, hq.stride(0), w8.stride(0), w8.stride(1), okm.stride(0),
-                    y.stride(0), 0, GATED=False, MUL_WEIGHT=True, A_GROUP=t.block_n, BLOCK_M=t.block_m,
-                    BLOCK_N=t.block_n2, BLOCK_K=t.block_n, num_warps=t.warps, num_stages=t.stages)
+                    a_ptr=hq, a_scale_ptr=hs, w8_ptr=w8, ok_ptr=okm, c_ptr=y, c_scale_ptr=y, sorted_ids_ptr=sorted_ids,
+                    block_expert_ptr=block_expert, num_padded_ptr=num_padded, topk_w_ptr=topk_w, N=h, K=inter,
+                    num_pairs=pairs, a_row_div=1, a_scale_groups=hs.shape[1], limit=0.0, expert_lo=e0,
+                    expert_hi=e0 + n_e, stride_am=hq.stride(0), stride_we=w8.stride(0), stride_wn=w8.stride(1),
+                    stride_oke=okm.stride(0), stride_cm=y.stride(0), c_scale_groups=0, GATED=False, MUL_WEIGHT=True,
+                    A_GROUP=t.block_n, BLOCK_M=t.block_m, BLOCK_N=t.block_n2, BLOCK_K=t.block_n, num_warps=t.warps,
+                    num_stages=t.stages)

@@ -35,7 +35,7 @@ class Gemv:
     n2: int = 128
     group: int = 32
 
-    def for_hidden(self, h: int) -> "Gemv":
+    def for_hidden(self, h: int) -> Gemv:
         """The largest share count up to split_k whose shares are whole 64-deep K steps of hidden h."""
         split_k = self.split_k
         while split_k > 1 and h % (split_k * CHUNK):
@@ -177,14 +177,17 @@ def gemv_moe(cfg: Gemv, xq, xs, w, ids, topk_w, hq, hs, y, top_k: int, limit: fl
     gn = cfg.n if split else cfg.group  # split-K partials free the gate-up tile from the intermediate's group
     part = torch.empty((cfg.split_k, pairs, 2, inter), dtype=torch.float32, device=hq.device) if split else hq
     _w4a8_gemv_kernel[(pairs * triton.cdiv(inter, gn), cfg.split_k)](
-        xq, xs, w.w13, w.w13_scale, part, hs, ids, topk_w, inter, h, pairs, top_k, xs.shape[1], float(limit),
-        xq.stride(0), w.w13.stride(0), w.w13.stride(1), w.w13_scale.stride(0), w.w13_scale.stride(1), hq.stride(0),
-        hs.shape[1], GATED=True, MUL_WEIGHT=False, A_GROUP=0, BLOCK_N=gn, DECODE_ASM=decode_asm,
+        a_ptr=xq, a_scale_ptr=xs, b_ptr=w.w13, bs_ptr=w.w13_scale, c_ptr=part, c_scale_ptr=hs, expert_ptr=ids,
+        topk_w_ptr=topk_w, N=inter, K=h, num_pairs=pairs, a_row_div=top_k, a_scale_groups=xs.shape[1],
+        limit=float(limit), stride_am=xq.stride(0), stride_be=w.w13.stride(0), stride_bn=w.w13.stride(1),
+        stride_bse=w.w13_scale.stride(0), stride_bsn=w.w13_scale.stride(1), stride_cm=hq.stride(0),
+        c_scale_groups=hs.shape[1], GATED=True, MUL_WEIGHT=False, A_GROUP=0, BLOCK_N=gn, DECODE_ASM=decode_asm,
         SPLIT_K=cfg.split_k, num_warps=max(1, gn // 32))
     if split:
         glu_finish(part, hq, hs, limit, cfg.group)
     _w4a8_gemv_kernel[(pairs * triton.cdiv(h, cfg.n2),)](
-        hq, hs, w.w2, w.w2_scale, y, y, ids, topk_w, h, inter, pairs, 1, hs.shape[1], 0.0, hq.stride(0),
-        w.w2.stride(0), w.w2.stride(1), w.w2_scale.stride(0), w.w2_scale.stride(1), y.stride(0), 0,
-        GATED=False, MUL_WEIGHT=True, A_GROUP=cfg.group, BLOCK_N=cfg.n2, DECODE_ASM=decode_asm,
-        num_warps=max(1, cfg.n2 // 32))
+        a_ptr=hq, a_scale_ptr=hs, b_ptr=w.w2, bs_ptr=w.w2_scale, c_ptr=y, c_scale_ptr=y, expert_ptr=ids,
+        topk_w_ptr=topk_w, N=h, K=inter, num_pairs=pairs, a_row_div=1, a_scale_groups=hs.shape[1], limit=0.0,
+        stride_am=hq.stride(0), stride_be=w.w2.stride(0), stride_bn=w.w2.stride(1), stride_bse=w.w2_scale.stride(0),
+        stride_bsn=w.w2_scale.stride(1), stride_cm=y.stride(0), c_scale_groups=0, GATED=False, MUL_WEIGHT=True,
+        A_GROUP=cfg.group, BLOCK_N=cfg.n2, DECODE_ASM=decode_asm, num_warps=max(1, cfg.n2 // 32))

@@ -250,16 +250,20 @@ def mma_moe(cfg: Mma, xq, xs, w, aligned, topk_w, hq, hs, y, top_k: int, limit: 
     shift_up = cfg.shift and w.w13_eref is not None and h * 127 * 96 < 2**31
     shift_down = cfg.shift and w.w2_eref is not None and cfg.block_n % CHUNK == 0 and inter * 127 * 96 < 2**31
     _w4a8_moe_kernel[(blocks * triton.cdiv(inter, cfg.block_n),)](
-        xq, xs, w.w13, w.w13_scale, hq, hs, sorted_ids, block_expert, num_padded, topk_w,
-        w.w13_eref if shift_up else w.w13_scale, inter, h, pairs, top_k, xs.shape[1], float(limit),
-        xq.stride(0), w.w13.stride(0), w.w13.stride(1), w.w13_scale.stride(0), w.w13_scale.stride(1), hq.stride(0),
-        hs.shape[1], w.w13_eref.stride(0) if shift_up else 0,
-        GATED=True, MUL_WEIGHT=False, A_GROUP=0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        DECODE_ASM=decode_asm, SHIFT=shift_up, num_warps=cfg.warps, num_stages=cfg.stages)
+        a_ptr=xq, a_scale_ptr=xs, b_ptr=w.w13, bs_ptr=w.w13_scale, c_ptr=hq, c_scale_ptr=hs, sorted_ids_ptr=sorted_ids,
+        block_expert_ptr=block_expert, num_padded_ptr=num_padded, topk_w_ptr=topk_w,
+        eref_ptr=w.w13_eref if shift_up else w.w13_scale, N=inter, K=h, num_pairs=pairs, a_row_div=top_k,
+        a_scale_groups=xs.shape[1], limit=float(limit), stride_am=xq.stride(0), stride_be=w.w13.stride(0),
+        stride_bn=w.w13.stride(1), stride_bse=w.w13_scale.stride(0), stride_bsn=w.w13_scale.stride(1),
+        stride_cm=hq.stride(0), c_scale_groups=hs.shape[1], stride_ere=w.w13_eref.stride(0) if shift_up else 0,
+        GATED=True, MUL_WEIGHT=False, A_GROUP=0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DECODE_ASM=decode_asm,
+        SHIFT=shift_up, num_warps=cfg.warps, num_stages=cfg.stages)
     _w4a8_moe_kernel[(blocks * triton.cdiv(h, cfg.block_n2),)](
-        hq, hs, w.w2, w.w2_scale, y, y, sorted_ids, block_expert, num_padded, topk_w,
-        w.w2_eref if shift_down else w.w2_scale, h, inter, pairs, 1, hs.shape[1], 0.0,
-        hq.stride(0), w.w2.stride(0), w.w2.stride(1), w.w2_scale.stride(0), w.w2_scale.stride(1), y.stride(0), 0,
-        w.w2_eref.stride(0) if shift_down else 0,
-        GATED=False, MUL_WEIGHT=True, A_GROUP=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2,
-        DECODE_ASM=decode_asm, SHIFT=shift_down, num_warps=cfg.warps, num_stages=cfg.stages)
+        a_ptr=hq, a_scale_ptr=hs, b_ptr=w.w2, bs_ptr=w.w2_scale, c_ptr=y, c_scale_ptr=y, sorted_ids_ptr=sorted_ids,
+        block_expert_ptr=block_expert, num_padded_ptr=num_padded, topk_w_ptr=topk_w,
+        eref_ptr=w.w2_eref if shift_down else w.w2_scale, N=h, K=inter, num_pairs=pairs, a_row_div=1,
+        a_scale_groups=hs.shape[1], limit=0.0, stride_am=hq.stride(0), stride_be=w.w2.stride(0),
+        stride_bn=w.w2.stride(1), stride_bse=w.w2_scale.stride(0), stride_bsn=w.w2_scale.stride(1),
+        stride_cm=y.stride(0), c_scale_groups=0, stride_ere=w.w2_eref.stride(0) if shift_down else 0, GATED=False,
+        MUL_WEIGHT=True, A_GROUP=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, DECODE_ASM=decode_asm,
+        SHIFT=shift_down, num_warps=cfg.warps, num_stages=cfg.stages)

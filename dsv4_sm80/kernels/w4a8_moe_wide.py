@@ -184,11 +184,14 @@ def wide_moe(cfg: Wide, x, w, topk_weights, topk_ids, res, limit: float, scaling
     x = x if x.stride(1) == 1 else x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     _wide_gate_up_kernel[(pairs * groups,)](
-        x, w.w13, w.w13_scale, hq, hs, ids, scratch, inter, top_k, float(limit), x.stride(0),
-        w.w13.stride(0), w.w13_scale.stride(0), w.w13_scale.stride(1), hq.stride(0), groups,
+        x_ptr=x, b_ptr=w.w13, bs_ptr=w.w13_scale, q_ptr=hq, q_scale_ptr=hs, expert_ptr=ids, xq_ptr=scratch, N=inter,
+        a_row_div=top_k, limit=float(limit), stride_xm=x.stride(0), stride_be=w.w13.stride(0),
+        stride_bse=w.w13_scale.stride(0), stride_bsn=w.w13_scale.stride(1), stride_qm=hq.stride(0), q_groups=groups,
         K=h, C=c_up, BLOCK_N=cfg.n, DECODE_ASM=decode_asm, num_warps=cfg.warps)
     _wide_down_kernel[(t * (h // cfg.n2),)](
-        hq, hs, w.w2, w.w2_scale, res, ids, topk_weights.reshape(-1).to(torch.float32).contiguous(), h, groups,
-        float(scaling), hq.stride(0), w.w2.stride(0), w.w2_scale.stride(0), w.w2_scale.stride(1), res.stride(0),
-        K=inter, C=triton.next_power_of_2(inter // CHUNK), TOP_K=top_k, TOP_K_P=triton.next_power_of_2(top_k),
-        A_GROUP=cfg.n, BLOCK_N=cfg.n2, DECODE_ASM=decode_asm, num_warps=cfg.warps2)
+        h_ptr=hq, h_scale_ptr=hs, b_ptr=w.w2, bs_ptr=w.w2_scale, out_ptr=res, expert_ptr=ids,
+        topk_w_ptr=topk_weights.reshape(-1).to(torch.float32).contiguous(), N=h, h_groups=groups, scale=float(scaling),
+        stride_hm=hq.stride(0), stride_be=w.w2.stride(0), stride_bse=w.w2_scale.stride(0),
+        stride_bsn=w.w2_scale.stride(1), stride_om=res.stride(0), K=inter, C=triton.next_power_of_2(inter // CHUNK),
+        TOP_K=top_k, TOP_K_P=triton.next_power_of_2(top_k), A_GROUP=cfg.n, BLOCK_N=cfg.n2, DECODE_ASM=decode_asm,
+        num_warps=cfg.warps2)

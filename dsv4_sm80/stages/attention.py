@@ -3,7 +3,8 @@
 The replacements for the `attention.*` seams (dsv4_sm80/seams.py; docs/attention.md):
 
 - launch: the KV cache dtype resolves to `bfloat16` (SGLang's DSV4 default is FP8 e4m3, which SM80
-  cannot run).
+  cannot run): this stage's rule in `seams.SERVER_ARGS`, set by the launch stage; HiSparse, whose pool is not
+  adapted to it, is refused by the gate's server.modes check.
 - pools: `DeepSeekV4SingleKVPool` (SWA, C4, C128 pools of the target and of the DSPARK/NextN draft) holds
   `bf16 [pages, page_size * 512]`, i.e. one 512-wide row per flat slot id, which is the id space every
   index SGLang builds already uses; its writers scatter rows and skip slot < 0. The pool configurator
@@ -26,45 +27,25 @@ The replacements for the `attention.*` seams (dsv4_sm80/seams.py; docs/attention
 from __future__ import annotations
 
 import functools
-import sys
 from dataclasses import dataclass
 
 import torch
 
 from .. import env
-from ..gate import refusal
 
 HEAD_DIM = 512
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kv_fp8_sim() -> bool:
     """SGLANG_DSV4_A100_KV_ROUNDING=fp8_sim, read once per process (the stores call this per layer)."""
     return env.get(env.KV_ROUNDING) == "fp8_sim"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def indexer_fp4_sim() -> bool:
     """SGLANG_DSV4_A100_INDEXER_ROUNDING=fp4_sim, read once per process."""
     return env.get(env.INDEXER_ROUNDING) == "fp4_sim"
-
-
-# --- launch ---------------------------------------------------------------------------------------
-
-def bf16_kv_at_launch(cls, server_args, *args, **kwargs):
-    """Before Engine._launch_subprocesses: DSV4's KV cache dtype resolves to bfloat16. (HiSparse, whose pool is
-    not adapted to it, is refused by the gate's server.modes check.)"""
-    dtype = str(getattr(server_args, "kv_cache_dtype", "auto"))
-    if dtype in ("auto", "fp8_e4m3"):
-        print(f"dsv4-sm80 attention: KV cache dtype {dtype} -> bfloat16 (SM80 has no FP8; 1024 bytes per "
-              "token and layer instead of 584)", file=sys.stderr, flush=True)
-        server_args.kv_cache_dtype = "bfloat16"
-    elif dtype != "bfloat16":
-        raise refusal([
-            f"FAIL attention.kv_cache_dtype: found --kv-cache-dtype {dtype}; expected auto or bfloat16 (the SM80 "
-            "datapath keeps DSV4's KV cache in BF16); fix: drop --kv-cache-dtype"
-        ])
-    return None
 
 
 # --- pools ----------------------------------------------------------------------------------------

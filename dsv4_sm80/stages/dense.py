@@ -116,7 +116,7 @@ def load_summary() -> str:
 
 # --- the linear method ---------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _method_class():
     """Built lazily: the base class lives in sglang, which may only be imported once SGLang is."""
     from sglang.srt.layers.quantization.fp8 import Fp8LinearMethod
@@ -192,9 +192,8 @@ def marlin_reduce_as_sm80(should_use_atomic_add_reduce):
     """Value of marlin_utils_fp8.should_use_atomic_add_reduce (the name apply_fp8_marlin_linear calls,
     marlin_utils_fp8.py:75): the upstream rule as SM8x evaluates it. Upstream lets Marlin sum its
     split-K partials with BF16 atomicAdd when n < 2048 <= k, but only on capability >= 9
-    (marlin_utils.py:479-483); an A800 reduces in fp32. Measured on the H200 (lab, fp8_marlin): wo_b
-    (n 512, k 2048) came out at 1.0e-2 max relative error against the fp32 product, 5x a BF16 GEMM's;
-    every other linear (k <= 512) was within BF16 rounding. FP16 keeps the upstream answer (SM8x
+    (marlin_utils.py:479-483); an A800 reduces in fp32, and a lab run on an H200 must too: the BF16 sums move
+    wo_b (n 512, k 2048) well past BF16 rounding (docs/results/README.md). FP16 keeps the upstream answer (SM8x
     takes atomicAdd for FP16 too)."""
     if getattr(should_use_atomic_add_reduce, "_dsv4_sm80", False):
         return should_use_atomic_add_reduce

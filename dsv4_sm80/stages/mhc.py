@@ -19,13 +19,11 @@ own GEMM, which 0.5.16 builds only for hc_mult x hidden in {16384, 28672} at <= 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
 def hc_prenorm_gemm(x: torch.Tensor, fn: torch.Tensor, out: torch.Tensor, sqrsum: torch.Tensor,
-                    num_splits: Optional[int]) -> None:
+                    num_splits: int | None) -> None:
     """Replaces `deep_gemm_wrapper.entrypoint.tf32_hc_prenorm_gemm` (same arguments, fills out/sqrsum)."""
     from ..kernels.hc_prenorm import hc_prenorm
 

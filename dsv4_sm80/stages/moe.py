@@ -12,8 +12,9 @@
 
 Routing is the model's own (SGLang's TopK for DSV4: hash layers by `tid2eid`, `sqrtsoftplus` scores with
 the correction bias, `norm_topk_prob`); both methods consume its STANDARD top-k output. Both need
-SGLang's MoE runner backend to be `marlin` (that is what builds the MXFP4 parameter layout); the launch
-seam sets it, and refuses expert parallelism (its kernels need SM90).
+SGLang's MoE runner backend to be `marlin` (that is what builds the MXFP4 parameter layout) and tensor
+parallelism only (the expert-parallel kernels need SM90): this stage's rules in `seams.SERVER_ARGS`, judged by
+the gate and set by the launch stage.
 """
 
 from __future__ import annotations
@@ -26,33 +27,6 @@ import time
 import torch
 
 from .. import env
-from ..gate import refusal
-
-
-# --- launch: runner backend and expert parallelism ----------------------------------------------
-
-def route_experts_at_launch(cls, server_args, *args, **kwargs):
-    """Before Engine._launch_subprocesses (engine.py:765): EP refused, MoE runner backend -> marlin."""
-    ep = int(getattr(server_args, "ep_size", 1) or 1)
-    a2a = str(getattr(server_args, "moe_a2a_backend", "none") or "none")
-    if ep > 1 or a2a != "none":
-        raise refusal([
-            f"FAIL moe.expert_parallel: found --ep-size {ep}, --moe-a2a-backend {a2a}; expected "
-            "tensor parallelism only (--ep-size 1, --moe-a2a-backend none): SGLang 0.5.16's expert-"
-            "parallel MoE paths (DeepEP, Marlin without an expert map) need SM90 kernels; fix: drop "
-            "--ep-size/--moe-a2a-backend and serve with --tp-size 4"
-        ])
-    backend = str(getattr(server_args, "moe_runner_backend", "auto") or "auto")
-    if backend == "auto":
-        server_args.moe_runner_backend = "marlin"
-    elif backend != "marlin":
-        raise refusal([
-            f"FAIL moe.runner_backend: found --moe-runner-backend {backend}; expected auto or marlin "
-            f"(with the patch on the routed experts run as {env.MOE_BACKEND.name}="
-            f"{env.get(env.MOE_BACKEND)} selects: mxfp4_int8 or marlin); fix: drop --moe-runner-backend"
-        ])
-    return None
-
 
 # --- the marlin backend: SGLang's own method, SM80 refusal lifted ---------------------------------
 
@@ -91,7 +65,7 @@ def w4a8_layer(module) -> W4A8Layer | None:
     return getattr(module, W4A8_ATTR, None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _method_class():
     from sglang.srt.layers.quantization.mxfp4_marlin_moe import Mxfp4MarlinMoEMethod
 

@@ -292,3 +292,12 @@ def _dense_shape(spec: fmt.TensorSpec) -> tuple:
     """The unquantized [out, in] shape behind a quantized weight spec."""
     n_out, n_stored = spec.shape
     return (n_out, n_stored * 2) if spec.init == "mxfp4" else (n_out, n_stored)
+
+
+def lab_checkpoint() -> str:
+    """The embedded default model of lab mode (`serve` without --model-path under the gate's lab overrides): the
+    tiny preset, generated once into the user's cache."""
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dsv4_sm80", "tiny-s0-tok")
+    if not os.path.isfile(os.path.join(cache, "model.safetensors.index.json")):
+        generate(cache, tiny_config(PRESETS["tiny"]), seed=0, head_scale=12.0)
+    return cache

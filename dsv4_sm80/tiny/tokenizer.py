@@ -25,7 +25,7 @@ VISION_IDS[129264] = "<｜deepseek_image｜>"  # the Vision-Exp image placeholde
 
 def _byte_alphabet() -> list[str]:
     """GPT-2's byte -> printable character map (the ByteLevel pre-tokenizer's alphabet), by byte value."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import REPO
 
 STANDIN = "dsv4-sm80-test/sglang-standin:v0.5.16"
@@ -115,7 +116,8 @@ def test_build_labels_and_pins_the_base(built, standin):
     assert r.stdout.strip() == tag
     assert "PASS sglang.version: 0.5.16" in r.stderr and "PASS sglang.fingerprint" in r.stderr
     labels = json.loads(sh("docker", "image", "inspect", "--format", "{{json .Config.Labels}}", tag).stdout)
-    version = [line.split('"')[1] for line in open(os.path.join(REPO, "pyproject.toml")) if line.startswith("version")][0]
+    pyproject = open(os.path.join(REPO, "pyproject.toml"))
+    version = [line.split('"')[1] for line in pyproject if line.startswith("version")][0]
     assert labels["org.dsv4-sm80.version"] == version
     assert labels["org.dsv4-sm80.base-image-id"] == image_id(standin)
     assert labels["org.dsv4-sm80.sglang-commit"] == "fdebc938f7f4d16fe6b9f55dcd9a767cf0899ea1"

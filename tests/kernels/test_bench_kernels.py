@@ -23,7 +23,8 @@ for int8 in (False, True):
     out["int8" if int8 else "bf16"] = {
         "ptx_mma": r.asm["ptx"].count("mma.sync.aligned." + ("m16n8k32.row.col.s32.s8.s8.s32" if int8 else
                                                               "m16n8k16.row.col.f32.bf16.bf16.f32")),
-        "hmma": len(re.findall(r"HMMA\\.16816\\.F32\\.BF16", sass)), "imma": len(re.findall(r"IMMA\\.16832\\.S8\\.S8", sass)),
+        "hmma": len(re.findall(r"HMMA\\.16816\\.F32\\.BF16", sass)),
+        "imma": len(re.findall(r"IMMA\\.16832\\.S8\\.S8", sass)),
         "spills": census["LDL"] + census["STL"]}
 print(json.dumps(out))
 """

@@ -10,11 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from conftest import dev, last_json, run_python
+from conftest import REPO, dev, last_json, run_python
 from dsv4_sm80.kernels import block_rounding_ref as br
 from dsv4_sm80.kernels import kv_store_ref as ref
 from dsv4_sm80.kernels.block_rounding import fp4_codes
-from conftest import REPO
 
 
 @triton.jit
@@ -215,7 +214,8 @@ def test_logits_fp4_sim(idx, fp4_pages, lens, splits):
 def test_logits_refuse_mixed_roundings(idx):
     q_int8 = dev(torch.zeros(2, 64, 128, dtype=torch.int8))
     cache = dev(torch.zeros(1, 64 * 132, dtype=torch.uint8))
-    args = (cache, dev(torch.zeros(2, 64)), dev(torch.ones(2, dtype=torch.int32)), dev(torch.zeros(2, 1, dtype=torch.int32)), 64)
+    args = (cache, dev(torch.zeros(2, 64)), dev(torch.ones(2, dtype=torch.int32)),
+            dev(torch.zeros(2, 1, dtype=torch.int32)), 64)
     with pytest.raises(ValueError, match=r"indexer logits \(fp4_sim\): found queries torch.int8 \(2, 64, 128\); "
                                          "expected int8 rows of 132"):
         idx.paged_mqa_logits_int8(q_int8, *args, fp4_sim=True)

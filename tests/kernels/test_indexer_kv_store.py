@@ -140,7 +140,8 @@ out = {
   "compress_store_index_k": build(ix._compress_store_index_k_kernel, {"kv_ptr": "*fp32", "plan_ptr": "*i32",
       "n_rows": "i32", "out_loc_ptr": "*i64", "w_ptr": "*fp32", "eps": "fp32", "freqs_ptr": "*fp32", "he_ptr": "*bf16",
       "ho_ptr": "*bf16", "cache_ptr": "*i8", "cache_f32_ptr": "*fp32", "IS_DECODE": "constexpr", "RATIO": "constexpr",
-      "BLOCK_R": "constexpr", "DOT_F32": "constexpr"}, {"IS_DECODE": True, "RATIO": 4, "BLOCK_R": 16, "DOT_F32": False}),
+      "BLOCK_R": "constexpr", "DOT_F32": "constexpr"},
+      {"IS_DECODE": True, "RATIO": 4, "BLOCK_R": 16, "DOT_F32": False}),
   "store_index_k": build(ix._store_index_k_kernel, {"x_ptr": "*fp32", "stride_x": "i32", "loc_ptr": "*i32",
       "cache_ptr": "*i8", "cache_f32_ptr": "*fp32"}, {}),
   "logits": build(ix._logits_int8_kernel, LOGITS_SIG, {"HEADS": 64, "PREFETCH": False}),
@@ -158,7 +159,8 @@ def test_compile_for_sm80():
         # no local-memory spills in any (LDL/STL in the sm_80 SASS; the fp32 Hadamard products spilled thousands)
         assert r["sm80"] and not r["fp8"] and r["shared"] <= 163 * 1024 and r["spills"] == 0, (name, r)
     assert out["logits"]["int8_mma"] and out["logits prefetch"]["int8_mma"], out
-    # the Hadamard on tensor cores (BF16 MMA, three parts), not an fp32 product on CUDA cores (208 us on the H200, 2026-12-01)
+    # the Hadamard on tensor cores (BF16 MMA, three parts), not an fp32 product on CUDA cores (208 us on the H200,
+    # 2026-12-01)
     for name in ("q_rope_hadamard_int8", "compress_store_index_k"):
         assert out[name]["bf16_mma"], (name, out[name])
 

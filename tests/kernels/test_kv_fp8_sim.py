@@ -8,14 +8,12 @@ import os
 
 import pytest
 import torch
-
 import triton
 import triton.language as tl
 
-from conftest import dev, last_json, run_python
+from conftest import REPO, dev, last_json, run_python
 from dsv4_sm80.kernels import block_rounding_ref as br
 from dsv4_sm80.kernels.block_rounding import fp8_sim
-from conftest import REPO
 
 
 @triton.jit

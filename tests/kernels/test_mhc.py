@@ -10,9 +10,8 @@ import os
 import pytest
 import torch
 
-from conftest import dev, last_json, nvcc_home, run_python
+from conftest import REPO, dev, last_json, nvcc_home, run_python
 from dsv4_sm80.kernels import hc_prenorm_ref as ref
-from conftest import REPO
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +54,8 @@ def test_hc_prenorm_against_reference(kern, m, k, splits):
     d, s = run(kern, a, b, splits)
     want_d, want_s = ref.hc_prenorm_ref(a, b)
     scale = a.double().abs() @ ref.tf32_round(b).double().abs().t()  # fp32 accumulation error is relative to this
-    # 1e-6: fp32 accumulation in another order (the H200, 2026-12-01, dsv4_lab/beds/mhc_check.py: 5.6e-7 at K 2048 in one split)
+    # 1e-6: fp32 accumulation in another order (the H200, 2026-12-01, dsv4_lab/beds/mhc_check.py: 5.6e-7 at K 2048
+    # in one split)
     assert ((d - want_d).abs() / scale).max() < 1e-6
     assert ((s - want_s).abs() / want_s).max() < 1e-6
     # the reference's rounding of hc_fn to TF32 is visible at this tolerance (not a vacuous check): exact fp32
@@ -82,7 +82,8 @@ def test_every_bench_variant_computes_the_same(kern):
     ran = set()
     for name, cfg in bench.VARIANTS.items():
         if os.environ.get("TRITON_INTERPRET") == "1":
-            same = {n: v for n, v in dict(kern.default_config(70), **cfg).items() if n not in ("num_warps", "num_stages")}
+            same = {n: v for n, v in dict(kern.default_config(70), **cfg).items()
+                    if n not in ("num_warps", "num_stages")}
             key = tuple(sorted(dict({"inner_splits": 1}, **same).items()))
             if key in ran:
                 continue
@@ -166,7 +167,8 @@ print(json.dumps({"module": f.__module__, "name": f.__name__}))
 """
 
 
-@pytest.mark.parametrize("patch,module", [("1", "dsv4_sm80.stages.mhc"), ("0", "sglang.srt.layers.deep_gemm_wrapper.entrypoint")])
+@pytest.mark.parametrize("patch,module", [("1", "dsv4_sm80.stages.mhc"),
+                                          ("0", "sglang.srt.layers.deep_gemm_wrapper.entrypoint")])
 def test_seam_routes_mhc_pre_to_the_sm80_gemm(patch, module):
     pytest.importorskip("sglang")
     out = last_json(run_python(SEAM, ENABLE_SGLANG_DSV4_A100_PATCH=patch))
@@ -184,7 +186,8 @@ out = {}
 for bm in (16, 64):
     out[f"hc_prenorm BLOCK_M {bm}"] = build(hp._hc_prenorm_kernel, {"a_ptr": "*bf16", "b_ptr": "*fp32",
         "d_ptr": "*fp32", "s_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "outer_share": "i32",
-        "inner_share": "i32", "INNER": "i32", "stride_am": "i32", "stride_bn": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+        "inner_share": "i32", "INNER": "i32", "stride_am": "i32", "stride_bn": "i32", "BLOCK_M": "constexpr",
+        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
         {"BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": hp.BLOCK_K})
 out["sglang hc_head (Triton)"] = build(mhc_head._hc_head_kernel, {"x_ptr": "*bf16", "fn_ptr": "*fp32",
     "scale_ptr": "*fp32", "base_ptr": "*fp32", "y_ptr": "*bf16", "hidden_size": "constexpr", "HC_MULT": "constexpr",
@@ -218,7 +221,8 @@ from tvm.target import Target
 def build(wrapper, *args):
     cv = inspect.getclosurevars(wrapper).nonlocals
     kw = dict(mhc._resolve_lazy_tilelang_value(cv.get("jit_kwargs", {})))
-    kw.update(target=Target({"kind": "cuda", "arch": "sm_80"}), compile_flags=["-DCCCL_DISABLE_CTK_COMPATIBILITY_CHECK"])
+    kw.update(target=Target({"kind": "cuda", "arch": "sm_80"}),
+              compile_flags=["-DCCCL_DISABLE_CTK_COMPATIBILITY_CHECK"])
     t0 = time.time()
     k = real.jit(**kw)(cv["fn"]).compile(*args)
     src = k.get_kernel_source()

@@ -154,11 +154,14 @@ def spills(cubin):  # local-memory loads and stores in the SASS
     return census["LDL"] + census["STL"]
 P = lambda t: "*" + t
 main_sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32",
-            "swa_ptr": "*bf16", "swa_ids_ptr": "*i32", "stride_swa_ids": "i32", "swa_lens_ptr": "*i32", "swa_width": "i32",
-            "ext_ptr": "*bf16", "ext_ids_ptr": "*i32", "stride_ext_ids": "i32", "ext_lens_ptr": "*i32", "ext_width": "i32",
+            "swa_ptr": "*bf16", "swa_ids_ptr": "*i32", "stride_swa_ids": "i32", "swa_lens_ptr": "*i32",
+            "swa_width": "i32",
+            "ext_ptr": "*bf16", "ext_ids_ptr": "*i32", "stride_ext_ids": "i32", "ext_lens_ptr": "*i32",
+            "ext_width": "i32",
             "sink_ptr": "*fp32", "o_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32", "ws_acc_ptr": "*fp32",
             "ws_ml_ptr": "*fp32", "heads": "i32", "scale": "fp32", "HAS_EXTRA": "constexpr", "HAS_SINK": "constexpr",
-            "SPLITS": "constexpr", "D": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "DOT_F32": "constexpr",
+            "SPLITS": "constexpr", "D": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr",
+            "DOT_F32": "constexpr",
             "NORM_PARTIAL": "constexpr", "JOINT": "constexpr"}
 comb_sig = {"ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32", "sink_ptr": "*fp32", "o_ptr": "*bf16", "stride_ot": "i32",
             "stride_oh": "i32", "heads": "i32", "HAS_SINK": "constexpr", "SPLITS": "constexpr", "D": "constexpr",
@@ -172,12 +175,13 @@ for splits, norm, joint in ((1, False, False), (8, False, False), (8, True, Fals
     r = triton.compile(ASTSource(fn=k._sparse_attn_kernel, signature=sig, constexprs=c), target=target,
                        options={"num_warps": 4, "num_stages": 2})
     ptx = r.asm["ptx"]
-    out[f"main-splits{splits}" + ("-bf16-partials" if norm else "")
-        + ("-joint" if joint else "")] = {"sm80": ".target sm_80" in ptx, "bf16_mma": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx,
-                                    "fp8": "e4m3" in ptx or "e5m2" in ptx, "shared": r.metadata.shared,
-                                    "spills": spills(r.asm["cubin"])}
+    name = f"main-splits{splits}" + ("-bf16-partials" if norm else "") + ("-joint" if joint else "")
+    out[name] = {"sm80": ".target sm_80" in ptx, "bf16_mma": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+                 in ptx, "fp8": "e4m3" in ptx or "e5m2" in ptx, "shared": r.metadata.shared,
+                 "spills": spills(r.asm["cubin"])}
 for norm in (False, True):
-    r = triton.compile(ASTSource(fn=k._combine_kernel, signature=dict(comb_sig, ws_acc_ptr="*bf16") if norm else comb_sig,
+    sig = dict(comb_sig, ws_acc_ptr="*bf16") if norm else comb_sig
+    r = triton.compile(ASTSource(fn=k._combine_kernel, signature=sig,
                                  constexprs=dict(HAS_SINK=True, SPLITS=8, D=512, BLOCK_H=16, BLOCK_D=k.COMBINE_D,
                                                  NORM_PARTIAL=norm)), target=target,
                        options={"num_warps": 4})

@@ -9,9 +9,8 @@ import re
 import pytest
 import torch
 
-from conftest import dev
+from conftest import REPO, dev
 from dsv4_sm80.kernels import w4a8_moe_ref as ref
-from conftest import REPO
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +266,7 @@ def test_error_against_exact_is_bounded(k):
         got = run_kernel(k, x, w13, s13, w2, s2, tw, ids)
         want = ref.moe_exact(x, w13, s13, w2, s2, tw, ids)
         errs.append(float((got.double() - want).norm() / want.norm()))
-    print(f"W4A8 vs exact, relative error per case: {['%.2e' % e for e in errs]}")
+    print(f"W4A8 vs exact, relative error per case: {[f'{e:.2e}' for e in errs]}")
     assert max(errs) < 2.5e-2, errs
 
 
@@ -545,7 +544,8 @@ def column_scales(e, n, kdim, seed, spread, bad_every=0):
         cols = (torch.arange(n)[None, :] + torch.arange(e)[:, None]) % bad_every == 0
         grp = torch.randint(0, groups, (e, n), generator=g)
         jump = torch.randint(4, 7, (e, n), generator=g)
-        s.scatter_(2, grp[..., None], torch.where(cols, base[..., 0] + jump, s.gather(2, grp[..., None])[..., 0])[..., None])
+        kept = s.gather(2, grp[..., None])[..., 0]
+        s.scatter_(2, grp[..., None], torch.where(cols, base[..., 0] + jump, kept)[..., None])
     return s.to(torch.uint8)
 
 

@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "dsv4_lab", "beds"))
@@ -129,7 +130,8 @@ def test_http_teacher_record_feeds_compare(tmp_path, capsys):
     compare.main([str(a), str(b)])
     out = capsys.readouterr().out
     assert "top-1 disagree 50.0% (50.0% of 2 positions with margin > 0.5)" in out
-    assert len(http_check.teacher_requests()) == 2 and all(r["logprob_start_len"] == 0 for r in http_check.teacher_requests())
+    requests = http_check.teacher_requests()
+    assert len(requests) == 2 and all(r["logprob_start_len"] == 0 for r in requests)
 
 
 def test_agreement_curve_beside_the_verdict(tmp_path, capsys):

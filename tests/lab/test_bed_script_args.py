@@ -19,7 +19,8 @@ from conftest import REPO
 
 pytestmark = pytest.mark.sglang
 
-SCRIPTS = sorted(glob.glob(os.path.join(REPO, "dsv4_lab", "beds", "*.py")) + glob.glob(os.path.join(REPO, "bench", "*.py")))
+SCRIPTS = sorted(glob.glob(os.path.join(REPO, "dsv4_lab", "beds", "*.py"))
+                 + glob.glob(os.path.join(REPO, "bench", "*.py")))
 
 
 def _str_keys(func: ast.AST, name: str) -> set:
@@ -31,7 +32,8 @@ def _str_keys(func: ast.AST, name: str) -> set:
                 if isinstance(t, ast.Name) and t.id == name:
                     for sub in ast.walk(node.value):
                         if isinstance(sub, ast.Dict):
-                            keys |= {k.value for k in sub.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+                            keys |= {k.value for k in sub.keys
+                                     if isinstance(k, ast.Constant) and isinstance(k.value, str)}
                 if (isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == name
                         and isinstance(t.slice, ast.Constant)):
                     keys.add(t.slice.value)

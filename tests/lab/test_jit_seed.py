@@ -162,6 +162,7 @@ def test_pack_unfinished_keeps_a_module_still_building(packed):
 def test_the_committed_seeds_are_this_tools():
     # the defaults steps.sh builds on a fresh host: packed on the H200 host by `steps.sh wait`
     for name in ("tvm-ffi", "flashinfer"):
-        seed = jit_seed.read_seed(Path(REPO, "dsv4_lab", "beds", "jit-seed", f"{name}.json.xz"))  # refuses another format
+        # read_seed refuses another format
+        seed = jit_seed.read_seed(Path(REPO, "dsv4_lab", "beds", "jit-seed", f"{name}.json.xz"))
         assert seed["modules"], name
         assert all("build.ninja" in files for files in seed["modules"].values()), name

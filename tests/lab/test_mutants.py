@@ -77,15 +77,19 @@ def test_wrappers_pass_through_unless_named(name, knob):
         knob(other)
         for s in M.MUTANTS[name].seams:
             seen = []
-            out = _replacement(s)(lambda *a, **k: seen.append((a, k)) or sentinel, 1, x=2)
+
+            def original(*a, _seen=seen, **k):
+                return _seen.append((a, k)) or sentinel
+
+            out = _replacement(s)(original, 1, x=2)
             assert out is sentinel and seen == [((1,), {"x": 2})]
 
 
 # --- MoE -----------------------------------------------------------------------------------------
 
 def test_routed_scaling_dropped(knob):
-    from sglang.srt.layers.quantization.mxfp4_marlin_moe import Mxfp4MarlinMoEMethod
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.quantization.mxfp4_marlin_moe import Mxfp4MarlinMoEMethod
     from sglang.srt.models.deepseek_v2 import maybe_fuse_routed_scale_and_shared_add as combine
 
     marlin = SimpleNamespace(quant_method=object.__new__(Mxfp4MarlinMoEMethod))
@@ -254,8 +258,8 @@ def _swa_metadata(wrapper, monkeypatch, tokens=300):
     position, through `wrapper`; returns each query's visible SWA key positions."""
     from sglang.srt.layers.attention import deepseek_v4_backend as backend
 
-    from dsv4_sm80.stages.attention import no_flashmla_metadata
     from dsv4_sm80.kernels.sparse_attn_ref import valid_ids
+    from dsv4_sm80.stages.attention import no_flashmla_metadata
 
     monkeypatch.setattr(backend, "_create_flashmla_metadata", no_flashmla_metadata)  # as the SM80 seam does
     req_to_token = torch.arange(512, dtype=torch.int32)[None]
@@ -417,8 +421,8 @@ def test_applied_after_the_product_seam_it_wraps_the_product_replacement(knob, m
     from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
 
     from dsv4_sm80 import apply, env
-    from dsv4_sm80.stages import attention
     from dsv4_sm80.seams import SEAMS
+    from dsv4_sm80.stages import attention
 
     for attr in (apply.MARK, "__wrapped__"):  # applying a replace seam marks the product function: undone after
         monkeypatch.setattr(attention.sm80_forward, attr, None, raising=False)

@@ -1,8 +1,8 @@
-"""DSV4_SM80_LAB_NATIVE_ROUNDING (dsv4_lab/rounding.py, applied as lab seams around the product's stages) against a float64 reference written from
-native's key quantization: per 64 values, scale = 2^ceil(log2(max(amax, 1e-4) / 448)), value / scale
-clamped to +-448 and rounded to the nearest FP8 e4m3 value (ties to an even mantissa), times the scale; and
-its activation quantization: per token and 128 columns, x * (448 / amax) in fp32, clamped, rounded to e4m3,
-times amax / 448."""
+"""DSV4_SM80_LAB_NATIVE_ROUNDING (dsv4_lab/rounding.py, applied as lab seams around the product's stages) against
+a float64 reference written from native's key quantization: per 64 values, scale =
+2^ceil(log2(max(amax, 1e-4) / 448)), value / scale clamped to +-448 and rounded to the nearest FP8 e4m3 value (ties
+to an even mantissa), times the scale; and its activation quantization: per token and 128 columns,
+x * (448 / amax) in fp32, clamped, rounded to e4m3, times amax / 448."""
 
 import math
 
@@ -139,7 +139,8 @@ def test_hooks_round_what_the_sm80_pool_stores(monkeypatch):
     def row_store(knob):
         monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", knob)
         lab_rounding._items.cache_clear()
-        pool = NS(kv_buffer=[dev(torch.zeros(16, 512, dtype=torch.bfloat16))], qk_nope_head_dim=448, qk_rope_head_dim=64)
+        pool = NS(kv_buffer=[dev(torch.zeros(16, 512, dtype=torch.bfloat16))], qk_nope_head_dim=448,
+                  qk_rope_head_dim=64)
         lab_rounding.set_key_buffer(attention.bf16_set_key_buffer_fused, pool, 0, *dev(loc, kv))
         return pool.kv_buffer[0].cpu()
 
@@ -349,15 +350,15 @@ def test_idx_replay_routes_the_indexer_to_sglangs_fp8_kernels(monkeypatch):
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "0")
     lab_rounding._items.cache_clear()
     n = len(calls)
-    with pytest.raises(Exception):  # the INT8 kernel rejects the stand-in arguments: the point is it ran
+    with pytest.raises(ValueError):  # the INT8 kernel rejects the stand-in arguments: the point is it ran
         query(torch.zeros(2, 3), "w", 0.5, "f", "p")
     assert len(calls) == n
 
 
 def test_the_act_replay_takes_sglangs_quantizer_on_a_gpu_and_the_model_elsewhere():
-    """On the H200 (2026-12-01, `steps.sh trace-linears`) native's FP8 linear is 2-3e-3 (relative) from the model `fp8_act` on every linear but 7-9e-4
-    from SGLang's own quantizer followed by the exact product, so on a GPU the replay quantizes with SGLang's
-    (real, imported here); a CPU tensor keeps the model written from the math."""
+    """On the H200 (2026-12-01, `steps.sh trace-linears`) native's FP8 linear is 2-3e-3 (relative) from the model
+    `fp8_act` on every linear but 7-9e-4 from SGLang's own quantizer followed by the exact product, so on a GPU the
+    replay quantizes with SGLang's (real, imported here); a CPU tensor keeps the model written from the math."""
     quant = lab_rounding.sglang_act_quantizer()
     assert quant is not None and quant.__name__ == "sglang_per_token_group_quant_fp8"
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
@@ -369,8 +370,8 @@ def test_gemm_sends_the_mhc_prenorm_gemm_to_deepgemm(monkeypatch):
     rows: nothing to do, as upstream). DeepGEMM needs an SM90 GPU, so here a recorder stands in for that one
     function of the real deep_gemm module, and the SM80 Triton GEMM must not run."""
     deep_gemm = pytest.importorskip("deep_gemm", reason="SGLang's DeepGEMM package")
-    from dsv4_sm80.stages import mhc
     from dsv4_sm80.kernels import hc_prenorm
+    from dsv4_sm80.stages import mhc
 
     monkeypatch.setenv("DSV4_SM80_LAB_NATIVE_ROUNDING", "gemm")
     lab_rounding._items.cache_clear()

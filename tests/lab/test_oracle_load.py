@@ -14,10 +14,9 @@ import torch
 pytest.importorskip("accelerate")  # transformers' FP8 dequantizing loader needs it
 
 from conftest import REPO  # noqa: E402
-from reference import dequant_fp8, dequant_mxfp4, load_raw  # noqa: E402
-
 from dsv4_lab.oracle.load import ReferenceLoadError, load_reference  # noqa: E402
 from dsv4_lab.oracle.score import forward_logprobs, score  # noqa: E402
+from reference import dequant_fp8, dequant_mxfp4, load_raw  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +82,7 @@ def test_score_record_layout(ref_model):
     seqs = [[(13 * i + 5) % 1000 + 2 for i in range(n)] for n in (9, 17)]
     out = score(ref_model, seqs, names=("R_x", "R_q"), top=4, support_size=1024, log=lambda *_: None)
     assert sorted(out["references"]) == ["R_q", "R_x"]
-    for name, ref in out["references"].items():
+    for ref in out["references"].values():
         for seq, sup, t in zip(seqs, out["support"], ref["teacher"]):
             assert t["sequence"] == seq and t["ids"] == sup == list(range(1024))  # the whole vocabulary
             assert t["support_mass"] == pytest.approx(1.0, abs=1e-5)

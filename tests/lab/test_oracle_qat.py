@@ -76,6 +76,7 @@ def _nearest_even(v, grid, mantissa_even):
 
 def test_rounding_primitives_match_the_format_tables():
     import numpy as np
+
     from reference import e2m1_table, e4m3_table
 
     e4m3 = sorted({float(x) for x in e4m3_table() if np.isfinite(x)})

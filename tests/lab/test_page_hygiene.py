@@ -17,7 +17,8 @@ def test_poison_fills_every_pool_buffer_of_target_and_draft(monkeypatch):
         return NS(swa_kv_pool=NS(kv_buffer=[torch.zeros(4, 512, dtype=torch.bfloat16) for _ in range(2)]),
                   c4_kv_pool=NS(kv_buffer=[torch.zeros(2, 512, dtype=torch.bfloat16)]) if with_c4 else None,
                   c128_kv_pool=None, unified_kv_pool=None,
-                  c4_indexer_kv_pool=NS(index_k_with_scale_buffer=[torch.zeros(2, 132, dtype=torch.uint8)]) if with_c4 else None,
+                  c4_indexer_kv_pool=(NS(index_k_with_scale_buffer=[torch.zeros(2, 132, dtype=torch.uint8)])
+                                      if with_c4 else None),
                   compress_state_pools=[None, NS(kv_score_buffer=NS(kv_score=torch.zeros(3, 8)))],
                   indexer_compress_state_pools=[],
                   full_to_swa_index_mapping=torch.arange(8))
@@ -33,7 +34,8 @@ def test_poison_fills_every_pool_buffer_of_target_and_draft(monkeypatch):
         for name, t in hygiene.kv_buffers(p):
             assert bool((t.view(torch.uint8) == 0xFF).all()), name
     assert len(hygiene.kv_buffers(target)) == 5 and len(hygiene.kv_buffers(draft)) == 3
-    assert target.swa_kv_pool.kv_buffer[1].isnan().all() and target.compress_state_pools[1].kv_score_buffer.kv_score.isnan().all()
+    assert target.swa_kv_pool.kv_buffer[1].isnan().all()
+    assert target.compress_state_pools[1].kv_score_buffer.kv_score.isnan().all()
     assert torch.equal(target.full_to_swa_index_mapping, torch.arange(8))
     monkeypatch.setenv("DSV4_SM80_LAB_POISON", "0")
     fresh = pool()

@@ -134,7 +134,8 @@ swa = torch.randn(40, 512, generator=g).to(torch.bfloat16)
 extra = torch.randn(30, 512, generator=g).to(torch.bfloat16)
 core = B.DSV4AttnMetadata.__new__(B.DSV4AttnMetadata)
 core.swa_page_indices, core.swa_topk_lengths = ids(64, 40), torch.tensor([64, 3, 0, 17, 64], dtype=torch.int32)
-core.c4_sparse_page_indices, core.c4_sparse_topk_lengths = ids(64, 30), torch.tensor([64, 1, 5, 0, 9], dtype=torch.int32)
+core.c4_sparse_page_indices = ids(64, 30)
+core.c4_sparse_topk_lengths = torch.tensor([64, 1, 5, 0, 9], dtype=torch.int32)
 core.c128_page_indices, core.c128_topk_lengths_clamp1 = ids(64, 30)[:3], torch.tensor([2, 1, 64], dtype=torch.int32)
 class Pool:
     def get_swa_key_buffer_radix(self, l): return swa.view(1, -1)
@@ -177,15 +178,17 @@ def test_backend_forward_on_dsv4_metadata():
     assert out["flashmla_metadata"] is None
 
 
-def test_launch_sets_bf16_kv_and_refuses_other_dtypes():
-    import compat_check
-    from dsv4_sm80.stages.attention import bf16_kv_at_launch
+def test_the_stages_rule_keeps_the_kv_cache_bf16():
+    from dsv4_sm80.gate import checks as cc
+    from dsv4_sm80.seams import SERVER_ARGS
 
+    rule = next(r for r in SERVER_ARGS if r.name == "attention.kv_cache_dtype")
     for given in ("auto", "fp8_e4m3", "bfloat16"):
         args = SimpleNamespace(kv_cache_dtype=given)
-        assert bf16_kv_at_launch(None, args) is None and args.kv_cache_dtype == "bfloat16"
-    with pytest.raises(compat_check.GateRefused, match="attention.kv_cache_dtype: found --kv-cache-dtype fp8_e5m2"):
-        bf16_kv_at_launch(None, SimpleNamespace(kv_cache_dtype="fp8_e5m2"))
+        assert cc.check_server_arg(rule, args).status == "pass"
+        assert cc.server_arg_settings(args).get("kv_cache_dtype", given) == "bfloat16"
+    f = cc.check_server_arg(rule, SimpleNamespace(kv_cache_dtype="fp8_e5m2"))
+    assert f.line().startswith("FAIL attention.kv_cache_dtype: found --kv-cache-dtype fp8_e5m2"), f.line()
 
 
 INDEXER = """

@@ -22,7 +22,7 @@ def test_each_mode_switches_one_stage_and_native_turns_the_patch_off():
     nat = e2e.mode_env("native", 1, base)
     assert nat["ENABLE_SGLANG_DSV4_A100_PATCH"] == "0"
     pat = e2e.mode_env("patched", 1, base)
-    assert pat["ENABLE_SGLANG_DSV4_A100_PATCH"] == "1" and pat["DSV4_SM80_TRIPWIRE"] == "1" and pat["DSV4_SM80_LAB"] == "1"
+    assert pat["ENABLE_SGLANG_DSV4_A100_PATCH"] == pat["DSV4_SM80_TRIPWIRE"] == pat["DSV4_SM80_LAB"] == "1"
     assert pat["DSV4_SM80_LAB_GPU_COUNT"] == "1"  # --tp wins over an inherited override
     assert "DSV4_SM80_LAB_GPU_COUNT" not in e2e.mode_env("patched", 4, base)  # the gate's production count
     assert e2e.mode_env("patched-marlin", 1, {})["SGLANG_DSV4_MXFP4_MOE_BACKEND"] == "marlin"
@@ -77,8 +77,8 @@ def test_start_profile_keywords_are_profilereq_fields():
 
 
 def test_step_bytes_from_the_checkpoint_arithmetic():
-    """The full-width checkpoint (make-tiny --preset wide) at TP1: the BF16 dense path reads more per step than native's FP8, the
-    routed experts' share grows with the batch as E * (1 - (1 - k/E)^b) of E, and FP8-Marlin sits between."""
+    """The full-width checkpoint (make-tiny --preset wide) at TP1: the BF16 dense path reads more per step than native's
+    FP8, the routed experts' share grows with the batch as E * (1 - (1 - k/E)^b) of E, and FP8-Marlin sits between."""
     from dsv4_sm80.footprint import weights
     from dsv4_sm80.tiny.generate import PRESETS, tiny_config
 

@@ -42,7 +42,7 @@ def test_make_tiny(tmp_path):
 def test_doctor_on_the_cpu_machine_names_the_gpu_check(no_gpu, unit_ckpt):
     p = cli("doctor", "--model-path", unit_ckpt, ENABLE_SGLANG_DSV4_A100_PATCH="1")
     assert p.returncode != 0
-    fails = [l for l in p.stdout.splitlines() if l.startswith("FAIL")]
+    fails = [line for line in p.stdout.splitlines() if line.startswith("FAIL")]
     assert fails and fails[0].startswith("FAIL gpu.count: found 0 visible GPUs"), p.stdout
     assert "PASS patch.active" in p.stdout and "PASS model.experts" in p.stdout
     assert "PENDING  launch.gate" in p.stdout
@@ -57,24 +57,29 @@ def test_doctor_json(no_gpu):
     assert p.returncode == 1 and doc["ok"] is False
     assert {c["check"] for c in doc["checks"] if c["status"] == "fail"} == (
         {"gpu.count"} if home else {"gpu.count", "jit.compiler"})
-    from dsv4_sm80.seams import SEAMS
+    from dsv4_sm80.apply import all_seams
 
-    assert [s["name"] for s in doc["seams"]] == [s.name for s in SEAMS]
+    assert [s["name"] for s in doc["seams"]] == [s.name for s in all_seams({})]
     assert {s["target_check"] for s in doc["seams"]} == {"ok"}
 
 
 @pytest.mark.sglang
 def test_doctor_patch_off_applies_no_seam(no_gpu):
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; --apply imports it")
-    p = cli("doctor", "--apply", "--as-is", ENABLE_SGLANG_DSV4_A100_PATCH="0")
-    assert "seams: 0 applied in this process (patch off and no overlay switched on: none is applied)" in p.stdout
-    assert "OFF      launch.gate" in p.stdout and "FAIL patch.active" in p.stdout
-    p = cli("doctor", "--apply", ENABLE_SGLANG_DSV4_A100_PATCH="1")
-    from dsv4_sm80.seams import SEAMS
+    from dsv4_sm80.apply import all_seams
 
-    enabled = sum(s.enabled({"ENABLE_SGLANG_DSV4_A100_PATCH": "1"}) for s in SEAMS)  # tripwire seams stay off
-    assert enabled < len(SEAMS)
-    assert "APPLIED  launch.gate" in p.stdout and f"seams: {enabled} applied in this process" in p.stdout
+    seams = all_seams({})
+    p = cli("doctor", "--apply", "--as-is", ENABLE_SGLANG_DSV4_A100_PATCH="0")
+    assert f"seams: 0 applied, 0 pending (applied as SGLang imports their modules; --apply imports them now), " \
+           f"{len(seams)} off by their toggles, 0 refused" in p.stdout
+    assert "OFF      launch.gate" in p.stdout and "FAIL patch.active" in p.stdout
+    assert "== seams (41 declared; in this process, ENABLE_SGLANG_DSV4_A100_PATCH='0')" in p.stdout
+    # by default, the seams as serve's launch environment applies them, whatever this shell has
+    enabled = sum(s.enabled({"ENABLE_SGLANG_DSV4_A100_PATCH": "1"}) for s in seams)  # the vision seams stay off
+    assert enabled < len(seams)
+    p = cli("doctor", "--apply", ENABLE_SGLANG_DSV4_A100_PATCH="0")
+    assert "== seams (41 declared; as SGLang imports them there, ENABLE_SGLANG_DSV4_A100_PATCH='1')" in p.stdout
+    assert "APPLIED  launch.gate" in p.stdout and f"seams: {enabled} applied, 0 pending" in p.stdout
 
 
 def test_serve_refuses_on_this_machine(no_gpu, unit_ckpt):
@@ -100,35 +105,42 @@ def test_serve_refuses_an_open_bind_without_a_key(no_gpu, unit_ckpt):
     p = cli("serve", "--model-path", unit_ckpt, "--host", "0.0.0.0")
     assert p.returncode == 1
     assert ("FAIL server.bind: found --host 0.0.0.0 (not loopback) without --api-key; expected --api-key KEY "
-            "for any address other than loopback") in p.stderr
-    assert "== gate" not in p.stdout and "serve:" not in p.stdout  # refused before anything else
+            "for any address other than loopback") in p.stdout
+    assert p.stdout.strip().endswith("gate: REFUSED, 2 failed (gpu.count, server.bind)"), p.stdout
+    assert "serve:" not in p.stdout  # SGLang was never launched
     p = cli("serve", "--model-path", unit_ckpt, "--host=10.1.2.3", "--api-key", "sk-secret-123")
-    assert "server.bind" not in p.stderr and "FAIL gpu.count" in p.stdout  # past the bind rule, stopped by the gate
+    assert "PASS server.bind: 10.1.2.3 with an API key" in p.stdout and "FAIL gpu.count" in p.stdout
     assert "sk-secret-123" not in p.stdout + p.stderr
     p = cli("serve", "--model-path", unit_ckpt, "--host", "0.0.0.0", DSV4_SM80_ALLOW_OPEN_BIND="1")
-    assert "PASS server.bind: 0.0.0.0 WITHOUT an API key (DSV4_SM80_ALLOW_OPEN_BIND=1)" in p.stderr
+    assert "PASS server.bind: 0.0.0.0 WITHOUT an API key (DSV4_SM80_ALLOW_OPEN_BIND=1)" in p.stdout
     p = cli("serve", "--model-path", unit_ckpt, "--host", "127.0.0.1")
-    assert "server.bind" not in p.stderr
+    assert "PASS server.bind: 127.0.0.1 (loopback)" in p.stdout
 
 
-def test_serve_refuses_nextn_before_sglang_parses_it(no_gpu, unit_ckpt):
-    """NEXTN on a checkpoint whose draft is DSPARK: refused by name before SGLang starts (SGLang's own DSV4
-    hook would only assert "Only EAGLE and DSPARK ..." first, as the H200 run showed); DSPARK goes on to the gate."""
+def test_serve_judges_sglangs_arguments_in_the_gates_report(no_gpu, unit_ckpt):
+    """serve reads SGLang's arguments before SGLang parses them (its own DSV4 hook would only assert "Only EAGLE and
+    DSPARK ..." on NEXTN) and the one report judges them: the speculative draft, the unverified modes, the stages'
+    rules; doctor judges the same arguments the same way."""
     for flag in (["--speculative-algorithm", "NEXTN"], ["--speculative-algorithm=eagle"]):
         p = cli("serve", "--model-path", unit_ckpt, *flag)
         assert p.returncode == 1, p.stderr
-        assert "serve: FAIL speculative.draft: found --speculative-algorithm" in p.stderr
-        assert "fix: use --speculative-algorithm DSPARK" in p.stderr
-        assert "== gate" not in p.stdout and "serve:" not in p.stdout
-    p = cli("serve", "--model-path", unit_ckpt, "--speculative-algorithm", "DSPARK")
-    assert "speculative.draft" not in p.stderr and "FAIL gpu.count" in p.stdout
+        assert "FAIL speculative.draft: found --speculative-algorithm" in p.stdout
+        assert "fix: use --speculative-algorithm DSPARK" in p.stdout and "serve:" not in p.stdout
+    p = cli("serve", "--model-path", unit_ckpt, "--speculative-algorithm", "DSPARK", "--ep", "4",
+            "--kv-cache-dtype=fp8_e5m2", "--moe-runner-backend", "auto", "--pp-size", "2")
+    assert "PASS speculative.draft: DSPARK" in p.stdout and "FAIL gpu.count" in p.stdout
+    assert "FAIL moe.expert_parallel: found --ep-size 4; expected 1: tensor parallelism only" in p.stdout
+    assert "FAIL attention.kv_cache_dtype: found --kv-cache-dtype fp8_e5m2; expected auto or fp8_e4m3 or bfloat16" \
+           in p.stdout and "fix: drop --kv-cache-dtype (the launch then sets bfloat16)" in p.stdout
+    assert "PASS moe.runner_backend: --moe-runner-backend auto, set to marlin at launch" in p.stdout
+    assert "FAIL server.modes: found --pp-size 2 (pipeline parallelism" in p.stdout
+    d = cli("doctor", "--model-path", unit_ckpt, "--ep", "4", "--kv-cache-dtype=fp8_e5m2", "--pp-size", "2")
+    report = [line for line in p.stdout.splitlines() if line.startswith(("PASS", "FAIL", "WARN", "SKIP", "gate:"))]
+    assert [line for line in d.stdout.splitlines() if line in report and "speculative" not in line] == \
+           [line for line in report if "speculative" not in line]
 
 
-def test_redact_and_doctor_keep_secrets_out():
-    from dsv4_sm80.cli import redact
-
-    assert redact(["x", "--api-key", "k1", "--admin-api-key=k2", "--port", "1", "--ssl-keyfile-password", "p"]) == \
-        ["x", "--api-key", "***", "--admin-api-key=***", "--port", "1", "--ssl-keyfile-password", "***"]
+def test_doctor_keeps_secrets_out():
     p = cli("doctor", "--json", HF_TOKEN="hf_secret_token_9", SGLANG_API_KEY="sk-env-secret")
     assert "hf_secret_token_9" not in p.stdout + p.stderr and "sk-env-secret" not in p.stdout + p.stderr
     assert json.loads(p.stdout)["ok"] in (True, False)
@@ -138,7 +150,7 @@ def test_a_cold_first_start_gets_a_longer_watchdog(tmp_path):
     """No SM80 kernel in Triton's cache: SGLang's 300 s scheduler watchdog would kill the compiling first
     forward (native's took over 7.5 minutes cold on an H200), so serve raises it for that start and says so;
     a warm cache or the user's own --watchdog-timeout changes nothing."""
-    from dsv4_sm80.cli import FIRST_START_WATCHDOG_S, first_start_args
+    from dsv4_sm80.stages.launch import FIRST_START_WATCHDOG_S, first_start_args
 
     cold = {"TRITON_CACHE_DIR": str(tmp_path / "triton"), "TVM_FFI_CACHE_DIR": str(tmp_path / "tvm")}
     rest, note = first_start_args(["--port", "30000"], cold)
@@ -285,3 +297,24 @@ def test_doctor_answers_for_serve_by_default(no_gpu, unit_ckpt):
     p = cli("doctor", "--model-path", unit_ckpt, "--as-is")
     assert "FAIL patch.active: found ENABLE_SGLANG_DSV4_A100_PATCH='' in this interpreter" in p.stdout
     assert p.stdout.startswith("doctor: evaluated for this shell's environment as it is (--as-is)")
+
+
+def test_doctor_with_a_switch_outside_its_column(no_gpu):
+    """doctor says what every SGLang launch of that shell would say (the gate's env.knobs line), in its report and
+    without a traceback, for serve's environment (which keeps the bad value) and for the shell as it is."""
+    for as_is in ([], ["--as-is"]):
+        p = cli("doctor", *as_is, ENABLE_SGLANG_DSV4_A100_PATCH="yes")
+        assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+        assert "FAIL env.knobs: found ENABLE_SGLANG_DSV4_A100_PATCH='yes'; expected one of 0, 1" in p.stdout
+        assert "gate: REFUSED, 3 failed (gpu.count, env.knobs, patch.active)" in p.stdout, p.stdout
+        assert ("ENABLE_SGLANG_DSV4_A100_PATCH='yes' as set, outside its column" in p.stdout) is not bool(as_is)
+
+
+def test_compat_check_says_which_environment_it_judges(no_gpu):
+    env = clean_env()
+    env["PYTHONPATH"] = REPO
+    p = subprocess.run([sys.executable, "compat_check.py"], env=env, capture_output=True, text=True, cwd=REPO,
+                       timeout=600)
+    assert p.stdout.startswith("gate: evaluated for this interpreter's environment (ENABLE_SGLANG_DSV4_A100_PATCH='')"
+                               "; `python -m dsv4_sm80 doctor` evaluates the one `serve` launches SGLang in")
+    assert "FAIL patch.active: found ENABLE_SGLANG_DSV4_A100_PATCH='' in this interpreter" in p.stdout

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import REPO, last_json, run_python
-from reference import dequant_fp8_bf16 as reference, e4m3_table, load_raw
+from reference import dequant_fp8_bf16 as reference
+from reference import e4m3_table, load_raw
 
 
 def as_fp8(b: np.ndarray) -> torch.Tensor:
@@ -84,9 +85,11 @@ import numpy as np, torch
 sys.path.insert(0, {tests!r})
 from reference import load_raw
 from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
-init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:{port}", local_rank=0, backend="gloo")
+init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:{port}", local_rank=0,
+                             backend="gloo")
 initialize_model_parallel(1)
-from sglang.srt.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from sglang.srt.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear,
+                                     RowParallelLinear)
 from sglang.srt.layers.quantization.fp8 import Fp8Config
 qc = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[128, 128])
 ckpt = {ckpt!r}

@@ -34,7 +34,8 @@ def test_import_time_defaults_only_where_unset():
 
 
 def test_lab_overrides():
-    assert env.lab_overrides({"DSV4_SM80_LAB_CC": " ", "DSV4_SM80_LAB_GPU_COUNT": "2"}) == {"DSV4_SM80_LAB_GPU_COUNT": "2"}
+    given = {"DSV4_SM80_LAB_CC": " ", "DSV4_SM80_LAB_GPU_COUNT": "2"}
+    assert env.lab_overrides(given) == {"DSV4_SM80_LAB_GPU_COUNT": "2"}
 
 
 def test_the_lab_is_one_switch_in_the_product_contract():

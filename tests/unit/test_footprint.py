@@ -1,10 +1,12 @@
-"""The memory arithmetic (dsv4_sm80/footprint.py) against the published parameter counts and SGLang's own pool sizing."""
+"""The memory arithmetic (dsv4_sm80/footprint.py) against the published parameter counts and SGLang's own pool
+sizing."""
 
 import pytest
 
 from conftest import last_json, run_python
 from dsv4_sm80 import footprint as fp
 from dsv4_sm80.checkpoint import format as fmt
+from dsv4_sm80.stages import launch
 
 GIB = 2 ** 30
 
@@ -78,9 +80,10 @@ def test_512k_fits_on_four_a800s():
 
 
 def test_footprint_cli():
-    from dsv4_sm80.cli import main
     import contextlib
     import io
+
+    from dsv4_sm80.cli import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -104,19 +107,19 @@ def test_startup_report_counts_weights_pool_and_graphs(capsys):
     model.embed = torch.nn.Embedding(1024, 256)  # 1 MiB fp32
     model.vision = torch.nn.Linear(512, 512, bias=False)  # 1 MiB
     model.tied = model.embed  # the same storage twice
-    assert fp.model_bytes(model) == {"weights": 2 ** 20, "vision": 2 ** 20}  # the text part, vision apart
+    assert launch.model_bytes(model) == {"weights": 2 ** 20, "vision": 2 ** 20}  # the text part, vision apart
     model.vision_part = torch.nn.Linear(256, 256, bias=False)  # where the VL class holds its vision part
-    assert fp.model_bytes(model) == {"weights": 2 ** 20, "vision": 2 ** 20 + 2 ** 18}
+    assert launch.model_bytes(model) == {"weights": 2 ** 20, "vision": 2 ** 20 + 2 ** 18}
     del model.vision_part
     pool = ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False)
     table = pool.req_to_token.numel() * pool.req_to_token.element_size()
-    assert table <= fp._unique_bytes(fp.tensors_of(pool), set()) < table + 4096  # + its small free-slot list
+    assert table <= launch._unique_bytes(launch.tensors_of(pool), set()) < table + 4096  # + its small free-slot list
     runner = types.SimpleNamespace(model=model, token_to_kv_pool=pool, graph_mem_usage=1.25,
                                    max_total_num_tokens=4096, is_draft_worker=True, tp_rank=2)
-    line = fp.startup_line(runner)
+    line = launch.startup_line(runner)
     assert line.startswith("[rank 2] dsv4-sm80 footprint (draft): weights 0.00 GiB (+ vision 1.0 MiB), KV pool")
     assert "(4,096 tokens), CUDA graphs 1.25 GiB" in line  # SGLang's figure is in 2^30 bytes
-    fp.log_startup(None, types.SimpleNamespace())  # nothing to report: a message, not an exception
+    launch.log_footprint(None, types.SimpleNamespace())  # nothing to report: a message, not an exception
     assert "dsv4-sm80 footprint: not available (AttributeError" in capsys.readouterr().err
 
 
@@ -142,9 +145,10 @@ def test_startup_report_names_the_moe_expand_workspace():
     def runner(chunk):
         return types.SimpleNamespace(model=model, server_args=types.SimpleNamespace(chunked_prefill_size=chunk))
 
-    assert fp.expand_workspace(runner(16384)) == ""  # no layer marked: nothing to name
+    assert launch.expand_workspace(runner(16384)) == ""  # no layer marked: nothing to name
     model.experts.dsv4_w4a8 = W4A8Layer(torch.ones(1, 1), torch.ones(1, 1), expand_ok=True, repack_seconds=0.0)
-    assert fp.expand_workspace(runner(8192)) == "MoE expand workspace 0.50 GiB transient, not reached: chunked prefill 8,192"
-    assert fp.expand_workspace(runner(16384)) == ("MoE expand workspace 0.50 GiB transient, reached by prefill forwards "
-                                                  "above 8,192 tokens (chunked prefill 16,384)")
-    assert fp.expand_workspace(runner(-1)).endswith("above 8,192 tokens (chunked prefill off)")
+    assert launch.expand_workspace(runner(8192)) == ("MoE expand workspace 0.50 GiB transient, not reached: chunked "
+                                                 "prefill 8,192")
+    assert launch.expand_workspace(runner(16384)) == ("MoE expand workspace 0.50 GiB transient, reached by prefill "
+                                                  "forwards above 8,192 tokens (chunked prefill 16,384)")
+    assert launch.expand_workspace(runner(-1)).endswith("above 8,192 tokens (chunked prefill off)")

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from dsv4_sm80 import gate as cc
-from dsv4_sm80.gate import Facts, GpuFacts, PatchFacts, SGLangFacts
 from dsv4_sm80.checkpoint.safetensors_io import read_header, write_shard
+from dsv4_sm80.gate import Facts, GpuFacts, PatchFacts, SGLangFacts
 
 A800 = [{"index": i, "name": "NVIDIA A800-SXM4-80GB", "cc": "8.0", "memory_gib": 79.3} for i in range(4)]
 H200 = [{"index": 0, "name": "NVIDIA H200", "cc": "9.0", "memory_gib": 139.8}]
@@ -82,7 +82,7 @@ def test_report_json_and_text(unit_ckpt):
     assert doc["ok"] is False
     assert [c["check"] for c in doc["checks"] if c["status"] == "fail"] == ["gpu.count"]
     text = cc.report(f, findings)
-    assert text.splitlines()[-1] == "gate: REFUSED, 1 check(s) failed"
+    assert text.splitlines()[-1] == "gate: REFUSED, 1 failed (gpu.count)"
 
 
 # --- SGLang red lines -----------------------------------------------------------------------------
@@ -101,7 +101,8 @@ def test_dev_preview_refused():
 
 
 def test_wrong_commit():
-    sg = good_sglang(sglang_root="/sgl-workspace/sglang", under_root=True, git_commit="1c0019da" + "0" * 32, git_dirty=[])
+    sg = good_sglang(sglang_root="/sgl-workspace/sglang", under_root=True, git_commit="1c0019da" + "0" * 32,
+                     git_dirty=[])
     assert_only(facts(sglang=sg), "sglang.commit", "git HEAD 1c0019da", "fdebc938f7f4")
 
 
@@ -367,7 +368,10 @@ def test_collect_git_facts(tmp_path, monkeypatch):
     (root / "python" / "sglang").mkdir(parents=True)
     (root / "python" / "sglang" / "__init__.py").write_text("")
     (root / "python" / "sglang" / "_version.py").write_text("__version__ = version = '0.5.16'\n")
-    run = lambda *a: subprocess.run(["git", "-C", str(root), *a], check=True, capture_output=True)
+
+    def run(*a):
+        subprocess.run(["git", "-C", str(root), *a], check=True, capture_output=True)
+
     run("init", "-q")
     run("-c", "user.email=t@t", "-c", "user.name=t", "add", ".")
     run("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x")
@@ -589,7 +593,8 @@ def test_config_wrong_type_and_altered_value(unit_ckpt, tmp_path):
     ({"x": {"shape": [1], "data_offsets": [0, 2]}}, "x: dtype None is not a safetensors dtype"),
     ({"x": {"dtype": "F7", "shape": [1], "data_offsets": [0, 2]}}, "x: dtype 'F7' is not a safetensors dtype"),
     ({"x": {"dtype": "BF16", "shape": [-1], "data_offsets": [0, 2]}}, "x: shape [-1] is not a list of non-negative"),
-    ({"x": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 2]}}, "x: data_offsets [0, 2] span 2 bytes, BF16 [2] is 4"),
+    ({"x": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 2]}},
+     "x: data_offsets [0, 2] span 2 bytes, BF16 [2] is 4"),
     ({"x": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]},
       "y": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}}, "y: data_offsets overlap another tensor's"),
     ({"x": {"dtype": "BF16", "shape": [1], "data_offsets": [2, 4]}}, "x: 2 bytes of gap before it"),
@@ -614,9 +619,9 @@ def test_overlapping_offsets_in_a_real_shard(unit_ckpt, tmp_path):
     tensors[b] = dict(tensors[b], data_offsets=[0, tensors[b]["data_offsets"][1] - tensors[b]["data_offsets"][0]])
     raw_shard(p, tensors, data)
     line = assert_only(facts(ck), "model.shards", "data_offsets overlap another tensor's")
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with pytest.raises(Exception):  # the library agrees
+    with pytest.raises(SafetensorError):  # the library agrees
         safe_open(p, "pt")
     assert "model-00002" in line
 
@@ -635,7 +640,8 @@ def test_index_entries_outside_the_model_folder(unit_ckpt, tmp_path):
         index["weight_map"] = {n: (entry if s == "model-00004-of-00010.safetensors" else s)
                                for n, s in index["weight_map"].items()}
         replace_json(ck, "model.safetensors.index.json", index)
-        assert_only(facts(ck), "model.index", "entries that SGLang would not load", "keep the shards in the model folder")
+        assert_only(facts(ck), "model.index", "entries that SGLang would not load",
+                    "keep the shards in the model folder")
 
 
 def test_tensor_stored_in_two_shards(unit_ckpt, tmp_path):

@@ -178,18 +178,25 @@ def test_sglang_server_args_have_the_field_the_launch_sets():
 
 
 def test_the_launch_seam_sets_the_argument_and_prints_the_warning(monkeypatch, capsys):
-    """`before_launch` (the launch.gate seam) applies the launch arguments of the facts it collected."""
+    """The launch stage (seam launch.gate) applies the launch arguments of the facts it collected and says so."""
     from types import SimpleNamespace
+
+    from dsv4_sm80.stages.launch import gate_and_set_args
 
     for nvml, want in ((FakeNvml(), True), (FakeNvml(nvlink=ALL_PAIRS, links={i: 8 for i in range(4)}), False)):
         f = gate.collect_interconnect(gpus(), nvml)
         facts = Facts(sglang=SGLangFacts(), gpus=gpus(), patch=PatchFacts(), model=gate.collect_model(None),
                       interconnect=f)
-        monkeypatch.setattr(gate, "run_gate", lambda *a, **k: (facts, [gate.check_interconnect(f)]))
+        found = (facts, [gate.check_interconnect(f)])
+        monkeypatch.setattr(gate, "run_gate", lambda *a, _found=found, **k: _found)
         args = SimpleNamespace(model_path="/model", disable_custom_all_reduce=False)
-        assert gate.before_launch(None, args) is None
+        assert gate_and_set_args(None, args) is None
         assert args.disable_custom_all_reduce is want
-        assert ("dsv4-sm80: WARN gpu.interconnect: no NVLink" in capsys.readouterr().err) is want
+        assert (args.moe_runner_backend, args.kv_cache_dtype) == ("marlin", "bfloat16")  # the stages' rules
+        err = capsys.readouterr().err
+        assert ("dsv4-sm80: WARN gpu.interconnect: no NVLink" in err) is want
+        assert ("disable_custom_all_reduce False -> True" in err) is want
+        assert "dsv4-sm80 launch: moe_runner_backend None -> marlin, kv_cache_dtype None -> bfloat16" in err
 
 
 def test_mscclpp_cannot_run_at_the_products_four_ranks():

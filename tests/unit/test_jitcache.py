@@ -1,4 +1,4 @@
-"""JIT caches: the gate's jit.cache check (injected facts and real probes) and the jit.disk_full seam
+"""JIT caches: the gate's jit.cache check (injected facts and real probes) and the launch.jit_disk_full seam
 around SGLang 0.5.16's own load_jit (applied in a fresh interpreter, the build made to hit ENOSPC)."""
 
 import errno
@@ -7,11 +7,11 @@ import os
 import re
 
 import pytest
+from test_gate import facts, failed
 
 import compat_check as cc
 from conftest import REPO, last_json, run_python
 from dsv4_sm80 import jitcache
-from test_gate import facts, failed
 
 
 def cache(label="Triton (TRITON_CACHE_DIR)", path="/root/.triton/cache", **kw):
@@ -96,19 +96,23 @@ def _raise(exc):
                                  RuntimeError("ninja: build stopped: subcommand failed.\n/usr/bin/ld: final "
                                               "link failed: No space left on device")])
 def test_disk_full_build_becomes_a_clear_error(exc, tmp_path):
+    from dsv4_sm80.stages.launch import load_jit_naming_a_full_disk
+
     with pytest.raises(jitcache.JitCacheFull) as e:
-        jitcache.load_jit_clear_disk_error(_raise(exc), "dsv4", "rope", build_directory=str(tmp_path / "m"))
+        load_jit_naming_a_full_disk(_raise(exc), "dsv4", "rope", build_directory=str(tmp_path / "m"))
     msg = str(e.value)
     assert "jit.disk_full" in msg and "'dsv4_rope'" in msg and str(tmp_path / "m") in msg
     assert "GiB free" in msg and "TVM_FFI_CACHE_DIR" in msg and e.value.__cause__ is exc
 
 
 def test_other_build_errors_pass_through_unchanged():
+    from dsv4_sm80.stages.launch import load_jit_naming_a_full_disk
+
     err = RuntimeError("nvcc: error: identifier foo is undefined")
     with pytest.raises(RuntimeError) as e:
-        jitcache.load_jit_clear_disk_error(_raise(err), "m")
+        load_jit_naming_a_full_disk(_raise(err), "m")
     assert e.value is err
-    assert jitcache.load_jit_clear_disk_error(lambda *a, **k: ("ok", a, k), "m", x=1) == ("ok", ("m",), {"x": 1})
+    assert load_jit_naming_a_full_disk(lambda *a, **k: ("ok", a, k), "m", x=1) == ("ok", ("m",), {"x": 1})
 
 
 SEAM_IN_SGLANG = r"""
@@ -168,15 +172,17 @@ def test_triton_cache_write_on_a_full_disk_is_named(tmp_path):
     """A Triton kernel (ours, compiled for sm_80) whose cache write fails for lack of space: with the patch on
     the bootstrap's cache class (Triton's TRITON_CACHE_MANAGER hook) names jit.disk_full, the file, the
     directory and the fix; off, Triton's bare OSError. A user's own cache class is left alone."""
-    on = last_json(run_python(TRITON_FULL, TRITON_INTERPRET="0", ENABLE_SGLANG_DSV4_A100_PATCH="1", TRITON_CACHE_DIR=str(tmp_path / "on")))
+    on = last_json(run_python(TRITON_FULL, TRITON_INTERPRET="0", ENABLE_SGLANG_DSV4_A100_PATCH="1",
+                              TRITON_CACHE_DIR=str(tmp_path / "on")))
     assert on["manager"] == jitcache.TRITON_CACHE_MANAGER
     assert on["out"].startswith("JitCacheFull: dsv4-sm80 jit.disk_full: writing Triton kernel file"), on
     assert str(tmp_path / "on") in on["out"] and "TRITON_CACHE_DIR" in on["out"] and "GiB free" in on["out"]
-    off = last_json(run_python(TRITON_FULL, TRITON_INTERPRET="0", ENABLE_SGLANG_DSV4_A100_PATCH="0", TRITON_CACHE_DIR=str(tmp_path / "off")))
+    off = last_json(run_python(TRITON_FULL, TRITON_INTERPRET="0", ENABLE_SGLANG_DSV4_A100_PATCH="0",
+                               TRITON_CACHE_DIR=str(tmp_path / "off")))
     assert off["manager"] is None and off["out"].startswith("OSError: [Errno 28]"), off
     mine = "triton.runtime.cache:FileCacheManager"
-    user = last_json(run_python(TRITON_FULL, TRITON_INTERPRET="0", ENABLE_SGLANG_DSV4_A100_PATCH="1", TRITON_CACHE_MANAGER=mine,
-                                TRITON_CACHE_DIR=str(tmp_path / "user")))
+    user = last_json(run_python(TRITON_FULL, TRITON_INTERPRET="0", ENABLE_SGLANG_DSV4_A100_PATCH="1",
+                                TRITON_CACHE_MANAGER=mine, TRITON_CACHE_DIR=str(tmp_path / "user")))
     assert user["manager"] == mine and user["out"].startswith("OSError: [Errno 28]"), user
 
 

@@ -18,14 +18,15 @@ import torch
 sys.path.insert(0, {tests!r})
 from reference import load_raw
 from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
-init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:{port}", local_rank=0, backend="gloo")
+init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:{port}", local_rank=0,
+                             backend="gloo")
 initialize_model_parallel(1)
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 ckpt = {ckpt!r}
 server_args = ServerArgs(model_path=ckpt, device="cpu", skip_tokenizer_init=True, moe_runner_backend="marlin")
 set_global_server_args_for_scheduler(server_args)
 from sglang.srt.layers.moe import initialize_moe_config
-initialize_moe_config(server_args)  # marlin: what the moe.launch_args seam makes of "auto"
+initialize_moe_config(server_args)  # marlin: what the launch makes of "auto" (the moe.runner_backend rule)
 from sglang.srt.layers.quantization.fp8 import Fp8Config
 from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput
@@ -120,18 +121,24 @@ def _args(**kw):
     return SimpleNamespace(**base)
 
 
-def test_launch_sets_marlin_runner_and_refuses_expert_parallelism():
-    import compat_check
-    from dsv4_sm80.stages.moe import route_experts_at_launch
+def test_the_stages_rule_sets_marlin_and_refuses_expert_parallelism():
+    """The MoE stage's rules on SGLang's arguments (seams.SERVER_ARGS), judged by the gate and set by the launch."""
+    from dsv4_sm80.gate import checks as cc
+    from dsv4_sm80.seams import SERVER_ARGS
 
+    rules = {r.name: r for r in SERVER_ARGS if r.name.startswith("moe.")}
+    assert set(rules) == {"moe.runner_backend", "moe.expert_parallel", "moe.a2a_backend"}
     args = _args()
-    assert route_experts_at_launch(None, args) is None and args.moe_runner_backend == "marlin"
-    for bad, phrase in ((_args(ep_size=4), "found --ep-size 4"),
-                        (_args(moe_a2a_backend="deepep"), "--moe-a2a-backend deepep"),
-                        (_args(moe_runner_backend="triton"), "moe.runner_backend: found --moe-runner-backend triton")):
-        with pytest.raises(compat_check.GateRefused, match=phrase) as info:
-            route_experts_at_launch(None, bad)
-        assert "fix:" in str(info.value)
+    assert {n: cc.check_server_arg(r, args).status for n, r in rules.items()} == dict.fromkeys(rules, "pass")
+    assert cc.server_arg_settings(args) == {"moe_runner_backend": "marlin", "kv_cache_dtype": "bfloat16"}
+    assert cc.server_arg_settings(_args(moe_runner_backend="marlin")) == {"kv_cache_dtype": "bfloat16"}
+    for bad, name, line in ((_args(ep_size=4), "moe.expert_parallel",
+                             "FAIL moe.expert_parallel: found --ep-size 4"),
+                            (_args(moe_a2a_backend="deepep"), "moe.a2a_backend", "found --moe-a2a-backend deepep"),
+                            (_args(moe_runner_backend="triton"), "moe.runner_backend",
+                             "FAIL moe.runner_backend: found --moe-runner-backend triton; expected auto or marlin")):
+        f = cc.check_server_arg(rules[name], bad)
+        assert f.status == "fail" and line in f.line() and f.fix.startswith("drop --"), f.line()
 
 
 def test_engine_with_expert_parallelism_is_refused_before_any_scheduler(unit_ckpt):
@@ -141,10 +148,11 @@ import sglang
 try:
     sglang.Engine(model_path={unit_ckpt!r}, skip_tokenizer_init=True, tp_size=2, ep_size=2, device="cpu")
 except BaseException as e:
-    print(type(e).__name__, str(e).splitlines()[-1])
+    print(type(e).__name__, str(e).replace(chr(10), " | "))
 """
     res = run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1", timeout=300)
-    assert "GateRefused FAIL moe.expert_parallel: found --ep-size 2" in res.stdout, res.stdout + res.stderr[-3000:]
+    assert res.stdout.startswith("GateRefused") and "FAIL moe.expert_parallel: found --ep-size 2" in res.stdout, \
+        res.stdout + res.stderr[-3000:]
 
 
 ROUTING = """

@@ -29,11 +29,7 @@ for name in by_module(apply.all_seams()):
     importlib.import_module(name)
 chains = {}
 for s in apply.all_seams():
-    owner = sys.modules[s.module]
-    for part in s.attr_path[:-1]:
-        owner = getattr(owner, part)
-    raw = vars(owner)[s.attr_path[-1]]
-    chains[s.target] = apply._marks(getattr(raw, "__func__", raw))
+    chains[s.target] = apply._marks(apply.bound(s))
 print(json.dumps({"imported": len(names), "lab": sorted(m for m in sys.modules if m.split(".")[0] == "dsv4_lab"),
                   "status": {s["name"]: s["state"] for s in apply.status()}, "chains": chains}))
 """

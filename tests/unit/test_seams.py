@@ -7,8 +7,11 @@ import pytest
 
 from conftest import last_json, run_python
 from dsv4_sm80 import apply
-from dsv4_sm80.seams import SEAMS, Seam, validate_table
-from dsv4_sm80.upstream import locate_sglang
+from dsv4_sm80.seams import SEAMS, SERVER_ARGS, STAGES, Seam, order_problems, validate_table
+from dsv4_sm80.upstream import locate_sglang, target_state
+from vision_backport.seams import VISION_SEAMS
+
+ALL = (*SEAMS, *VISION_SEAMS)  # the product's table, then the vision overlay's, as the applier appends them
 
 pytestmark = pytest.mark.sglang
 
@@ -20,9 +23,43 @@ def sglang_dir():
 
 
 def test_table_is_well_formed():
-    assert validate_table() == []
-    assert len({s.name for s in SEAMS}) == len(SEAMS) >= 1
-    assert {s.overlay for s in SEAMS} == {"sm80", "vision"}  # the lab's seams live in its own table
+    assert validate_table() == [] and validate_table(VISION_SEAMS) == [] and validate_table(ALL) == []
+    assert {s.overlay for s in SEAMS} == {"sm80"} and {s.overlay for s in VISION_SEAMS} == {"vision"}
+    assert all(s.name.startswith("vision.") and s.replacement.startswith("vision_backport.") for s in VISION_SEAMS)
+    assert apply.all_seams({}) == ALL  # the lab's table joins only with its switch
+
+
+def test_table_keeps_its_order_rule():
+    """One block per stage in STAGES order, each replacement in its stage's file; one seam on SGLang's launch."""
+    assert order_problems() == []
+    assert [s.name.split(".")[0] for s in SEAMS] == sorted((s.name.split(".")[0] for s in SEAMS), key=STAGES.index)
+    assert [s.name for s in SEAMS if s.target.endswith("Engine._launch_subprocesses")] == ["launch.gate"]
+    swapped = (SEAMS[3], *SEAMS[:3], *SEAMS[4:])  # a dense seam ahead of the launch block
+    assert order_problems(swapped) == ["launch.gate: the launch block comes after dense, against STAGES",
+                                       "dense.weight_loader_v2: a second dense block (after launch)"]
+    stray = Seam("dense.x", "sglang.srt.entrypoints.engine:Engine.f", "around", "dsv4_sm80.stages.moe:f", "r",
+                 "srt/entrypoints/engine.py:1")
+    assert order_problems([*SEAMS, stray]) == ["dense.x: replacement dsv4_sm80.stages.moe:f is not in "
+                                               "dsv4_sm80/stages/dense.py", "dense.x: a second dense block (after "
+                                               "requests)"]
+
+
+def test_server_arg_rules_hold_against_sglangs_parser(sglang_dir):
+    """Each stage's rule names a real ServerArgs field, its flag and SGLang's own default, in a fingerprinted file."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from dsv4_sm80.upstream import FINGERPRINTS
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    actions = {a.dest: a for a in parser._actions}
+    for rule in SERVER_ARGS:
+        stage = rule.name.split(".")[0]
+        assert stage in STAGES and rule.attr in actions, rule.name
+        assert rule.flag in actions[rule.attr].option_strings and str(actions[rule.attr].default) == rule.default
+        assert rule.upstream.split(":")[0] in FINGERPRINTS and set(rule.sets.values()) <= set(rule.runs), rule.name
 
 
 def test_lab_table_is_well_formed():
@@ -49,7 +86,7 @@ def test_declared_lines_hold_the_target(sglang_dir):
     """`upstream` file:line points at the definition it replaces, in the real 0.5.16 file (the lab's seams too)."""
     from dsv4_lab.seams import LAB_SEAMS
 
-    for s in (*SEAMS, *LAB_SEAMS):
+    for s in (*ALL, *LAB_SEAMS):
         path = os.path.join(sglang_dir, s.upstream_file)
         first = int(re.match(r"[^:]+:(\d+)", s.upstream).group(1))
         line = open(path, encoding="utf-8").read().splitlines()[first - 1]
@@ -60,17 +97,13 @@ def test_declared_lines_hold_the_target(sglang_dir):
 
 APPLY_ALL = """
 import importlib, json, sys
-from dsv4_sm80.seams import SEAMS, by_module
-for name in by_module(SEAMS):
-    importlib.import_module(name)
 from dsv4_sm80 import apply
+from dsv4_sm80.seams import by_module
+for name in by_module(apply.all_seams()):
+    importlib.import_module(name)
 marks = {}
-for s in SEAMS:
-    owner = sys.modules[s.module]
-    for part in s.attr_path[:-1]:
-        owner = getattr(owner, part)
-    raw = vars(owner)[s.attr_path[-1]]
-    raw = getattr(raw, "__func__", raw)
+for s in apply.all_seams():
+    raw = apply.bound(s)
     # a value seam's mark is its value: the replacement applied to its own result changes nothing (one that
     # returns its input unchanged and acts by a side effect says itself whether that happened: .applied())
     # callables: the seam's mark is on its wrapper, somewhere along the chain (stages may stack)
@@ -89,18 +122,18 @@ def test_toggle_on_applies_every_seam_once(sglang_dir):
     out = last_json(run_python(APPLY_ALL, ENABLE_SGLANG_DSV4_A100_PATCH="1", DSV4_SM80_VISION="1"))
     native_only = {"vision.native_window"}
     assert [(s["name"], s["state"], s["applied_count"]) for s in out["status"]] == \
-           [(s.name, "off", 0) if s.name in native_only else (s.name, "applied", 1) for s in SEAMS]
-    assert out["marks"] == {s.name: None if s.name in native_only else s.name for s in SEAMS}
+           [(s.name, "off", 0) if s.name in native_only else (s.name, "applied", 1) for s in ALL]
+    assert out["marks"] == {s.name: None if s.name in native_only else s.name for s in ALL}
 
 
 def test_vision_overlay_alone_on_native_sglang(sglang_dir):
     """Patch off, DSV4_SM80_VISION=1: the vision overlay's seams (with the native image window, not the SM80 one)
     and nothing of the SM80 datapath, so the VL model can be compared on SGLang's own path."""
     out = last_json(run_python(APPLY_ALL, ENABLE_SGLANG_DSV4_A100_PATCH="0", DSV4_SM80_VISION="1"))
-    vision = [s.name for s in SEAMS if s.overlay == "vision" and s.name != "vision.sm80_window"]
+    vision = [s.name for s in VISION_SEAMS if s.name != "vision.sm80_window"]
     assert "vision.native_window" in vision and "vision.whole_image_blocks" in vision
     assert {s["name"]: s["state"] for s in out["status"]} == {
-        s.name: ("applied" if s.name in vision else "off") for s in SEAMS}
+        s.name: ("applied" if s.name in vision else "off") for s in ALL}
     assert {k for k, v in out["marks"].items() if v} == set(vision)
 
 
@@ -128,9 +161,8 @@ print(json.dumps({"again": again, "reinstalled": reinstalled, "finders": finders
                   "count": apply.status()[0]["applied_count"], "chain": apply._marks(raw)}))
 """
     out = last_json(run_python(code, ENABLE_SGLANG_DSV4_A100_PATCH="1"))
-    # three stages wrap this target (the gate; the MoE and attention launch settings outside it): each once
-    assert out == {"again": False, "reinstalled": True, "finders": 1, "count": 2,
-                   "chain": ["attention.kv_dtype", "moe.launch_args", "launch.gate"]}
+    # one seam on SGLang's launch (the stages' server-argument rules are applied inside it)
+    assert out == {"again": False, "reinstalled": True, "finders": 1, "count": 2, "chain": ["launch.gate"]}
 
 
 def _farm(src: str, dst: str, changed_rel: str) -> str:
@@ -170,17 +202,19 @@ except BaseException as e:
     out = last_json(run_python(code, pythonpath=(str(root),), ENABLE_SGLANG_DSV4_A100_PATCH="0"))
     assert out["imported"].startswith(str(root))
     # doctor's static preview reports the same
-    from dsv4_sm80.cli import seam_preview
-
-    assert "is not the 0.5.16 file" in seam_preview(SEAMS[0], str(root / "sglang"))
-    assert seam_preview(SEAMS[0], sglang_dir) == "ok"
+    gate_seam = SEAMS[0]
+    assert target_state(str(root / "sglang"), gate_seam.upstream_file, gate_seam.attr_path) == \
+        "srt/entrypoints/engine.py is not the 0.5.16 file"
+    assert target_state(sglang_dir, gate_seam.upstream_file, gate_seam.attr_path) == "ok"
+    assert target_state(sglang_dir, gate_seam.upstream_file, ("Engine", "nope")) == \
+        "target Engine.nope not defined in srt/entrypoints/engine.py"
 
 
 def test_missing_target_is_refused(sglang_dir):
     import sglang.srt.entrypoints.engine as m
 
     ghost = Seam("test.ghost", "sglang.srt.entrypoints.engine:Engine.no_such_method", "replace",
-                 "dsv4_sm80.gate:before_launch", "test", "srt/entrypoints/engine.py:1")
+                 "dsv4_sm80.stages.launch:gate_and_set_args", "test", "srt/entrypoints/engine.py:1")
     with pytest.raises(apply.SeamRefusal, match=r"test.ghost: target .*no_such_method not found"):
         apply.apply_seam(ghost, m)
     assert not isinstance(apply.SeamRefusal("x"), Exception)  # survives SGLang's `except Exception`
@@ -259,3 +293,14 @@ print(json.dumps(out))
     assert "armed" not in proc.stderr
     assert off["wrapper"] == "dsv4_sm80.stages.mhc" and not any(v is True for v in off.values()), off
     assert not off["call"].startswith("TripwireError"), off
+
+
+def test_the_architecture_page_lists_every_seam_and_rule():
+    """docs/architecture.md answers "where does the replacement for X live": a row per seam, each rule named."""
+    from conftest import REPO
+
+    page = open(os.path.join(REPO, "docs", "architecture.md"), encoding="utf-8").read()
+    for s in ALL:
+        file = s.replacement.split(":")[0].replace(".", "/") + ".py"
+        assert f"| `{s.name}` ({s.kind}) | `{file}`: `{s.replacement.split(':')[1]}` |" in page, s.name
+    assert all(f"`{r.name}`" in page for r in SERVER_ARGS)

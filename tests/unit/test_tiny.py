@@ -14,8 +14,8 @@ import pytest
 
 from dsv4_sm80.checkpoint import format as fmt
 from dsv4_sm80.checkpoint.safetensors_io import read_header
-from conftest import REPO
 from reference import dequant_fp8, dequant_mxfp4, e2m1_table, e8m0, load_raw
+
 
 def test_config_is_0731_with_widths_changed(unit_ckpt):
     cfg = json.load(open(os.path.join(unit_ckpt, "config.json")), object_pairs_hook=OrderedDict)
@@ -71,7 +71,8 @@ def test_shards_index_and_dtypes(unit_ckpt):
         elif ".experts." in name:
             part = name.rsplit(".", 2)[-2]
             assert (dtype, shape) == ("I8", (M, H // 2) if part in ("w1", "w3") else (H, M // 2)), name
-        elif name.endswith(("attn_sink", ".ape", "gate.bias")) or ".hc_" in name or name.startswith("hc_") or ".hc_head" in name:
+        elif (name.endswith(("attn_sink", ".ape", "gate.bias")) or ".hc_" in name or name.startswith("hc_")
+              or ".hc_head" in name):
             assert dtype == "F32", name
         elif name.endswith("tid2eid"):
             assert dtype == "I64" and shape == (cfg["vocab_size"], cfg["num_experts_per_tok"])

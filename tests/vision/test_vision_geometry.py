@@ -75,8 +75,8 @@ def test_block_layout_against_the_oracle_and_invariants():
 
 def test_two_by_two_example():
     b = ip.image_block(3, 2, 2)  # START right at position 3: no alignment pad
-    P, S, I, N, E = ip.IMAGE_PAD, ip.IMAGE_START, ip.IMAGE, ip.IMAGE_NEW_LINE, ip.IMAGE_END
-    assert list(b.types) == [S, I, I, I, I, N, N, P, P, E] and list(b.perm) == [0, 2, 1, 3]
+    P, S, G, N, E = ip.IMAGE_PAD, ip.IMAGE_START, ip.IMAGE, ip.IMAGE_NEW_LINE, ip.IMAGE_END
+    assert list(b.types) == [S, G, G, G, G, N, N, P, P, E] and list(b.perm) == [0, 2, 1, 3]
 
 
 def brute_force_keys(seq_len, spans, window=128):

@@ -5,9 +5,9 @@ import glob
 import os
 
 import pytest
-from conftest import REPO
 import torch
 
+from conftest import REPO
 from vision_backport import model as M
 from vision_backport.image_processing import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_PAD, IMAGE_START
 
@@ -127,7 +127,8 @@ def test_installed_with_the_experimental_switch(unit_vision_ckpt, unit_ckpt, vis
     stock, vl = "sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM", "vision_backport.model.DeepseekV4ForCausalLM"
     assert out["text"] == {"multimodal": False, "image": False, "cls": vl if vision == "1" else stock}
     if vision == "1":
-        assert out["vision"] == {"multimodal": True, "image": True, "cls": "vision_backport.model.DeepseekV4ForCausalLM",
+        assert out["vision"] == {"multimodal": True, "image": True,
+                                 "cls": "vision_backport.model.DeepseekV4ForCausalLM",
                                  "processor": "DeepseekV4VLImageProcessor", "placeholder": 129264}
     else:
         assert out["vision"] == {"multimodal": False, "image": False, "cls": stock}
@@ -152,8 +153,8 @@ def test_visible_window_lists_against_brute_force():
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
     from sglang.kernels.ops.attention.dsv4_attn_metadata_kernels import build_causal_swa_page_indices
 
-    from vision_backport.window import visible_swa_lists
     from vision_backport.visible_window import visible_windows
+    from vision_backport.window import visible_swa_lists
 
     g = torch.Generator().manual_seed(0)
     ctx, pool = 1200, 5000
@@ -210,5 +211,6 @@ def test_forward_places_images_only_in_extends(monkeypatch):
     monkeypatch.setattr(text, "forward", lambda self, ids, pos, fb, *rest: seen.append(fb.forward_mode.name) or "text")
     vl = object.__new__(cls)
     for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
-        assert cls.forward(vl, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), batch(mode)) == "text"
+        ids = torch.zeros(2, dtype=torch.long)
+        assert cls.forward(vl, ids, torch.zeros(2, dtype=torch.long), batch(mode)) == "text"
     assert seen == ["DECODE", "TARGET_VERIFY"]

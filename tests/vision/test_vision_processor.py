@@ -34,13 +34,15 @@ def test_images_decoded_and_refused_with_the_check_named(tmp_path):
     assert P.load_and_check(Image.new("L", (100, 100)), 0).mode == "RGB"
     assert P.load_and_check(data_url(png(800, 100)), 0).size == (800, 100)  # exactly 8:1 is accepted
     refusals = {
-        "corrupt": ("data:image/png;base64," + base64.b64encode(b"\x89PNG not really").decode(), "image 3: cannot be decoded"),
+        "corrupt": ("data:image/png;base64," + base64.b64encode(b"\x89PNG not really").decode(),
+                    "image 3: cannot be decoded"),
         "missing file": (str(tmp_path / "nope.png"), "image 3: cannot be decoded"),
-        "too wide": (data_url(png(900, 100)), "image 3: aspect ratio 9.0:1 (900x100) is beyond the model's vision_max_wh_ratio 8:1"),
+        "too wide": (data_url(png(900, 100)),
+                     "image 3: aspect ratio 9.0:1 (900x100) is beyond the model's vision_max_wh_ratio 8:1"),
         "too tall": (data_url(png(100, 1000)), "image 3: aspect ratio 10.0:1 (100x1000)"),
         "zero size": (Image.new("RGB", (0, 5)), "image 3: size 0x5; both sides must be positive"),
     }
-    for name, (data, msg) in refusals.items():
+    for data, msg in refusals.values():
         with pytest.raises(P.ImageRefused, match=msg.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
             P.load_and_check(data, 3)
     assert issubclass(P.ImageRefused, ValueError)  # SGLang answers ValueErrors with 400
@@ -93,9 +95,11 @@ def test_chat_content_to_placeholders():
         ([{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
          "message 0 .assistant.: images are accepted in user messages only"),
         ([{"role": "user", "content": f"look {P.PLACEHOLDER}"}], "its content contains the image placeholder"),
-        ([{"role": "user", "content": [{"type": "text", "text": P.PLACEHOLDER}]}], "a text block contains the image placeholder"),
+        ([{"role": "user", "content": [{"type": "text", "text": P.PLACEHOLDER}]}],
+         "a text block contains the image placeholder"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "without a URL or data"),
-        ([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}], "'video_url' is not supported"),
+        ([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}],
+         "'video_url' is not supported"),
     ]
     for m, msg in bad:
         with pytest.raises(P.ImageRefused, match=msg):
@@ -107,11 +111,11 @@ def test_sglang_processor_end_to_end(tmp_path):
     """The processor class on SGLang 0.5.16's base, with the stand-in tokenizer and SGLang's own DSV4 chat
     encoding: a two-image chat becomes ids with both blocks and two image items."""
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
+    from sglang.srt.entrypoints.openai import encoding_dsv4
     from transformers import AutoTokenizer
 
     from dsv4_sm80.checkpoint import format as fmt
     from dsv4_sm80.tiny.tokenizer import write_tokenizer
-    from sglang.srt.entrypoints.openai import encoding_dsv4
 
     write_tokenizer(str(tmp_path), 129280)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))

@@ -78,11 +78,12 @@ from dsv4_lab import routes as L
 from dsv4_lab.seams import LAB_SEAMS
 from dsv4_sm80 import apply
 from dsv4_sm80.seams import SEAMS
+from vision_backport.seams import VISION_SEAMS
 
 def stacked(target, *hooks):  # target wrapped by the named seams' hooks in table order, as the applier stacks them
     fn = target
     for name, hook in hooks:
-        fn = apply._wrap(next(s for s in (*SEAMS, *LAB_SEAMS) if s.name == name), fn, hook)
+        fn = apply._wrap(next(s for s in (*SEAMS, *VISION_SEAMS, *LAB_SEAMS) if s.name == name), fn, hook)
     return fn
 
 TOPK = stacked(TopK.forward_native, ("vision.topk", R.topk_with_vl), ("lab.route_trace_topk", L.topk))
@@ -119,7 +120,8 @@ for scaled in (False,):  # SGLang's torch-native TopK (the CPU path) does not sc
     pw, pi = rows(plain.topk_weights, plain.topk_ids)
     out["topk_differ"] = int(((wi != pi).any(-1) & mask).sum())
     out[f"topk{{int(scaled)}}"] = dict(ids=torch.equal(gi, wi), w=float((gw - ww).abs().max()),
-                                       text_same=torch.equal(gi[~mask], pi[~mask]) and torch.equal(gw[~mask], pw[~mask]),
+                                       text_same=(torch.equal(gi[~mask], pi[~mask])
+                                                  and torch.equal(gw[~mask], pw[~mask])),
                                        no_mask_same=torch.equal(untouched.topk_ids, plain.topk_ids))
 os.environ["SGLANG_OPT_USE_FUSED_HASH_TOPK"] = "0"
 hk = HashTopK(topk=K, num_experts=E, num_fused_shared_experts=0, vocab_size=V, scoring_func="sqrtsoftplus",
@@ -150,18 +152,17 @@ def test_hooks_route_image_rows_by_bias_vl_in_sglangs_topk(unit_ckpt, tmp_path):
     rows stay SGLang's own, the routed scaling applied exactly where the layer applies it; hash layers
     never index their token table with an image pad value (which, unpatched, is out of range)."""
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16; this check needs it")
-    import os
-
-    from conftest import last_json, run_python
 
     from conftest import REPO as root
+    from conftest import last_json, run_python
     out = last_json(run_python(HOOKS.format(root=root, ckpt=unit_ckpt, tmp=str(tmp_path)), TORCHDYNAMO_DISABLE="1"))
     for key in ("topk0",):
         r = out[key]
         assert r["ids"] and r["text_same"] and r["no_mask_same"] and r["w"] < 1e-6, (key, r)
     assert out["hash"]["ids"] and out["hash"]["w"] < 1e-6, out["hash"]
     assert out["hash_unpatched"] in ("IndexError", "RuntimeError"), out
-    # DSV4_SM80_LAB_ROUTE_TRACE (the lab's seams on the vision hooks): one line per call that had image rows (the no-mask call writes none)
+    # DSV4_SM80_LAB_ROUTE_TRACE (the lab's seams on the vision hooks): one line per call that had image rows (the
+    # no-mask call writes none)
     topk, hashed = out["trace"]
     assert topk == {"kind": "topk", "rows": 11, "image_rows": 6, "image_rows_bias_vl": 6,
                     "image_rows_differ_from_text_rule": out["topk_differ"], "text_rows_changed": 0}, out

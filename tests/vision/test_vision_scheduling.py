@@ -122,7 +122,8 @@ def sglang_later_chunk(adder, req):
     return req
 
 out = {}
-for name, n, block in (("moved_to_end", 300, (200, 290)), ("moved_not_to_end", 900, (200, 290)), ("not_moved", 900, (10, 20))):
+for name, n, block in (("moved_to_end", 300, (200, 290)), ("moved_not_to_end", 900, (200, 290)),
+                       ("not_moved", 900, (10, 20))):
     req, adder = req_with_block(n, block), SimpleNamespace(new_chunked_req=None)
     add_req_unchunked_when_whole(sglang_chunked_branch, adder, req, False, None)
     out[name] = [req.extend_range.end, adder.new_chunked_req is req]
@@ -140,8 +141,8 @@ print(json.dumps(out))
 
 @pytest.mark.sglang
 def test_a_chunk_moved_to_the_prompt_end_is_not_chunked_any_more(unit_ckpt):
-    """On the H200 (2026-12-01, --chunked-prefill-size 256) an image block across SGLang's 256-token cut moved the cut to
-    the prompt's end, but SGLang had already flagged the request chunked and scheduled an empty extend next round
+    """On the H200 (2026-12-01, --chunked-prefill-size 256) an image block across SGLang's 256-token cut moved the cut
+    to the prompt's end, but SGLang had already flagged the request chunked and scheduled an empty extend next round
     (its compressor plan refused it: c_plan.cuh:507). The wrappers around PrefillAdder's admission clear the flag
     exactly when the moved cut reached the prompt's end, on SGLang's real Req with the whole-block seam applied."""
     pytest.importorskip("sglang", reason="CI installs sglang==0.5.16")

@@ -56,14 +56,14 @@ def reference(tower, aligner, patches, n_h, n_w):
     x = rms(x, P["norm.weight"])
     lh, lw = -(-n_h // R), -(-n_w // R)
     cells = torch.zeros(lh * lw, DIM * R * R, dtype=torch.float64)
-    for I in range(lh):
-        for J in range(lw):
+    for ci in range(lh):
+        for cj in range(lw):
             for c in range(DIM):
                 for ky in range(R):
                     for kx in range(R):
-                        y, xx = I * R + ky, J * R + kx
+                        y, xx = ci * R + ky, cj * R + kx
                         if y < n_h and xx < n_w:
-                            cells[I * lw + J, c * R * R + ky * R + kx] = x[y * n_w + xx, c]
+                            cells[ci * lw + cj, c * R * R + ky * R + kx] = x[y * n_w + xx, c]
     a = cells @ P["al.w1.weight"].T + P["al.w1.bias"]
     a = 0.5 * a * (1 + torch.erf(a / math.sqrt(2)))
     return x, a @ P["al.w2.weight"].T + P["al.w2.bias"]

@@ -35,8 +35,7 @@ def _setup(rows_override=None, spans=((40, 420),), mode_extend=True):
 
 def test_lists_widened_during_the_call_and_restored(monkeypatch):
     monkeypatch.setenv("SGLANG_OPT_FLASHMLA_SPARSE_PREFILL", "0")  # what the bootstrap sets in this mode
-    from vision_backport.window import visible_swa_lists
-    from vision_backport.window import native_forward_with_window
+    from vision_backport.window import native_forward_with_window, visible_swa_lists
 
     self_, fb, core, causal, lens, r2t, f2s = _setup()
     seen = {}
