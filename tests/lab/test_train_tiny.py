@@ -102,12 +102,10 @@ def test_written_checkpoint_passes_the_gate_and_loads_trained_weights_in_the_ora
     assert torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1] > 0.99
 
 
-def _fp8(cfg, name, _cache={}):
-    if not _cache:
-        from dsv4_sm80.checkpoint import format as fmt
+def _fp8(cfg, name):
+    from dsv4_sm80.checkpoint import format as fmt
 
-        _cache.update({s.name: s.init == "fp8" for s in fmt.inventory(cfg)})
-    return _cache.get(name, False)
+    return any(s.name == name and s.init == "fp8" for s in fmt.inventory(cfg))
 
 
 def test_draft_tensors_are_written_under_the_official_names(trained):
