@@ -173,7 +173,12 @@ class Report:
         work = sum(r.seconds for r in self.results if r.status == "built")
         return (f"jit_seed: {len(self.results)} modules: {self.count('built')} built, {self.count('present')} "
                 f"already built, {self.count('skipped')} skipped, {self.count('failed')} failed; "
-                f"{self.wall:.1f} s wall for {work:.1f} s of builds")
+                f"{self.wall:.1f} s wall for {work:.1f} s of builds" + self.slowest())
+
+    def slowest(self, n: int = 5) -> str:
+        """The longest builds: what a cold host's wall time is made of."""
+        top = sorted((r for r in self.results if r.status == "built"), key=lambda r: -r.seconds)[:n]
+        return "; slowest: " + ", ".join(f"{r.name} {r.seconds:.0f} s" for r in top) if top else ""
 
 
 def _lock(directory: Path):

@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--speculative-algorithm", help="DSPARK: the trained draft stages in the checkpoint")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
+    ap.add_argument("--max-total-tokens", type=int, help="cap the KV pool: engines sharing one GPU each take only this")
     args = ap.parse_args(argv)
 
     from dsv4_lab.train import data
@@ -68,6 +69,8 @@ def main(argv=None) -> int:
               "gpu": torch.cuda.get_device_name(0), "sglang": sglang.__version__, "python": platform.python_version(),
               "ckpt": args.ckpt, "args": vars(args), "timings": {}}
     extra = {"speculative_algorithm": args.speculative_algorithm} if spec else {}
+    if args.max_total_tokens:
+        extra["max_total_tokens"] = args.max_total_tokens
     t0 = time.time()
     engine = sglang.Engine(model_path=args.ckpt, skip_tokenizer_init=True, tp_size=1,
                            moe_runner_backend=args.moe_runner_backend, disable_cuda_graph=args.no_cuda_graph,

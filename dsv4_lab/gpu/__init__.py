@@ -1,0 +1,1 @@
+"""The lab's GPU suite: jobs (`suite`), their verdicts (`verdicts`) and a resumable runner (`runner`)."""

@@ -1,0 +1,136 @@
+"""The suite's verdicts: each reads a job's record and holds it to a fixed threshold.
+
+`tests/gpu/test_core.py` asserts them; the runner prints them after every call. A verdict whose record is absent
+is `not measured` (never a pass). The thresholds:
+- bits per byte on the held-out windows, per path: within BPB_REL of the reference's under R_q;
+- the SM80 path against native on the same records: greedy agreement with R_q's greedy no more than
+  GREEDY_MARGIN ids (of 128) below native's, long-decode NLL drift no more than DRIFT_MARGIN nats above native's
+  at each temperature (drift: the last 500-id segment's mean NLL under R_q less the first's);
+- DSPARK: accept length at least ACCEPT_MIN on every path, and the SM80 path's at least ACCEPT_VS_NATIVE of
+  native's. The DSPARK speed-up is recorded, never asserted (engines share the GPU);
+- the attention kit, the kernel tests and the HTTP check: every case of their record passed.
+"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+BPB_REL = 0.005
+GREEDY_MARGIN = 8.0
+DRIFT_MARGIN = 0.10
+ACCEPT_MIN = 1.5
+ACCEPT_VS_NATIVE = 0.95
+
+
+@dataclass(frozen=True)
+class Verdict:
+    name: str
+    ok: bool | None  # None: not measured
+    figure: str
+
+    def __str__(self) -> str:
+        mark = {True: "PASS", False: "FAIL", None: "----"}[self.ok]
+        return f"{mark} {self.name}: {self.figure}"
+
+
+def _missing(name: str, what: str) -> Verdict:
+    return Verdict(name, None, f"not measured ({what})")
+
+
+def trained(t: dict | None) -> list[Verdict]:
+    """Verdicts of `trained.json` (`python -m dsv4_lab.gpu score`): per path, then the SM80 path against native."""
+    paths = (t or {}).get("paths", {})
+    out = []
+    for p in ("native", "sm80"):
+        name = f"{p}: bits per byte within {BPB_REL:.1%} of R_q"
+        if p not in paths:
+            out.append(_missing(name, f"no {p} record" if t else "no trained.json"))
+            continue
+        ref = t["reference"]["R_q"]["bits_per_byte"]
+        bpb = paths[p]["bits_per_byte"]
+        rel = (bpb - ref) / ref
+        out.append(Verdict(name, abs(rel) <= BPB_REL, f"{bpb:.4f} against R_q {ref:.4f} ({rel:+.2%})"))
+    for p in ("native", "sm80"):
+        name = f"{p}: DSPARK accept length >= {ACCEPT_MIN}"
+        acc = paths.get(p, {}).get("dspark_accept_len")
+        if acc is None:
+            out.append(_missing(name, f"no {p} DSPARK record"))
+        else:
+            out.append(Verdict(name, acc >= ACCEPT_MIN, f"{acc:.2f}; speed-up {paths[p]['dspark_speedup']:.2f}x "
+                                                        f"(recorded), greedy identical to plain: "
+                                                        f"{paths[p]['dspark_greedy_identical']}"))
+    return out + against_native(paths.get("native"), paths.get("sm80"))
+
+
+def against_native(native: dict | None, sm80: dict | None) -> list[Verdict]:
+    names = [f"sm80: greedy agreement with R_q at most {GREEDY_MARGIN:.0f} ids below native's",
+             f"sm80: long-decode drift at most {DRIFT_MARGIN} nats above native's",
+             f"sm80: DSPARK accept length at least {ACCEPT_VS_NATIVE:.0%} of native's"]
+    if native is None or sm80 is None:
+        return [_missing(n, "needs the native and the sm80 records") for n in names]
+    g_n, g_s = native["greedy_match_mean"], sm80["greedy_match_mean"]
+    out = [Verdict(names[0], g_s >= g_n - GREEDY_MARGIN, f"{g_s:.1f} against native {g_n:.1f} (of "
+                                                         f"{sm80.get('greedy_new', '?')})")]
+    worst, figs = True, []
+    for temp, d in sm80["long_decode_nll"].items():
+        dn = native["long_decode_nll"][temp]["drift"]
+        worst &= d["drift"] <= dn + DRIFT_MARGIN
+        figs.append(f"T={temp}: {d['drift']:+.3f} against native {dn:+.3f}")
+    out.append(Verdict(names[1], worst, "; ".join(figs)))
+    a_n, a_s = native.get("dspark_accept_len"), sm80.get("dspark_accept_len")
+    if a_n is None or a_s is None:
+        out.append(_missing(names[2], "needs both DSPARK records"))
+    else:
+        out.append(Verdict(names[2], a_s >= ACCEPT_VS_NATIVE * a_n, f"{a_s:.2f} against native {a_n:.2f}"))
+    return out
+
+
+def attention_kit(results: list | None) -> Verdict:
+    name = "attention kit on the SM80 backend: every case passes"
+    if results is None:
+        return _missing(name, "no attention_kit.json")
+    bad = [f"{r['kind']} {r['case']}: {r['error'].splitlines()[0]}" for r in results if not r["ok"]]
+    return Verdict(name, not bad and bool(results), f"{len(results) - len(bad)}/{len(results)} passed"
+                   + (f"; first failure {bad[0]}" if bad else ""))
+
+
+def kernels(junit_xml: str | None) -> Verdict:
+    name = "kernel tests compiled on the GPU: none fails"
+    if junit_xml is None:
+        return _missing(name, "no kernels.xml")
+    root = ET.fromstring(junit_xml)
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    n = sum(int(s.get("tests", 0)) for s in suites)
+    bad = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
+    skipped = sum(int(s.get("skipped", 0)) for s in suites)
+    return Verdict(name, bad == 0 and n > skipped, f"{n - bad - skipped} passed, {bad} failed, {skipped} skipped")
+
+
+def http(record: dict | None) -> Verdict:
+    name = "serve in lab mode: every request answered as expected, bad launches refused, healthy after"
+    if record is None:
+        return _missing(name, "no http.json")
+    bad = [r["check"] for r in record["results"] if not r["ok"]]
+    return Verdict(name, not bad and record["healthy_after"],
+                   f"{len(record['results']) - len(bad)}/{len(record['results'])} as expected, start "
+                   f"{record['startup_s']:.0f} s" + (f"; failing: {', '.join(bad)}" if bad else ""))
+
+
+def _read(res: Path, name: str, parse=json.loads):
+    p = Path(res) / name
+    return parse(p.read_text()) if p.is_file() else None
+
+
+def collect(res: Path, state: dict | None = None) -> list[Verdict]:
+    """Every verdict the results folder can give now; a job that failed without a record says why."""
+    out = trained(_read(res, "trained.json")) + [
+        attention_kit(_read(res, "attention_kit.json")),
+        kernels(_read(res, "kernels.xml", parse=str)),
+        http(_read(res, "http.json")),
+    ]
+    jobs = (state or {}).get("jobs", {})
+    failed = [f"{n}: {e.get('error', '')}" for n, e in jobs.items() if e.get("status") == "failed"]
+    return out + [Verdict(f"job {f.split(':')[0]} failed", False, f.split(": ", 1)[1]) for f in failed]
