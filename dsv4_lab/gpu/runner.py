@@ -187,7 +187,6 @@ class Runner:
                                  f"{self.estimate(job):.0f} s > {left:.0f} s left (next call)")
                     continue
                 todo.remove(job)
-                waiting_on.discard(job.name)
                 self._start(job, min(job.timeout_s, left), running)
                 started = True
                 self.log(f"[{now - t_start:5.0f} s] {job.name}: started (estimate {self.estimate(job):.0f} s; "
