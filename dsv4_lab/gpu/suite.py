@@ -7,7 +7,9 @@ verdicts under pytest, and `python -m dsv4_lab.gpu run` runs the jobs inside a t
 - core: what a change must pass. The trained checkpoint on native SGLang and on the SM80 default path, each
   with and without DSPARK, scored against the oracle; SGLang's own DSV4 attention kit on the SM80 backend; the
   kernel tests compiled on the GPU; `serve` in lab mode over HTTP.
-- full: what a longer window adds (the accuracy table, full depth, soak, page hygiene, vision A/B).
+- full: what a longer window adds: the accuracy table on the trained checkpoint, full depth, soak, page hygiene,
+  vision (A/B over HTTP, the VL class), the dense and MoE stages after load, the mHC GEMM against DeepGEMM, a
+  killed scheduler, the sm_80 JIT builds, a cold first start, and TP4 (a four-GPU host only).
 
 Engines of different jobs share the one GPU (`gpu_share`, the fraction of its memory a job may take; each
 engine's KV pool is capped at `BED_TOKENS` so several fit): speed figures made side by side are recorded with
@@ -60,6 +62,45 @@ def _trained(path: str, dspark: bool) -> Job:
                     + (" with DSPARK" if dspark else ""))
 
 
+def _env(env: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in env.items())
+
+
+# moe_check on native, then each SM80 expert backend against native's outputs (the native runs first: --compare)
+MOE = " && ".join(
+    f"env {_env(e)} {{py}} -u dsv4_lab/beds/moe_check.py{tok} --out {{res}}/moe-{name}.pt{cmp}"
+    for name, e, tok, cmp in (
+        ("native", NATIVE, "", ""),
+        *((b, {**LAB, "SGLANG_DSV4_MXFP4_MOE_BACKEND": b}, "", " --compare {res}/moe-native.pt")
+          for b in ("marlin", "mxfp4_int8")),
+        # 1,024 tokens x top-6 = 6,144 pairs: the W4A8 table's 32x64 shift tile
+        ("native-1024", NATIVE, " --tokens 1024", ""),
+        ("mxfp4_int8-1024", {**LAB, "SGLANG_DSV4_MXFP4_MOE_BACKEND": "mxfp4_int8"}, " --tokens 1024",
+         " --compare {res}/moe-native-1024.pt")))
+# every JIT cache resolves under HOME; what the cold start built is merged into the real HOME afterwards (nothing
+# there overwritten), so later jobs start warm
+COLD = ("rm -rf /tmp/coldhome && mkdir -p /tmp/coldhome && HOME=/tmp/coldhome {py} dsv4_lab/beds/engine_bed.py "
+        "--out {res}/cold.json --lengths 20,300 --watchdog-timeout 300; rc=$?; "
+        "for d in .triton .cache .tilelang; do [ -d /tmp/coldhome/$d ] && cp -an /tmp/coldhome/$d ~/; done; exit $rc")
+# the gate at its production GPU count (4): no DSV4_SM80_LAB_GPU_COUNT override
+LAB_TP4 = {"ENABLE_SGLANG_DSV4_A100_PATCH": "1", "DSV4_SM80_LAB": "1", "DSV4_SM80_LAB_CC": "9.0",
+           "DSV4_SM80_TRIPWIRE": "1"}
+_T4 = "--tp 4 --cuda-graph --cuda-graph-max-bs 8 --lengths 20,300,3000"
+_BED = "{py} dsv4_lab/beds/engine_bed.py"
+_CMP = "{py} dsv4_lab/beds/compare.py"
+TP4 = "; ".join((
+    "set -e",
+    "{py} -c \"import torch; assert torch.cuda.device_count() >= 4, 'tp4 needs 4 GPUs'\"",
+    f"env {_env(NATIVE)} {_BED} --out {{res}}/tp4-native.json {_T4}",
+    f"env {_env(LAB_TP4)} {_BED} --out {{res}}/tp4-patched.json {_T4} --teacher-from {{res}}/tp4-native.json",
+    f"{_CMP} {{res}}/tp4-native.json {{res}}/tp4-patched.json",
+    f"env {_env(LAB_TP4)} {_BED} --out {{res}}/tp4-dspark.json {_T4} --teacher-from {{res}}/tp4-native.json "
+    "--speculative-algorithm DSPARK",
+    f"{_CMP} {{res}}/tp4-patched.json {{res}}/tp4-dspark.json",
+    f"env {_env(NATIVE)} {_BED} --out {{res}}/tp4-native-b.json {_T4} --teacher-from {{res}}/tp4-native.json "
+    "--teacher-mode alone",
+    f"{_CMP} {{res}}/tp4-native.json {{res}}/tp4-patched.json --floor {{res}}/tp4-native-b.json"))
+
 PATHS = ("native", "sm80")
 JOBS: tuple[Job, ...] = (
     Job("jit-seed", "core", 10,
@@ -105,6 +146,49 @@ JOBS: tuple[Job, ...] = (
                        "--native --out {res}/http-vision-native.json --compare {res}/http-vision.json"),
         env={**LAB, "DSV4_SM80_TRIPWIRE": "1"}, gpu_share=0.3, records=("http-vision.json", "http-vision-native.json"),
         what="the same image requests on the SM80 server and on native with the vision overlay alone"),
+    Job("hygiene-dspark", "full", 300,
+        ("{py}", "dsv4_lab/beds/hygiene.py", "--dspark", "--out", "{res}/hygiene-dspark.json"),
+        env={**LAB, "DSV4_SM80_TRIPWIRE": "1"}, gpu_share=0.3, records=("hygiene-dspark.json",),
+        what="page hygiene with DSPARK's draft pools"),
+    # ModelRunner in-process beds take mem_fraction_static 0.6 (vision 0.5) of the GPU with an uncapped KV pool
+    *(Job(f"dense-{m}", "full", 150, ("{py}", "-u", "dsv4_lab/beds/dense_check.py", "--out", f"{{res}}/dense-{m}.json"),
+          env={**LAB, "SGLANG_DSV4_A100_DENSE": m}, gpu_share=0.6, records=(f"dense-{m}.json",),
+          what=f"every dense linear after load in {m} mode: method, weight and output against the exact reference"
+               + (" (a cold Marlin build takes most of the limit)" if m == "fp8_marlin" else ""))
+      for m in ("bf16", "fp8_marlin")),
+    Job("moe", "full", 400, ("bash", "-c", MOE), gpu_share=0.6, timeout_s=1000,
+        records=tuple(f"moe-{n}.pt.json" for n in ("native", "marlin", "mxfp4_int8", "native-1024",
+                                                   "mxfp4_int8-1024")),
+        what="every expert layer on seeded inputs: native, then marlin and mxfp4_int8 against native and the "
+             "float64 reference; 1,024 tokens too (the W4A8 32x64 shift tile)"),
+    Job("mhc-check", "full", 60, ("{py}", "dsv4_lab/beds/mhc_check.py", "--out", "{res}/mhc_check.json"),
+        gpu_share=0.1, timeout_s=300, records=("mhc_check.json",),
+        what="the SM80 hc pre-norm GEMM against DeepGEMM's own kernel (SM90) at DSV4-Flash's shape"),
+    Job("vision", "full", 120, ("{py}", "-u", "dsv4_lab/beds/vision_check.py", "--out", "{res}/vision.json"),
+        env=LAB, gpu_share=0.5, timeout_s=400, records=("vision.json",),
+        what="the Vision-Exp class loads the tiny --vision checkpoint in SGLang's ModelRunner"),
+    Job("fault", "full", 120, ("{py}", "-u", "dsv4_lab/beds/fault_kill.py", "--out", "{res}/fault.json"),
+        env=LAB, gpu_share=0.5, timeout_s=400, records=("fault.json",),
+        what="a scheduler SIGKILLed mid-request: the server exits non-zero and the client's stream ends"),
+    Job("jit-sm80", "full", 300,
+        ("{py}", "-m", "dsv4_sm80", "prebuild-jit", "--all-modes", "--out", "{res}/jit_sm80.json"),
+        env={"TVM_FFI_CACHE_DIR": "/tmp/jit-sm80"}, timeout_s=600, records=("jit_sm80.json",),
+        what="SGLang's JIT modules of every SM80 mode built for sm_80 (a cache of their own: this GPU's runs "
+             "must never load them)"),
+    Job("cold", "full", 300, ("bash", "-c", COLD), env=LAB, gpu_share=1.0, timeout_s=900, records=("cold.json",),
+        what="the SM80 engine's first start on empty JIT caches (a fresh HOME) under SGLang's own 300 s watchdog "
+             "(alone: other jobs' compiles on the same cores would slow it)"),
+    Job("trained-accuracy", "full", 2400,
+        ("bash", "-c", "[ -s {res}/trained-prompts.json ] || {py} -m dsv4_lab.train prompts {res}/trained-prompts.json"
+                       " && CKPT={ckpt} PROMPTS={res}/trained-prompts.json BED_ARGS='--head-scale 1.0' PYTHON={py} "
+                       "bash dsv4_lab/oracle/accuracy.sh {res}/acc-trained"),
+        needs=("unpack",), gpu_share=0.6, timeout_s=3600, records=("acc-trained/accuracy.json",),
+        what="the accuracy table (dsv4_lab/oracle/accuracy.sh: every path, the rounding options, the mutants) on the "
+             "trained checkpoint's held-out text; a cut run resumes at its first missing record"),
+    Job("tp4", "full", 600, ("bash", "-c", TP4), gpu_share=1.0, timeout_s=900,
+        records=tuple(f"tp4-{n}.json" for n in ("native", "patched", "dspark", "native-b")),
+        what="TP4 (only meaningful on a four-GPU host; it stops at once with fewer): native, its one-at-a-time floor, "
+             "SM80 with the tripwire, SM80 with DSPARK, CUDA graphs on, compared; footprint per rank"),
 )
 BY_NAME = {j.name: j for j in JOBS}
 
