@@ -13,5 +13,6 @@ never imports this package; the image does not contain it.
   trace.py     every module's inputs and outputs of one forward, and their comparison
   perturb.py   a rounding-level perturbation of native's embedding (a second noise floor)
   routes.py    the Vision-Exp routing trace
-  beds/        the GPU test beds and their runner (beds/steps.sh)
+  beds/        the GPU test beds
+  gpu/         the GPU suite that runs them as jobs (python -m dsv4_lab.gpu)
 """

@@ -42,8 +42,8 @@ def spec_info(meta: dict) -> dict:
 
 
 def write_record(path: str, record: dict) -> None:
-    """Written whole, then renamed: another GPU lane waiting for this file (steps.sh need) must never read it half
-    written (a floor compare once read the one-at-a-time record while it was being written)."""
+    """Written whole, then renamed: a job reading it while it is written (a compare beside a teacher-forcing run)
+    must never see half of it."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)
@@ -57,16 +57,10 @@ def prompt_ids(length: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(1000, min(vocab, 128000)) for _ in range(length)]
 
 
-def teacher_sequences(path: str, wait_s: float = 0.0, poll_s: float = 5.0) -> list[list[int]]:
-    """The teacher-forced sequences of an earlier record, waiting up to wait_s for it to appear: engines started
-    side by side on one GPU (steps.sh par with PAR_SAME_GPU) compile their JIT kernels at once while the record
-    they teacher-force (the native oracle) is still being made. Records are renamed into place whole."""
-    deadline = time.time() + wait_s
-    while not os.path.isfile(path) and time.time() < deadline:
-        time.sleep(poll_s)
+def teacher_sequences(path: str) -> list[list[int]]:
+    """The teacher-forced sequences of an earlier record."""
     if not os.path.isfile(path):
-        raise SystemExit(f"engine_bed: teacher record {path} absent after waiting {wait_s:.0f} s "
-                         "(its run failed or was cut: see that step's log)")
+        raise SystemExit(f"engine_bed: teacher record {path} absent (its run failed or was cut: see its log)")
     return [r["sequence"] for r in json.load(open(path))["teacher"]]
 
 
@@ -126,17 +120,11 @@ def main(argv=None) -> int:
                     help="capture graphs up to this batch (fewer graphs: faster start)")
     ap.add_argument("--speculative-algorithm", help="e.g. DSPARK (draft stages bundled in the checkpoint)")
     ap.add_argument("--mem-fraction", type=float, default=0.6)
-    ap.add_argument("--max-total-tokens", type=int, default=int(os.environ.get("DSV4_BED_MAX_TOKENS", 0)) or None,
-                    help="cap the KV pool (default $DSV4_BED_MAX_TOKENS): engines sharing one GPU each take only this")
-    ap.add_argument("--teacher-wait", type=float, default=float(os.environ.get("DSV4_BED_TEACHER_WAIT", 0)),
-                    help="seconds to wait for --teacher-from to appear (default $DSV4_BED_TEACHER_WAIT, 0): the "
-                         "engine starts and compiles meanwhile")
-    ap.add_argument("--perturb", type=float, default=0.0,
-                    help="lab noise floor: the embedding output moved one BF16 ulp in this share of its entries "
-                         "(dsv4_lab/perturb.py; eager runs only)")
+    ap.add_argument("--max-total-tokens", type=int,
+                    help="cap the KV pool: engines sharing one GPU each take only this")
     ap.add_argument("--watchdog-timeout", type=float, default=BED_WATCHDOG_S,
-                    help="SGLang's scheduler watchdog (its default 300 s: the `cold` step measures a first start "
-                         "with it)")
+                    help="SGLang's scheduler watchdog (its default 300 s: the suite's `cold` job measures a first "
+                         "start with it)")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor parallel size (lab mode: DSV4_SM80_LAB_GPU_COUNT=N unless N is the production 4)")
     ap.add_argument("--teacher-mode", choices=("batched", "alone", "reversed"), default="batched",
@@ -195,12 +183,6 @@ def main(argv=None) -> int:
         extra["max_total_tokens"] = args.max_total_tokens
     if args.chunked_prefill_size:
         extra["chunked_prefill_size"] = args.chunked_prefill_size
-    if args.perturb:
-        if args.cuda_graph:
-            raise SystemExit("engine_bed: --perturb hooks eager forwards only; drop --cuda-graph")
-        from dsv4_lab.perturb import perturb_spec
-
-        extra["forward_hooks"] = perturb_spec(args.perturb)
     engine = sglang.Engine(
         model_path=args.ckpt, skip_tokenizer_init=True, tp_size=args.tp,
         moe_runner_backend=args.moe_runner_backend, disable_cuda_graph=not args.cuda_graph,
@@ -218,7 +200,7 @@ def main(argv=None) -> int:
         record["timings"]["first_batch_s"] = round(time.time() - t0, 1)
         alone = [engine.generate(input_ids=p, sampling_params=greedy, **lp_kw) for p in prompts]
         if args.teacher_from:
-            seqs = teacher_sequences(args.teacher_from, args.teacher_wait)
+            seqs = teacher_sequences(args.teacher_from)
         else:
             long_greedy = dict(greedy, max_new_tokens=args.teacher_new)
             cont = engine.generate(input_ids=prompts, sampling_params=long_greedy)

@@ -16,11 +16,11 @@ parallel, each under the directory's `lock` that tvm-ffi takes around its own bu
 waits for that module instead of building
 it twice). A seed names absolute paths of the host it was packed on (include directories, nvcc, the sources
 `#include`d); a module whose paths are absent here is skipped and named. Lab tooling for the offline GPU host
-(steps.sh `bg` builds `dsv4_lab/beds/jit-seed/*.json.xz` when present; `wait` packs this host's into $OUT).
+(the GPU suite's `jit-seed` job builds `dsv4_lab/beds/jit-seed/*.json.xz` before any engine starts).
 
 FlashInfer's JIT modules (its sampling kernels: `~/.cache/flashinfer/<version>/<arch>/cached_ops/<module>`) have the
 same shape (a build.ninja whose `default` is the `.so`) and pack the same way with `--cache` pointing there; FlashInfer
-locks elsewhere (its tmpdir), so build its seed before any engine starts, as steps.sh `seed` does.
+locks elsewhere (its tmpdir), so build its seed before any engine starts, as the suite's `jit-seed` job does.
 """
 
 from __future__ import annotations
