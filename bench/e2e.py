@@ -265,7 +265,8 @@ def main(argv=None) -> int:
     planned = json.load(open(config_path)) if os.path.isfile(config_path) else tiny_config(PRESETS[args.preset])
     if "native" in modes and (why := native_refusal(planned, args.tp)):  # before tens of GB are generated
         raise SystemExit(f"e2e bench: native mode: {why}; run --modes patched,... on this checkpoint")
-    ensure(args.ckpt, args.preset, fast_experts=True, head_scale=PEAKED_HEAD_SCALE[args.preset])  # as steps.sh makes it
+    # as `python -m dsv4_sm80 make-tiny DIR --preset PRESET` with the preset's peaked head, unless DIR holds one
+    ensure(args.ckpt, args.preset, fast_experts=True, head_scale=PEAKED_HEAD_SCALE[args.preset])
     config = json.load(open(config_path))
     results = {}
     cc = gpu_cc()

@@ -27,7 +27,7 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 K, N = 4 * 4096, 24
 TOKENS = (1, 4, 16, 64, 256, 1024, 2048, 8192)
 L2_DEFEAT_BYTES = 256 << 20
-# --variants: tiles against default_config (H200, 2026-12-01, `steps.sh mhc-bench`: 32 % of copy bandwidth
+# --variants: tiles against default_config (H200, 2026-12-01, `steps.sh mhc-bench` at 83c84a6: 32 % of copy
 # from 256 tokens on, 3-4.5x DeepGEMM's time in prefill): smaller row blocks (more programs per SM when SGLang
 # asks for one split), longer K steps and deeper pipelines (more bytes in flight per program), more warps. Each is
 # config keys of hc_prenorm.

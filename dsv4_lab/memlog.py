@@ -19,8 +19,8 @@ bytes per allocating site (`sites`): the growth between two tags names the code 
 request is answered between samples; taking the snapshot reads the allocator's own tables. A request may ask for a
 full garbage collection first (`collect=True`), so that objects only reference cycles keep alive (SGLang's radix tree
 links parents and children both ways) do not count as held: the answer then carries the live bytes before and after
-`gc.collect()`. (On the H200, 2026-12-01, `steps.sh soak`: what a flush kept was the radix cache's GPU index tensors;
-the collection freed none of it, so cycles were not what kept it.)
+`gc.collect()`. (On the H200, 2026-12-01, `steps.sh soak` at 2bcd0a3 and 8ce119d: what a flush kept was the radix
+cache's GPU index tensors; the collection freed none of it, so cycles were not what kept it.)
 """
 
 from __future__ import annotations

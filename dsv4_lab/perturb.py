@@ -2,9 +2,9 @@
 
 Why: the SM80 path and native differ in rounding at every linear (BF16 against native's FP8 activations), and native's
 FP8 activation rounding turns any tiny input difference into ~1e-2 output differences wherever a value crosses a
-rounding boundary (a module trace of 2026-12-01, `steps.sh trace`: a 2.9e-5 input difference at layer 0's first
-linear, 2.6e-2 at its output). The batch floor (native against itself across batch compositions and machines) hardly
-exercises that: native's kernels are nearly batch-invariant, so two native runs see almost identical inputs. This
+rounding boundary (a module trace of 2026-12-01, `steps.sh trace` at 83c84a6: a 2.9e-5 input difference at layer 0's
+first linear, 2.6e-2 at its output). The batch floor (native against itself across batch compositions and machines)
+hardly exercises that: native's kernels are nearly batch-invariant, so two native runs see almost identical inputs. This
 floor asks instead: how far do native's logprobs move when its embedding output changes by one BF16 unit in the last
 place in a small fraction of entries, i.e. by as much as a different rounding order upstream would change it? It is
 stated beside the batch floor, never in place of it.

@@ -1,9 +1,9 @@
 """Lab: native SGLang's FP8 roundings replayed on the SM80 datapath (DSV4_SM80_LAB_NATIVE_ROUNDING).
 
-The H200 parity run of 2026-11-30 (docs/results/README.md, `steps.sh parity`) put the patched path 2-5x the native noise
-floor from native, with the dense mode and the expert backend making no difference. What every SM80 combination shares
-against native is precision, not arithmetic. On SM90 with default arguments native rounds in three places a BF16 path
-does not (read from the 0.5.16 sources; file:line into the wheel):
+The H200 parity run of 2026-11-30 (docs/results/README.md, `steps.sh parity` at d49c3dc) put the patched path 2-5x the
+native noise floor from native, with the dense mode and the expert backend making no difference. What every SM80
+combination shares against native is precision, not arithmetic. On SM90 with default arguments native rounds in three
+places a BF16 path does not (read from the 0.5.16 sources; file:line into the wheel):
 
 - kv: each cached key row (SWA and compressed; the same row serves as value) keeps its nope part, 448 values,
   as FP8 e4m3 with a power-of-two scale per 64: s = 2^ceil(log2(max(amax, 1e-4) / 448)), x / s clamped to
@@ -14,23 +14,25 @@ does not (read from the 0.5.16 sources; file:line into the wheel):
   in fp32 from the store's inputs and quantized from fp32 as native does (`swa_rows`): rounding their BF16 rows
   instead is a double rounding that moves 3 % of the values one FP8 step (a BF16 value on an e4m3 midpoint, 1
   in 16, half of them rounded the other way), 1.6e-2 relative, most of the FP8 rounding's own 2.6e-2 (2026-12-02,
-  `steps.sh trace`; the module trace saw it as layer 0's attention output 2.0e-2 from native against a 4e-3 floor).
+  `steps.sh trace` at 6bc4ecc; the module trace saw it as layer 0's attention output 2.0e-2 from native against a 4e-3
+  floor).
 - act: the input of every FP8 block linear that DeepGEMM runs (wqkv_a, wq_b, wo_b, indexer wq_b, shared experts; not
   wo_a, a BF16 einsum on SM90 unless SGLANG_OPT_FP8_WO_A_GEMM=1) is quantized per token and 128 columns with a plain
   fp32 scale amax / 448 (floor 1e-10; UE8M0 only on SM100: deep_gemm_wrapper/configurer.py:35-38,
   fp8_utils.py:820-826), and the product accumulates in fp32 with the exact weight. Replayed in `fp8_act_linear` (fp32
   GEMM of the dequantized activation; slow, for the lab), on a GPU through SGLang's own quantizer (`native_act`; on
-  2026-12-01 `steps.sh trace-linears` measured the model `fp8_act` 2-3e-3 from native per linear, SGLang's quantizer
-  7-9e-4: what is left is DeepGEMM's accumulation).
+  2026-12-01 `steps.sh trace-linears` at 8ce119d measured the model `fp8_act` 2-3e-3 from native per linear, SGLang's
+  quantizer 7-9e-4: what is left is DeepGEMM's accumulation).
 - gemm: instead of act, each of those linears through native's own FP8 block linear: SGLang's dispatch
   (`dispatch_w8a8_block_fp8_linear`, DeepGEMM on SM90) on the checkpoint's FP8 weight and scale, kept beside the BF16
-  weight. `steps.sh trace-linears` (2026-12-01) measured `act` (SGLang's quantizer, then an exact fp32 product) 7-9e-4
-  from native per linear on identical inputs and native's own linear 0: gemm removes that last per-linear difference.
+  weight. `steps.sh trace-linears` (2026-12-01, at 8ce119d) measured `act` (SGLang's quantizer, then an exact fp32
+  product) 7-9e-4 from native per linear on identical inputs and native's own linear 0: gemm removes that last
+  per-linear difference.
   With it the mHC pre-norm GEMM also runs DeepGEMM's own `tf32_hc_prenorm_gemm` (seam mhc.hc_prenorm_gemm; the SM80
   Triton GEMM is 1.9e-6 from it, which still flips a BF16 rounding of the pre-mix now and then: layer 0's first linear
   saw inputs 2.9e-5 apart). It calls DeepGEMM, so runs with the tripwire off (an SM90 GPU: the H200 only). With it
-  (2026-12-02, `steps.sh trace` with TRACE_RUNS naming gemm) layer 0's first linears are bit-equal to native's and
-  every traced module sits at native's perturbation floor (docs/results/README.md).
+  (2026-12-02, `steps.sh trace` at feb413e with TRACE_RUNS naming gemm) layer 0's first linears are bit-equal to
+  native's and every traced module sits at native's perturbation floor (docs/results/README.md).
 - idx: the indexer's keys and queries are FP8 with an fp32 scale amax / 448 per 128 (against the SM80 path's
   INT8), scored in fp32 by DeepGEMM; it only changes which compressed entries the top-512 selection keeps,
   i.e. prompts past 2048 tokens. Replayed by running SGLang's own FP8 query kernel and FP8 index store (SM90

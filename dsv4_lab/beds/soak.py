@@ -17,9 +17,9 @@ minute's AND its growth over the second half of the run is under GROWTH_LIMIT Mi
 server, no leak: its live tensors after the flush and a full garbage collection back within 16 MiB of
 before the load (`leak_check`).
 
-The memory history (H200, 2026-12-01, `steps.sh soak`): with SGLang's own pool size, native and patched both grew ~25-35
-MiB/min, inside the allocator's live tensors (DSV4_SM80_LAB_MEMLOG, dsv4_lab/memlog.py). The
-flush did not give it back. Recording each block's allocating Python stack
+The memory history (H200, 2026-12-01, `steps.sh soak` / `soak-native` at 754a739, 4d41091 and 2bcd0a3): with SGLang's
+own pool size, native and patched both grew ~25-35 MiB/min, inside the allocator's live tensors (DSV4_SM80_LAB_MEMLOG,
+dsv4_lab/memlog.py). The flush did not give it back. Recording each block's allocating Python stack
 (DSV4_SM80_LAB_MEMSITES) showed all of the growth (+127 MiB) was the radix cache's per-node GPU index tensors
 (unified_radix_cache._split_node / _add_new_node; 8 bytes per cached token per component), i.e. cache
 state bounded by the pool (83 M tokens: ~1.3 GB), still live after the flush. Hence the capped pool, and a
