@@ -158,12 +158,14 @@ def test_doctor_prints_the_report(built):
 
 
 def test_the_image_holds_no_lab_code(built):
-    """The laboratory (dsv4_lab: replays, tripwire, beds) and the tests never ship: nothing of them anywhere in
-    the image, and with the lab switch on the overlay refuses rather than run without the lab's seams."""
+    """The laboratory (dsv4_lab: replays, tripwire, beds, the GPU suite and its scripts) and the tests never ship:
+    nothing of them anywhere in the image, and with the lab switch on the overlay refuses rather than run without the
+    lab's seams."""
     r = sh("docker", "run", "--rm", "--network", "none", "--entrypoint", "sh", built[0], "-c",
-           "find / -xdev \\( -name dsv4_lab -o -name 'test_*.py' -path '*dsv4*' -o -name steps.sh \\) -print; "
+           "find / -xdev \\( -name dsv4_lab -o -name 'test_*.py' -path '*dsv4*' -o -name accuracy.sh "
+           "-o -name jit-seed \\) -print; "
            "ls /sgl-workspace/sm80-patch; ls /sgl-workspace/platform")
-    assert "dsv4_lab" not in r.stdout and "steps.sh" not in r.stdout, r.stdout
+    assert all(name not in r.stdout for name in ("dsv4_lab", "accuracy.sh", "jit-seed")), r.stdout
     assert sorted(r.stdout.split()) == sorted(["compat_check.py", "entrypoint.sh", "sitecustomize.py", "dsv4_sm80",
                                                "vision_backport"]), r.stdout
     r = sh("docker", "run", "--rm", "--network", "none", "-e", "DSV4_SM80_LAB=1", "--entrypoint", "python3", built[0],

@@ -53,8 +53,8 @@ def test_memory_stable_rule():
     assert not soak.memory_stable([], [1]) and not soak.memory_stable([1], [])
 
 
-# a soak on the H200 (2026-12-01, `steps.sh soak`, patched, 4 minutes): (seconds, MiB of the GPU) every 10 s; flat
-# for 100 s, then a 74 MiB step and ~37 MiB/min. The first-vs-last-minute rule alone passed it.
+# a soak on the H200 (2026-12-01, `steps.sh soak` at 754a739, patched, 4 minutes): (seconds, MiB of the GPU) every 10 s;
+# flat for 100 s, then a 74 MiB step and ~37 MiB/min. The first-vs-last-minute rule alone passed it.
 CLIMBING_SOAK = [(0.3, 107614), (10.4, 107616), (20.4, 107616), (30.5, 107616), (40.5, 107616), (50.6, 107616),
              (60.6, 107616), (70.7, 107616), (80.7, 107616), (90.8, 107616), (100.8, 107620), (110.9, 107694),
              (121.0, 107702), (131.1, 107708), (141.1, 107716), (151.1, 107720), (161.2, 107728), (171.3, 107732),

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from dsv4_lab.gpu.suite import BY_NAME
 
 tvm_cpp = pytest.importorskip("tvm_ffi.cpp", reason="tvm-ffi comes with sglang==0.5.16 (CI installs it)")
 
@@ -160,7 +161,9 @@ def test_pack_unfinished_keeps_a_module_still_building(packed):
 
 
 def test_the_committed_seeds_are_this_tools():
-    # the defaults steps.sh builds on a fresh host: packed on the H200 host by `steps.sh wait`
+    # the seeds the suite's jit-seed job builds on a fresh host (packed on an H200 host by `jit_seed.py pack`)
+    argv = " ".join(BY_NAME["jit-seed"].argv)
+    assert all(f"build --seed dsv4_lab/beds/jit-seed/{n}.json.xz" in argv for n in ("tvm-ffi", "flashinfer")), argv
     for name in ("tvm-ffi", "flashinfer"):
         # read_seed refuses another format
         seed = jit_seed.read_seed(Path(REPO, "dsv4_lab", "beds", "jit-seed", f"{name}.json.xz"))

@@ -356,9 +356,9 @@ def test_idx_replay_routes_the_indexer_to_sglangs_fp8_kernels(monkeypatch):
 
 
 def test_the_act_replay_takes_sglangs_quantizer_on_a_gpu_and_the_model_elsewhere():
-    """On the H200 (2026-12-01, `steps.sh trace-linears`) native's FP8 linear is 2-3e-3 (relative) from the model
-    `fp8_act` on every linear but 7-9e-4 from SGLang's own quantizer followed by the exact product, so on a GPU the
-    replay quantizes with SGLang's (real, imported here); a CPU tensor keeps the model written from the math."""
+    """On the H200 (2026-12-01, `steps.sh trace-linears` at 8ce119d) native's FP8 linear is 2-3e-3 (relative) from the
+    model `fp8_act` on every linear but 7-9e-4 from SGLang's own quantizer followed by the exact product, so on a GPU
+    the replay quantizes with SGLang's (real, imported here); a CPU tensor keeps the model written from the math."""
     quant = lab_rounding.sglang_act_quantizer()
     assert quant is not None and quant.__name__ == "sglang_per_token_group_quant_fp8"
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
