@@ -71,10 +71,13 @@ def index_pages_read(cache: torch.Tensor, slot: torch.Tensor):
     return vals.view(torch.int8), sc.contiguous().view(torch.float32).squeeze(-1)
 
 
-def logits_ref(q_int8, kv_pages, weights, seq_lens, page_table, max_len):
-    """logits[t, j] = s_k[j] * sum_h ReLU(q8[t,h] . k8[j]) * weights[t,h] for j < seq_lens[t] (else 0)."""
+def logits_ref(q_int8, kv_pages, weights, seq_lens, page_table, max_len, magnitude: bool = False):
+    """logits[t, j] = s_k[j] * sum_h ReLU(q8[t,h] . k8[j]) * weights[t,h] for j < seq_lens[t] (else 0).
+    magnitude: also |s_k[j]| * sum_h |ReLU(q8[t,h] . k8[j]) * weights[t,h]|, the scale of the rounding error of any
+    fp32 evaluation of that sum (the terms cancel, so the logit itself can be far smaller)."""
     t_total = q_int8.shape[0]
     out = torch.zeros(t_total, max_len, dtype=torch.float64)
+    mag = torch.zeros_like(out)
     for t in range(t_total):
         n = int(seq_lens[t])
         if n == 0:
@@ -83,5 +86,7 @@ def logits_ref(q_int8, kv_pages, weights, seq_lens, page_table, max_len):
         slots = page_table[t, j // PAGE].long() * PAGE + j % PAGE
         k8, sk = index_pages_read(kv_pages, slots)
         dots = q_int8[t].to(torch.float64) @ k8.to(torch.float64).T  # [H, n] (exact: int sums)
-        out[t, :n] = (torch.relu(dots) * weights[t].reshape(-1, 1).to(torch.float64)).sum(0) * sk.to(torch.float64)
-    return out
+        terms = torch.relu(dots) * weights[t].reshape(-1, 1).to(torch.float64)
+        out[t, :n] = terms.sum(0) * sk.to(torch.float64)
+        mag[t, :n] = terms.abs().sum(0) * sk.to(torch.float64).abs()
+    return (out, mag) if magnitude else out

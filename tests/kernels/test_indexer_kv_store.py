@@ -115,9 +115,12 @@ def test_paged_mqa_logits_int8(kern, logits_pages, lens, splits, prefetch):
     max_len = 250  # not a multiple of 64: the last page is cut
     out = idx.paged_mqa_logits_int8(*dev(q8, cache, w, seq.view(-1, 1), page_table), max_len, splits=splits,
                                     prefetch=prefetch).cpu()
-    want = ref.logits_ref(q8[:, 0], cache, w, seq, page_table, max_len)
-    for r, n in enumerate(lens):
-        assert torch.allclose(out[r, :n].double(), want[r, :n], rtol=1e-5, atol=1e-3), r
+    want, mag = ref.logits_ref(q8[:, 0], cache, w, seq, page_table, max_len, magnitude=True)
+    for r, n in ((r, n) for r, n in enumerate(lens) if n):
+        # the kernel sums 64 fp32 products: its error is bounded by about 64 * 2^-24 (3.8e-6) of the sum of their
+        # magnitudes, not of the logit, which cancellation can make far smaller; a wrong key or page is off by ~1
+        err = (out[r, :n].double() - want[r, :n]).abs() / mag[r, :n].clamp_min(1e-30)
+        assert err.max() <= 1e-5, (r, err.max().item(), err.argmax().item())
 
 
 COMPILE = """
