@@ -52,11 +52,28 @@ from dsv4_sm80.env import Knob
 from dsv4_sm80.seams import Seam
 
 KNOB = "DSV4_SM80_LAB_MUTANT"
+# DSV4_SM80_LAB_MUTANT=runtime applies every RUNTIME mutant's seams at once and leaves the choice to this file,
+# read at every call: one engine serves the clean run and each mutant in turn (the accuracy bed writes it)
+RUNTIME = "runtime"
+SWITCH_FILE = "DSV4_SM80_LAB_MUTANT_FILE"
+_switch: dict = {}
 
 
 def active() -> str:
-    """The mutant named in the environment now ("" when none); read at every call, not at import."""
-    return os.environ.get(KNOB, "").strip()
+    """The mutant on now ("" when none): the switch file's content when DSV4_SM80_LAB_MUTANT_FILE is set, else the
+    knob; read at every call, not at import."""
+    path = os.environ.get(SWITCH_FILE)
+    if not path:
+        return os.environ.get(KNOB, "").strip()
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return ""
+    key = (st.st_ino, st.st_mtime_ns, st.st_size)  # the writer replaces the file whole: a new inode each time
+    if _switch.get("key") != key:
+        with open(path) as f:
+            _switch.update(key=key, name=f.read().strip())
+    return _switch["name"]
 
 
 def _bug(name: str):
@@ -278,25 +295,34 @@ def compressed_rope_theta(original, *args, **kwargs):
 @dataclass(frozen=True)
 class Mutant:
     name: str
+    stage: str  # the datapath stage the bug sits in (an accuracy run must catch bugs of several)
     doc: str  # one line: the bug and where it lives
     seams: tuple[Seam, ...]
+    runtime: bool  # switchable per call in a running engine (DSV4_SM80_LAB_MUTANT=runtime)
+
+
+# per-call wrappers on targets no other runtime mutant wraps; load- and init-time bugs (weights, RoPE tables, the
+# runner config) and the second SWA width need an engine of their own
+_RUNTIME = {"swa_window_127", "compressed_visibility_off_by_one", "indexer_topk_511", "kv_store_skip_last",
+            "attn_sink_dropped", "router_bias_on_weights", "tid2eid_by_position", "sinkhorn_19"}
 
 
 def _seam(mutant: str, part: str, target: str, replacement, reason: str, upstream: str) -> Seam:
+    when = f"{KNOB}={mutant}" + (f"|{RUNTIME}" if mutant in _RUNTIME else "")
     return Seam(name=f"mutant.{mutant}" + (f".{part}" if part else ""), target=target, kind="around",
                 replacement=f"{__name__}:{replacement.__name__}", reason=reason, upstream=upstream,
-                when=(f"{KNOB}={mutant}",), overlay="lab")
+                when=(when,), overlay="lab")
 
 
-def _mutant(name: str, doc: str, *seams: tuple) -> Mutant:
-    return Mutant(name, doc, tuple(_seam(name, *s) for s in seams))
+def _mutant(name: str, stage: str, doc: str, *seams: tuple) -> Mutant:
+    return Mutant(name, stage, doc, tuple(_seam(name, *s) for s in seams), name in _RUNTIME)
 
 
 _BACKEND = "sglang.srt.layers.attention.deepseek_v4_backend"
 _V4 = "sglang.srt.models.deepseek_v4"
 
 _LIST = (
-    _mutant("routed_scaling_dropped",
+    _mutant("routed_scaling_dropped", "moe",
             "MoE output without the routed scaling factor (1.5): deepseek_v2's combine and FusedMoE's runner config",
             ("combine", "sglang.srt.models.deepseek_v2:maybe_fuse_routed_scale_and_shared_add", combine_without_scaling,
              "Marlin backend: the routed output is scaled where it joins the shared experts.",
@@ -304,58 +330,61 @@ _LIST = (
             ("runner", "sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE.__init__", experts_without_scaling,
              "W4A8 backend: the method multiplies by the runner config's factor.",
              "srt/layers/moe/fused_moe_triton/layer.py:181-303")),
-    _mutant("e8m0_exponent_off",
+    _mutant("e8m0_exponent_off", "dense",
             "one UE8M0 scale exponent + 1 (block [0, 0] of the first FP8 dense linear), after load, before conversion",
             ("", f"{_V4}:DeepseekV4ForCausalLM.post_load_weights", scale_exponent_plus_one,
              "The model's post-load step runs after its weights load and before the loader's "
              "process_weights_after_loading converts FP8 linears.", "srt/models/deepseek_v4.py:2575-2594")),
-    _mutant("mxfp4_nibble_swap",
+    _mutant("mxfp4_nibble_swap", "moe",
             "MXFP4 nibble order swapped in expert 0 of the first MoE layer (w13, w2), after load, before the repack",
             ("", f"{_V4}:DeepseekV4ForCausalLM.post_load_weights", swap_expert_nibbles,
              "The expert bytes are still the checkpoint's here; both expert backends repack them afterwards.",
              "srt/models/deepseek_v4.py:2575-2594")),
-    _mutant("swa_window_127", "sliding window 127 instead of 128 in the causal SWA lists (make_core_attn_metadata)",
+    _mutant("swa_window_127", "attention",
+            "sliding window 127 instead of 128 in the causal SWA lists (make_core_attn_metadata)",
             ("", f"{_BACKEND}:DeepseekV4AttnBackend.make_core_attn_metadata", swa_window_127,
              "Every forward mode builds its SWA lists here (SWA_WINDOW = 128).",
              "srt/layers/attention/deepseek_v4_backend.py:1927-2002")),
-    _mutant("swa_window_129", "sliding window 129 instead of 128 in the causal SWA lists (eager runs only)",
+    _mutant("swa_window_129", "attention",
+            "sliding window 129 instead of 128 in the causal SWA lists (eager runs only)",
             ("", f"{_BACKEND}:DeepseekV4AttnBackend.make_core_attn_metadata", swa_window_129,
              "Every forward mode builds its SWA lists here (SWA_WINDOW = 128).",
              "srt/layers/attention/deepseek_v4_backend.py:1927-2002")),
-    _mutant("compressed_visibility_off_by_one",
+    _mutant("compressed_visibility_off_by_one", "attention",
             "C4/C128 entries visible one position early (counts from seq_len + 1; _init_compression_metadata_triton)",
             ("", f"{_BACKEND}:_init_compression_metadata_triton", compressed_visible_early,
              "The per-query compressed entry counts and C128 lists of DSV4AttnMetadata.init_compression_metadata.",
              "srt/layers/attention/deepseek_v4_backend.py:26")),
-    _mutant("indexer_topk_511", "the C4 indexer keeps 511 entries instead of 512 (topk_transform_512)",
+    _mutant("indexer_topk_511", "indexer", "the C4 indexer keeps 511 entries instead of 512 (topk_transform_512)",
             ("", "sglang.srt.layers.attention.dsv4.indexer:topk_transform_512", indexer_topk_511,
              "The SM80 path's top-k over the INT8 indexer logits (v1 JIT; v2 is sm_90+).",
              "srt/layers/attention/dsv4/indexer.py:12")),
-    _mutant("kv_store_skip_last",
+    _mutant("kv_store_skip_last", "kv store",
             "the SWA K store skipped for each request's last token of an extend chunk (get_swa_out_cache_loc)",
             ("", f"{_BACKEND}:DeepseekV4AttnBackend.get_swa_out_cache_loc", swa_loc_skip_last,
              "The slots every SWA K store of a forward writes (deepseek_v4.py:692).",
              "srt/layers/attention/deepseek_v4_backend.py:1556-1580")),
-    _mutant("attn_sink_dropped", "attention sink not applied (exp(sink) = 0) in the SM80 attention forward",
+    _mutant("attn_sink_dropped", "attention",
+            "attention sink not applied (exp(sink) = 0) in the SM80 attention forward",
             ("", f"{_BACKEND}:DeepseekV4AttnBackend.forward", sink_dropped,
              "Wraps the product's sm80_forward, which passes the sink to the sparse attention kernel.",
              "srt/layers/attention/deepseek_v4_backend.py:1600-1755")),
-    _mutant("compressed_rope_theta",
+    _mutant("compressed_rope_theta", "attention",
             "compressed layers' RoPE at rope_theta (10000) instead of compress_rope_theta (MqaAttentionBase.__init__)",
             ("", f"{_V4}:MqaAttentionBase.__init__", compressed_rope_theta,
              "The layer's freqs_cis (q, k, compressor, indexer) is built from the config here.",
              "srt/models/deepseek_v4.py:378-545")),
-    _mutant("router_bias_on_weights",
+    _mutant("router_bias_on_weights", "moe",
             "router correction bias added to the combine weights, not only to the selection (select_experts)",
             ("", "sglang.srt.layers.moe.topk:select_experts", bias_on_weights,
              "The non-hash layers' top-k (TopK.forward_cuda calls this module global).",
              "srt/layers/moe/topk.py:1983-2165")),
-    _mutant("tid2eid_by_position",
+    _mutant("tid2eid_by_position", "moe",
             "hash routing looks up tid2eid by position instead of token id (DeepseekV4DecoderLayer.forward)",
             ("", f"{_V4}:DeepseekV4DecoderLayer.forward", positions_as_token_ids,
              "input_ids reach HashTopK through the decoder layer (deepseek_v2.py:1058-1067).",
              "srt/models/deepseek_v4.py:1545-1673")),
-    _mutant("sinkhorn_19", "mHC Sinkhorn with 19 iterations instead of hc_sinkhorn_iters = 20 (mhc_pre)",
+    _mutant("sinkhorn_19", "mhc", "mHC Sinkhorn with 19 iterations instead of hc_sinkhorn_iters = 20 (mhc_pre)",
             ("", "sglang.kernels.ops.layernorm.mhc:mhc_pre", sinkhorn_19,
              "hc_pre (TileLang path, the SM80 default) and the load-time prewarm call this module global.",
              "kernels/ops/layernorm/mhc.py:782-988")),
@@ -364,9 +393,10 @@ _LIST = (
 MUTANTS: dict[str, Mutant] = {m.name: m for m in _LIST}
 
 MUTANT_KNOB = Knob(
-    KNOB, "", ("", *MUTANTS),
+    KNOB, "", ("", *MUTANTS, RUNTIME),
     "Lab (fault injection): one named deliberate bug in the SM80 serving path (dsv4_lab/mutants.py), to check "
-    "that an accuracy measure catches it. Unset: none. Never for serving.",
+    f"that an accuracy measure catches it; {RUNTIME}: every per-call mutant wrapped, the one on named by the file "
+    f"${SWITCH_FILE} at each call. Unset: none. Never for serving.",
 )
 
 MUTANT_SEAMS: tuple[Seam, ...] = tuple(s for m in _LIST for s in m.seams)

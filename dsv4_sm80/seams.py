@@ -16,7 +16,7 @@ Kinds:
 
 Toggles: an "sm80" seam needs ENABLE_SGLANG_DSV4_A100_PATCH=1, a "vision" seam DSV4_SM80_VISION=1, a "lab" seam
 DSV4_SM80_LAB=1; `when` adds conditions on other knobs of `dsv4_sm80.env` (or, for a lab seam, of the lab's knob
-list) as "KNOB=value", e.g. a MoE seam used only by one backend.
+list) as "KNOB=value" or "KNOB=value|other" (either), e.g. a MoE seam used only by one backend.
 
 One block per stage, in STAGES order: each seam is named `stage.what` and its replacement lives in
 `dsv4_sm80/stages/<stage>.py`. Seams on one target apply in table order, each wrapping the one before; the vision
@@ -74,8 +74,8 @@ class Seam:
             return False
         knobs = {k.name: k for k in (*env.KNOBS, *env.lab_knobs())}
         for cond in self.when:
-            name, value = cond.split("=", 1)
-            if env.get(knobs[name], environ) != value:
+            name, values = cond.split("=", 1)
+            if env.get(knobs[name], environ) not in values.split("|"):  # KNOB=a|b: either value
                 return False
         return True
 

@@ -95,6 +95,18 @@ def _ids_rows(ids, entries):
     return rows
 
 
+def teacher_entry(sequence: list[int], meta_info: dict, ids: list[int] | None = None) -> dict:
+    """One teacher-forced sequence as `dsv4_lab.oracle.metrics` reads it, from SGLang's input log-probs:
+    position 0 (and any before logprob_start_len, --prefix-hit) empty."""
+    pad = len(sequence) - len(meta_info["input_token_logprobs"])
+    out = {"sequence": sequence,
+           "input_logprobs": [None] * pad + [e[0] for e in meta_info["input_token_logprobs"]],
+           "top": [[]] * pad + [_pairs(x) if x else [] for x in meta_info["input_top_logprobs"]]}
+    if ids:
+        out.update(ids=ids, ids_logprobs=[None] * pad + _ids_rows(ids, meta_info["input_token_ids_logprobs"]))
+    return out
+
+
 def _pairs(entries):
     """SGLang logprob entries (logprob, token_id, text) -> [[token_id, logprob], ...]."""
     return [[e[1], e[0]] for e in entries if e is not None]
@@ -243,18 +255,7 @@ def main(argv=None) -> int:
             "finite": all(math.isfinite(x) for x in lp),
             "spec": spec_info(b["meta_info"]),
         })
-    record["teacher"] = []
-    for k, (s, r) in enumerate(zip(seqs, tf)):
-        mi = r["meta_info"]
-        pad = len(s) - len(mi["input_token_logprobs"])  # positions before logprob_start_len (--prefix-hit)
-        record["teacher"].append({
-            "sequence": s,
-            "input_logprobs": [None] * pad + [e[0] for e in mi["input_token_logprobs"]],
-            "top": [[]] * pad + [_pairs(x) if x else [] for x in mi["input_top_logprobs"]],
-        })
-        if ids:
-            record["teacher"][-1].update(ids=ids[k], ids_logprobs=[None] * pad + _ids_rows(
-                ids[k], mi["input_token_ids_logprobs"]))
+    record["teacher"] = [teacher_entry(s, r["meta_info"], ids and ids[k]) for k, (s, r) in enumerate(zip(seqs, tf))]
     write_record(args.out, record)
 
     sm = "".join(map(str, record["capability"]))

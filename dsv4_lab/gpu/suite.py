@@ -30,6 +30,9 @@ NATIVE = {"ENABLE_SGLANG_DSV4_A100_PATCH": "0"}
 # engines side by side: each KV pool capped (the trained bed's longest batch is 8 windows of 3,000 ids)
 BED_TOKENS = 65536
 SEED = "dsv4_lab/beds/jit-seed"
+# the accuracy run's mutants, one per stage: four switched at run time in one engine, the dense one at load
+RUNTIME_MUTANTS = ("kv_store_skip_last", "indexer_topk_511", "router_bias_on_weights", "attn_sink_dropped")
+LOAD_MUTANT = "e8m0_exponent_off"
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,38 @@ JOBS: tuple[Job, ...] = (
         ("{py}", "-m", "dsv4_lab.gpu", "score", "--res", "{res}", "--ckpt", "{ckpt}"),
         needs=tuple(f"trained-{p}{d}" for p in PATHS for d in ("", "-dspark")), gpu_share=0.3,
         records=("trained.json",), what="the trained records against the oracle (R_q, R_x) -> trained.json"),
+    # the accuracy rule on the trained checkpoint: one engine per path; the SM80 engine switches its mutants at run
+    # time, the dense one (a load-time bug in the weights) has an engine of its own
+    Job("acc-prompts", "core", 10,
+        ("bash", "-c", "mkdir -p {res}/acc && {py} -m dsv4_lab.train prompts {res}/acc/prompts.json"),
+        what="held-out text prompts of 20, 300, 1,984 and 3,000 ids (the last one past the indexer's 2,048)"),
+    Job("acc-ref", "core", 120,
+        ("{py}", "-m", "dsv4_lab.oracle", "score", "--ckpt", "{ckpt}", "--record", "{res}/acc/prompts.json",
+         "--refs", "R_q,R_x", "--device", "cuda", "--out", "{res}/acc/ref.json"),
+        needs=("unpack", "acc-prompts"), gpu_share=0.3, what="the references R_q and R_x on the prompts"),
+    Job("acc-native", "core", 200,
+        ("{py}", "dsv4_lab/beds/accuracy_bed.py", "--ckpt", "{ckpt}", "--prompts", "{res}/acc/prompts.json",
+         "--out-dir", "{res}/acc", "--runs", "native,native-reversed"),
+        env=NATIVE, needs=("unpack", "acc-prompts"), gpu_share=0.2,
+        what="native teacher-forced on the prompts, and in reverse batch order (the negative control)"),
+    Job("acc-sm80", "core", 200,
+        ("{py}", "dsv4_lab/beds/accuracy_bed.py", "--ckpt", "{ckpt}", "--prompts", "{res}/acc/prompts.json",
+         "--out-dir", "{res}/acc", "--runs", ",".join(["sm80", *(f"mutant-{m}" for m in RUNTIME_MUTANTS)])),
+        env={**LAB, "DSV4_SM80_TRIPWIRE": "1", "DSV4_SM80_LAB_MUTANT": "runtime"}, needs=("unpack", "acc-prompts"),
+        gpu_share=0.2, what="the SM80 default path, then each run-time mutant switched on in the same engine"),
+    Job("acc-sm80-dense", "core", 180,
+        ("{py}", "dsv4_lab/beds/accuracy_bed.py", "--ckpt", "{ckpt}", "--prompts", "{res}/acc/prompts.json",
+         "--out-dir", "{res}/acc", "--runs", f"mutant-{LOAD_MUTANT}"),
+        env={**LAB, "DSV4_SM80_LAB_MUTANT": LOAD_MUTANT}, needs=("unpack", "acc-prompts"), gpu_share=0.2,
+        what="the dense-stage mutant, a bug in the loaded weights: an engine of its own"),
+    Job("accuracy", "core", 30,
+        ("{py}", "-m", "dsv4_lab.oracle", "compare", "--ref", "{res}/acc/ref.json", "--native",
+         "{res}/acc/native.json", "--path", "sm80={res}/acc/sm80.json",
+         "--control", "native-reversed={res}/acc/native-reversed.json",
+         *(a for m in (*RUNTIME_MUTANTS, LOAD_MUTANT) for a in ("--mutant", f"{m}={{res}}/acc/mutant-{m}.json")),
+         "--json-out", "{res}/accuracy.json"),
+        needs=("acc-ref", "acc-native", "acc-sm80", "acc-sm80-dense"), records=("accuracy.json",),
+        what="the rule against R_q: the SM80 path passes, the control passes, every mutant is caught"),
     Job("attention-kit", "core", 200,
         ("{py}", "-u", "dsv4_lab/beds/attention_kit.py", "--out", "{res}/attention_kit.json"),
         env={**LAB, "DSV4_SM80_TRIPWIRE": "1"}, gpu_share=0.2, records=("attention_kit.json",),

@@ -8,6 +8,8 @@ is `not measured` (never a pass). The thresholds:
   at each temperature (drift: the last 500-id segment's mean NLL under R_q less the first's);
 - DSPARK: accept length at least ACCEPT_MIN on every path, and the SM80 path's at least ACCEPT_VS_NATIVE of
   native's. The DSPARK speed-up is recorded, never asserted (engines share the GPU);
+- the accuracy rule (`dsv4_lab.oracle.metrics`) against R_q on held-out text: the SM80 default path passes, the
+  negative control passes, and every mutant is caught, mutants of at least MUTANT_STAGES stages among them;
 - the attention kit, the kernel tests and the HTTP check: every case of their record passed.
 """
 
@@ -23,6 +25,7 @@ GREEDY_MARGIN = 8.0
 DRIFT_MARGIN = 0.10
 ACCEPT_MIN = 1.5
 ACCEPT_VS_NATIVE = 0.95
+MUTANT_STAGES = 4
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,40 @@ def against_native(native: dict | None, sm80: dict | None) -> list[Verdict]:
     return out
 
 
+def accuracy(acc: dict | None, stages: dict[str, str] | None = None) -> list[Verdict]:
+    """Verdicts of `accuracy.json` (`python -m dsv4_lab.oracle compare`) against R_q: the SM80 default path passes
+    the rule, the negative control passes it, and mutants of at least MUTANT_STAGES stages are each caught.
+    stages: mutant name -> its stage (default: dsv4_lab.mutants)."""
+    names = ["accuracy rule against R_q: the SM80 default path passes",
+             "accuracy rule: the negative control (native, reversed batch) passes",
+             f"accuracy rule: every mutant caught, of at least {MUTANT_STAGES} stages"]
+    if acc is None:
+        return [_missing(n, "no accuracy.json") for n in names]
+    if stages is None:
+        from dsv4_lab.mutants import MUTANTS
+
+        stages = {n: m.stage for n, m in MUTANTS.items()}
+    ref = acc["references"]["R_q"]
+
+    def rule(row: dict) -> str:
+        return f"KL {row['kl_ratio']:.2f}x native's, top-1 at 1 nat {row['agree_drop_points']:+.2f} points below"
+
+    out = []
+    for name, rows in ((names[0], ref["paths"]), (names[1], ref["controls"])):
+        if not rows:
+            out.append(_missing(name, "no record"))
+            continue
+        (row,) = rows.values()
+        out.append(Verdict(name, row["passes"], rule(row) + "".join(f"; {r}" for r in row["reasons"])))
+    muts = ref["mutants"]
+    missed = [n for n, r in muts.items() if not r["caught"]]
+    kinds = {stages.get(n, "?") for n, r in muts.items() if r["caught"]}
+    out.append(Verdict(names[2], bool(muts) and not missed and len(kinds) >= MUTANT_STAGES,
+                       f"{len(muts) - len(missed)}/{len(muts)} caught, stages {', '.join(sorted(kinds))}"
+                       + (f"; missed {', '.join(missed)}" if missed else "")))
+    return out
+
+
 def attention_kit(results: list | None) -> Verdict:
     name = "attention kit on the SM80 backend: every case passes"
     if results is None:
@@ -126,7 +163,7 @@ def _read(res: Path, name: str, parse=json.loads):
 
 def collect(res: Path, state: dict | None = None) -> list[Verdict]:
     """Every verdict the results folder can give now; a job that failed without a record says why."""
-    out = trained(_read(res, "trained.json")) + [
+    out = trained(_read(res, "trained.json")) + accuracy(_read(res, "accuracy.json")) + [
         attention_kit(_read(res, "attention_kit.json")),
         kernels(_read(res, "kernels.xml", parse=str)),
         http(_read(res, "http.json")),

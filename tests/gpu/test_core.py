@@ -58,6 +58,14 @@ def test_sm80_against_native(res, what):
     assert v.ok, str(v)
 
 
+@pytest.mark.parametrize("what", ["the SM80 default path passes", "the negative control", "every mutant caught"])
+def test_accuracy_rule(res, what):
+    ensure(res, "accuracy")
+    v = by_name(verdicts.accuracy(verdicts._read(res, "accuracy.json")), f"accuracy rule: {what}"
+                if what != "the SM80 default path passes" else "accuracy rule against R_q")
+    assert v.ok, str(v)
+
+
 def test_attention_kit(res):
     ensure(res, "attention-kit")
     v = verdicts.attention_kit(verdicts._read(res, "attention_kit.json"))

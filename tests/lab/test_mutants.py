@@ -45,7 +45,7 @@ def _replacement(seam):
 # --- declarations (the product validator does not know overlay "lab" yet) -------------------------
 
 def test_every_seam_declares_a_real_target():
-    assert set(NAMED) <= set(M.MUTANTS) and M.MUTANT_KNOB.choices == ("", *M.MUTANTS)
+    assert set(NAMED) <= set(M.MUTANTS) and M.MUTANT_KNOB.choices == ("", *M.MUTANTS, "runtime")
     assert M.MUTANT_KNOB.name == KNOB and M.MUTANT_KNOB.default == ""
     assert M.MUTANT_SEAMS == tuple(s for m in M.MUTANTS.values() for s in m.seams)
     pkg = locate_sglang()
@@ -55,7 +55,8 @@ def test_every_seam_declares_a_real_target():
         for s in m.seams:
             assert s.name not in names and s.name.startswith(f"mutant.{m.name}")
             names.add(s.name)
-            assert (s.kind, s.overlay, s.when) == ("around", "lab", (f"{KNOB}={m.name}",)), s.name
+            when = f"{KNOB}={m.name}" + ("|runtime" if m.runtime else "")
+            assert (s.kind, s.overlay, s.when) == ("around", "lab", (when,)), s.name
             assert s.reason.strip()
             # the target exists and is defined where the applier looks (vars of its owner)
             owner = importlib.import_module(s.module)
@@ -443,3 +444,41 @@ def test_applied_after_the_product_seam_it_wraps_the_product_replacement(knob, m
     assert new.__wrapped__ is attention.sm80_forward
     assert attention.sm80_forward.__wrapped__ is DeepseekV4AttnBackend.forward
     assert not apply.apply_seam(lab, module)  # exactly once
+
+
+# --- the run-time switch: one engine, each mutant in turn ------------------------------------------------
+
+
+def test_runtime_mode_wraps_the_per_call_mutants_on_distinct_targets(monkeypatch):
+    from dsv4_lab.seams import LAB_SEAMS
+
+    env = {"DSV4_SM80_LAB": "1", KNOB: "runtime"}
+    on = [s for s in LAB_SEAMS if s.name.startswith("mutant.") and s.enabled(env)]
+    names = {s.name.split(".")[1] for s in on}
+    assert names == {m.name for m in M.MUTANTS.values() if m.runtime}
+    assert len({s.target for s in on}) == len(on)  # no two run-time wrappers chained on one attribute
+    assert {M.MUTANTS[n].stage for n in names} >= {"kv store", "indexer", "moe", "attention"}
+    # a load-time mutant still needs its own name
+    weights = M.MUTANTS["e8m0_exponent_off"]
+    assert not weights.runtime and not weights.seams[0].enabled(env)
+    assert weights.seams[0].enabled({**env, KNOB: "e8m0_exponent_off"})
+
+
+def test_the_switch_file_is_read_at_every_call(tmp_path, monkeypatch):
+    switch = tmp_path / "mutant"
+    monkeypatch.setenv(KNOB, "runtime")
+    monkeypatch.setenv(M.SWITCH_FILE, str(switch))
+    assert M.active() == ""  # no file yet: no mutant
+    sentinel, calls = object(), []
+    seam = M.MUTANTS["sinkhorn_19"].seams[0]
+
+    def original(*a, sinkhorn_repeat=20, **k):
+        calls.append(sinkhorn_repeat)
+        return sentinel
+
+    for name, want in (("sinkhorn_19", 19), ("", 20), ("indexer_topk_511", 20), ("sinkhorn_19", 19)):
+        tmp = tmp_path / "mutant.tmp"
+        tmp.write_text(name + "\n")
+        tmp.replace(switch)  # as the accuracy bed writes it: whole, then renamed
+        assert M.active() == name
+        assert _replacement(seam)(original, sinkhorn_repeat=20) is sentinel and calls[-1] == want
