@@ -10,7 +10,7 @@ is `not measured` (never a pass). The thresholds:
   native's. The DSPARK speed-up is recorded, never asserted (engines share the GPU);
 - the accuracy rule (`dsv4_lab.oracle.metrics`) against R_q on held-out text: the SM80 default path passes, the
   negative control passes, and every mutant is caught, mutants of at least MUTANT_STAGES stages among them;
-- the attention kit, the kernel tests and the HTTP check: every case of their record passed.
+- the attention kit, the kernel tests, the HTTP check and the tools check: every case of their record passed.
 """
 
 from __future__ import annotations
@@ -156,6 +156,15 @@ def http(record: dict | None) -> Verdict:
                    f"{record['startup_s']:.0f} s" + (f"; failing: {', '.join(bad)}" if bad else ""))
 
 
+def tools(record: dict | None, which: str) -> Verdict:
+    name = f"tools, reasoning and structured output ({which}): every check passes"
+    if record is None:
+        return _missing(name, "no record")
+    bad = [r["check"] for r in record["results"] if not r["ok"]]
+    return Verdict(name, not bad, f"{len(record['results']) - len(bad)}/{len(record['results'])} pass"
+                   + (f"; failing: {', '.join(bad)}" if bad else ""))
+
+
 def _read(res: Path, name: str, parse=json.loads):
     p = Path(res) / name
     return parse(p.read_text()) if p.is_file() else None
@@ -167,6 +176,8 @@ def collect(res: Path, state: dict | None = None) -> list[Verdict]:
         attention_kit(_read(res, "attention_kit.json")),
         kernels(_read(res, "kernels.xml", parse=str)),
         http(_read(res, "http.json")),
+        tools(_read(res, "tools.json"), "trained checkpoint"),
+        tools(_read(res, "tools-tiny.json"), "tiny checkpoint"),
     ]
     jobs = (state or {}).get("jobs", {})
     failed = [f"{n}: {e.get('error', '')}" for n, e in jobs.items() if e.get("status") == "failed"]

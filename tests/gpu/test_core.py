@@ -82,3 +82,10 @@ def test_http(res):
     ensure(res, "http")
     v = verdicts.http(verdicts._read(res, "http.json"))
     assert v.ok, str(v)
+
+
+@pytest.mark.parametrize("job,which", [("tools", "trained checkpoint"), ("tools-tiny", "tiny checkpoint")])
+def test_tools_reasoning_structured_output(res, job, which):
+    ensure(res, job)
+    v = verdicts.tools(verdicts._read(res, f"{job}.json"), which)
+    assert v.ok, str(v)

@@ -286,3 +286,22 @@ def test_teacher_entries_are_what_the_metrics_read():
     assert e["input_logprobs"] == [None, -0.5, -0.1, -2.0] and e["top"][0] == [] and e["top"][3][0] == [41, -0.2]
     row = metrics.sequence_metrics(e, e)
     assert row["positions"] == 3 and row["kl_sum"] == 0.0 and row["dnll_sum"] == 0.0
+
+
+def test_tools_check_validates_what_it_is_sent():
+    from dsv4_lab.beds import tools_check as T
+
+    assert T.valid({"color": "red", "ok": True}, T.SCHEMA)
+    assert not T.valid({"color": "pink", "ok": True}, T.SCHEMA)
+    assert not T.valid({"color": "red", "ok": True, "extra": 1}, T.SCHEMA)
+    assert not T.valid({"color": "red"}, T.SCHEMA) and not T.valid({"color": "red", "ok": "yes"}, T.SCHEMA)
+    call = {"choices": [{"message": {"tool_calls": [{"function": {"name": "get_weather",
+                                                                  "arguments": '{"city": "Paris", "unit": "c"}'}}]}}]}
+    assert T.tool_call_ok(call, [T.WEATHER, T.TIME], "get_weather")[0]
+    assert not T.tool_call_ok(call, [T.WEATHER, T.TIME], "get_time")[0]
+    wrong = json.loads(json.dumps(call))
+    wrong["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] = '{"unit": "k"}'
+    assert not T.tool_call_ok(wrong, [T.WEATHER], None)[0]
+    assert not T.tool_call_ok({"choices": [{"message": {"content": "sunny"}}]}, [T.WEATHER], None)[0]
+    rec = {"results": [{"check": "a", "ok": True}, {"check": "b", "ok": False}]}
+    assert verdicts.tools(rec, "x").ok is False and "failing: b" in verdicts.tools(rec, "x").figure
