@@ -27,9 +27,7 @@ import os
 import re
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [ROOT, os.path.dirname(HERE)]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # module-name pattern -> checkpoint FP8 linears whose rows it holds, in order
 CKPT_OF = (
@@ -50,6 +48,19 @@ def checkpoint_parts(module_name: str):
         if m:
             return [p.format(*m.groups()) for p in parts]
     return None
+
+
+def reference():
+    """tests/reference.py, the float64 references the CPU tests share: tests/ is no package, so it is loaded from
+    its file (once per process)."""
+    if "reference" not in sys.modules:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("reference", os.path.join(ROOT, "tests", "reference.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules["reference"] = mod
+    return sys.modules["reference"]
 
 
 def build_runner(ckpt: str, mem_fraction: float):
@@ -102,7 +113,7 @@ def main(argv=None) -> int:
     from dsv4_sm80 import env
     from dsv4_sm80.stages import dense as linear
     from dsv4_sm80.tiny.generate import ensure, head_scale_for
-    from reference import dequant_fp8_bf16, load_raw
+    dequant_fp8_bf16, load_raw = reference().dequant_fp8_bf16, reference().load_raw
 
     args.head_scale = head_scale_for(args.preset, args.head_scale)  # peaked outputs at every width
     ensure(args.ckpt, args.preset, head_scale=args.head_scale)

@@ -22,9 +22,6 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-
 # SGLang's scheduler watchdog (ServerArgs.watchdog_timeout, 300 s) kills the engine when one forward takes longer;
 # a cold machine's first forward compiles SGLang's JIT kernels for 7-9 minutes (on the H200, 2026-12-01: a native
 # trace SIGKILLed by it at 7.5 minutes of compiling). The test beds allow that; serving keeps SGLang's default.

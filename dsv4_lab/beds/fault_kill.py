@@ -23,8 +23,7 @@ import threading
 import time
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lab_server import descendants, lab_server  # noqa: E402
+from dsv4_lab.beds.lab_server import descendants, lab_server
 
 
 def title(pid: int) -> str:
@@ -44,7 +43,6 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=0, help="the TP rank whose scheduler is killed")
     ap.add_argument("--exit-within", type=float, default=120.0, help="seconds the server may take to exit")
     args = ap.parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from dsv4_sm80.tiny.generate import ensure
 
     ensure(args.ckpt, head_scale=12.0)

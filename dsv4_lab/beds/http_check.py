@@ -17,8 +17,7 @@ import sys
 import urllib.error
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lab_server import ROOT, lab_server  # noqa: E402
+from dsv4_lab.beds.lab_server import ROOT, lab_server
 
 KEY = "lab-key-1"
 
@@ -62,7 +61,6 @@ def main(argv=None) -> int:
     trace = os.path.splitext(os.path.abspath(args.out))[0] + "-route.jsonl"
     if args.vision:
         ckpt = "/tmp/dsv4-tiny-vl"
-        sys.path.insert(0, ROOT)
         from dsv4_sm80.tiny.generate import ensure
 
         ensure(ckpt, vision=True, head_scale=12.0)
@@ -133,7 +131,7 @@ def main(argv=None) -> int:
                 print(f"  A/B {r['check']:34s} greedy tokens agree {same}/{len(a['ids'] or [])}, "
                       f"max |dlogprob| {dlp:.3f}")
     if args.compare and args.vision:  # teacher-forced: the native record is the oracle (a), its floor beside it
-        import compare
+        from dsv4_lab.beds import compare
 
         this, other = (os.path.splitext(os.path.abspath(p))[0] for p in (args.out, args.compare))
         oracle, candidate = (this, other) if args.native else (other, this)

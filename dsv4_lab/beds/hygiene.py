@@ -27,8 +27,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the child's PYTHONPATH
 
 
 def flush(engine, tries: int = 100) -> None:
@@ -109,7 +108,7 @@ def main(argv=None) -> int:
     for name, poison in (("clean", "0"), ("clean2", "0"), ("poisoned", "1")):
         env = dict(os.environ, DSV4_SM80_LAB="1", DSV4_SM80_LAB_POISON=poison,
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--out", args.out, "--ckpt", args.ckpt,
+        cmd = [sys.executable, "-m", "dsv4_lab.beds.hygiene", "--child", "--out", args.out, "--ckpt", args.ckpt,
                "--lengths", args.lengths, "--max-new", str(args.max_new), "--mem-fraction", str(args.mem_fraction)]
         cmd += ["--cuda-graph"] * args.cuda_graph + ["--dspark"] * args.dspark
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)

@@ -22,10 +22,6 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [ROOT, HERE]
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,8 +37,7 @@ def main(argv=None) -> int:
                          "the floor trace")
     args = ap.parse_args(argv)
 
-    from engine_bed import BED_WATCHDOG_S, prompt_ids
-
+    from dsv4_lab.beds.engine_bed import BED_WATCHDOG_S, prompt_ids
     from dsv4_lab.perturb import perturb_spec
     from dsv4_lab.trace import trace_spec
     from dsv4_sm80 import env

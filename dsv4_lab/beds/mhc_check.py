@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
 
 
 def main(argv=None) -> int:

@@ -23,10 +23,6 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [ROOT, os.path.dirname(HERE), HERE]
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -43,13 +39,14 @@ def main(argv=None) -> int:
 
     faulthandler.dump_traceback_later(500, exit=False)
     import torch
-    from dense_check import build_runner
 
+    from dsv4_lab.beds.dense_check import build_runner, reference
     from dsv4_sm80 import env
     from dsv4_sm80.kernels import w4a8_moe_ref as ref
     from dsv4_sm80.stages import moe
     from dsv4_sm80.tiny.generate import ensure, head_scale_for
-    from reference import load_raw
+
+    load_raw = reference().load_raw
 
     args.head_scale = head_scale_for(args.preset, args.head_scale)  # peaked outputs at every width
     ensure(args.ckpt, args.preset, head_scale=args.head_scale)

@@ -43,11 +43,8 @@ import time
 import urllib.error
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lab_server import ROOT, descendants, lab_server  # noqa: E402
-
-sys.path.insert(0, ROOT)  # dsv4_sm80 (the lab model for --native, the memory log's reader)
-from dsv4_lab import memlog as lab_memlog  # noqa: E402
+from dsv4_lab import memlog as lab_memlog
+from dsv4_lab.beds.lab_server import descendants, lab_server
 
 KEY = "soak-key"
 GROWTH_LIMIT = 4.0  # MiB/min over the run's second half: ~5.6 GiB a day, a leak that ends an A800 server in days

@@ -19,15 +19,11 @@ in the record so the scorer (`python -m dsv4_lab.train score`) reads the same id
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-
-from dsv4_lab.beds.engine_bed import BED_WATCHDOG_S, bed_env, spec_info, write_record  # noqa: E402
+from dsv4_lab.beds.engine_bed import BED_WATCHDOG_S, bed_env, spec_info, write_record
 
 
 def main(argv=None) -> int:

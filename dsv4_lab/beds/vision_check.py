@@ -15,9 +15,6 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -32,9 +29,9 @@ def main(argv=None) -> int:
     from dsv4_sm80.tiny.generate import ensure
 
     ensure(args.ckpt, vision=True, head_scale=12.0)
-    from dense_check import build_runner
     from sglang.srt.models.registry import ModelRegistry
 
+    from dsv4_lab.beds.dense_check import build_runner
     from vision_backport.image_processing import Geometry
     from vision_backport.model import vl_model_class
     from vision_backport.processor import expand_prompt
