@@ -1,9 +1,9 @@
 """GPU test bed for the accuracy rule: one engine, several teacher-forced runs of the same held-out prompts.
 
-    ENABLE_SGLANG_DSV4_A100_PATCH=0 python dsv4_lab/beds/accuracy_bed.py --ckpt CKPT --prompts P.json \\
+    ENABLE_SGLANG_DSV4_A100_PATCH=0 python -m dsv4_lab.beds.accuracy_bed --ckpt CKPT --prompts P.json \\
         --out-dir D --runs native,native-reversed
     ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_LAB_GPU_COUNT=1 \\
-        DSV4_SM80_LAB_MUTANT=runtime python dsv4_lab/beds/accuracy_bed.py --ckpt CKPT --prompts P.json \\
+        DSV4_SM80_LAB_MUTANT=runtime python -m dsv4_lab.beds.accuracy_bed --ckpt CKPT --prompts P.json \\
         --out-dir D --runs sm80,mutant-kv_store_skip_last,mutant-indexer_topk_511
 
 P.json is a list of id lists (`python -m dsv4_lab.train prompts`). Each run teacher-forces every prompt in one

@@ -1,7 +1,7 @@
 """SGLang 0.5.16's own DSV4 attention test kit (sglang/test/kits/attention_unittest/attention_methods/
 dsv4_attention.py) run against the patched backend and the BF16 pool, on a GPU.
 
-    ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB=1 DSV4_SM80_TRIPWIRE=1 python dsv4_lab/beds/attention_kit.py
+    ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB=1 DSV4_SM80_TRIPWIRE=1 python -m dsv4_lab.beds.attention_kit
 
 The kit ships no driver in the wheel; this is one. Two adaptations, both to the kit's FP8 assumptions,
 none to SGLang: the kit builds its pool with dtype=float8_e4m3fn (the SM80 datapath keeps DSV4's KV in

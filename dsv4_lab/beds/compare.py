@@ -1,6 +1,6 @@
 """Compare two engine_bed.py records position by position (teacher-forced logprobs).
 
-    python dsv4_lab/beds/compare.py native.json other.json [--margin 0.5]
+    python -m dsv4_lab.beds.compare native.json other.json [--margin 0.5]
 
 Metrics per sequence (the measure "same output as native" is judged by, see ../shared/device/README.md):
 - mean / max KL(a || b) per position over the union of the two top-k lists; a token missing from one
@@ -16,7 +16,7 @@ the confident-position margin is calibrated on it: the smallest margin (nats, to
 first record) at which the two native runs agree on at least --agree (99 %) of the top-1s, over at least
 --min-positions positions. The other record's top-1 agreement is then reported at that margin.
 
-    python dsv4_lab/beds/compare.py native.json patched.json --floor native2.json
+    python -m dsv4_lab.beds.compare native.json patched.json --floor native2.json
 """
 
 from __future__ import annotations

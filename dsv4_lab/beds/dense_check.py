@@ -3,9 +3,9 @@ checkpoint in this process (TP1, the patch state from the environment), then eve
 checked against a float64 reference decoded from the checkpoint's bytes (tests/reference.py).
 
     ENABLE_SGLANG_DSV4_A100_PATCH=1 SGLANG_DSV4_A100_DENSE=bf16 \
-        python dsv4_lab/beds/dense_check.py --out $OUT/dense-bf16.json
+        python -m dsv4_lab.beds.dense_check --out $OUT/dense-bf16.json
     ENABLE_SGLANG_DSV4_A100_PATCH=1 SGLANG_DSV4_A100_DENSE=fp8_marlin \
-        python dsv4_lab/beds/dense_check.py --out $OUT/dense-marlin.json
+        python -m dsv4_lab.beds.dense_check --out $OUT/dense-marlin.json
 
 Asserted, per linear of the target model that the checkpoint stores as FP8 blocks (fused wqkv_a =
 wq_a + wkv, wq_b, wo_a, wo_b, indexer wq_b, shared experts gate_up = w1 + w3 and down = w2):

@@ -3,9 +3,9 @@
 Runs on any CUDA machine where sglang 0.5.16 imports. The patch state comes from the environment
 (ENABLE_SGLANG_DSV4_A100_PATCH, read by sitecustomize at interpreter start), so run it twice to A/B:
 
-    ENABLE_SGLANG_DSV4_A100_PATCH=0 python dsv4_lab/beds/engine_bed.py --out native.json
+    ENABLE_SGLANG_DSV4_A100_PATCH=0 python -m dsv4_lab.beds.engine_bed --out native.json
     ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_LAB_GPU_COUNT=1 \
-        python dsv4_lab/beds/engine_bed.py --out patched.json --teacher-from native.json
+        python -m dsv4_lab.beds.engine_bed --out patched.json --teacher-from native.json
 
 What it records (JSON): greedy continuations of prompts of ~20, 300 and 3000 token ids (3000 makes
 the C4 indexer select sparsely: the C4 pool exceeds index_topk=512 past 2048 tokens), batched and

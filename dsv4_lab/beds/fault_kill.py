@@ -2,7 +2,7 @@
 with a message, and the client's request ends (error or closed stream) instead of hanging.
 
     ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 \
-        python dsv4_lab/beds/fault_kill.py --out fault.json [--tp 2 --rank 1]
+        python -m dsv4_lab.beds.fault_kill --out fault.json [--tp 2 --rank 1]
 
 The server is `python -m dsv4_sm80 serve` on loopback (dsv4_lab/beds/lab_server.py); while a long streaming
 request decodes, the scheduler process of that rank (titled `sglang::scheduler`, `..._TP<rank>` at TP > 1)

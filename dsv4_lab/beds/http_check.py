@@ -1,7 +1,7 @@
 """The patched server over HTTP on the tiny checkpoint (lab mode): the OpenAI-compatible and native
 endpoints work, the API key is enforced, bad requests get a clear 4xx and the server keeps serving.
 
-    DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 python dsv4_lab/beds/http_check.py --out http.json
+    DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 python -m dsv4_lab.beds.http_check --out http.json
 
 Starts `python -m dsv4_sm80 serve` (the one-command lab start: the embedded tiny model with its stand-in
 tokenizer) on 127.0.0.1 with --api-key and a small --context-length, then sends each request below and

@@ -13,7 +13,7 @@ own difference (the first H200 run, without the floor, saw 0.15-0.31 at 3000 and
 sparse-selection lengths).
 
     ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_LAB=1 \
-        DSV4_SM80_TRIPWIRE=1 python dsv4_lab/beds/hygiene.py --out hygiene.json [--dspark]
+        DSV4_SM80_TRIPWIRE=1 python -m dsv4_lab.beds.hygiene --out hygiene.json [--dspark]
 
 --dspark runs the draft too (DSPARK in 0.5.16 returns no logprobs: tokens are compared).
 """

@@ -6,8 +6,8 @@ H200 host's 16 cores, 16 minutes after launch (docs/results/README.md, 2026-12-0
 tvm-ffi cache (`$TVM_FFI_CACHE_DIR`, default `~/.cache/tvm-ffi`) holding the generated sources (`main.cpp`,
 `cuda.cu`), a `build.ninja` and, once built, `<module>.so`; `load_jit` loads a present `.so` without building.
 
-    python dsv4_lab/beds/jit_seed.py pack  --out seed.json.xz    # after a run: every built module's sources
-    python dsv4_lab/beds/jit_seed.py build --seed seed.json.xz   # on a fresh host: the missing ones, all cores
+    python -m dsv4_lab.beds.jit_seed pack  --out seed.json.xz    # after a run: every built module's sources
+    python -m dsv4_lab.beds.jit_seed build --seed seed.json.xz   # on a fresh host: the missing ones, all cores
 
 `pack` keeps the text files of every directory whose `.so` exists (with `--unfinished`, also those still building:
 build.ninja written, no `.so` yet), a few KB per module; `build` writes them back where absent (files that exist

@@ -3,9 +3,9 @@ hooks, on whatever path the environment selects (native with the patch off, the 
 Two such traces of the same ids compared (`python -m dsv4_lab.trace A B`) name the first module whose
 output differs much more than its input: where the SM80 path and native part ways.
 
-    ENABLE_SGLANG_DSV4_A100_PATCH=0 python dsv4_lab/beds/layer_trace.py --out-dir $OUT/trace-native
+    ENABLE_SGLANG_DSV4_A100_PATCH=0 python -m dsv4_lab.beds.layer_trace --out-dir $OUT/trace-native
     ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_LAB_GPU_COUNT=1 \
-        python dsv4_lab/beds/layer_trace.py --out-dir $OUT/trace-patched
+        python -m dsv4_lab.beds.layer_trace --out-dir $OUT/trace-patched
     python -m dsv4_lab.trace $OUT/trace-native $OUT/trace-patched
 
 Eager only (SGLang registers the hooks after graph capture, and graph replays run no Python hooks); a first

@@ -8,7 +8,7 @@ distance from both models (products in float64 of rounded and of exact hc_fn): t
 wgmma does with an fp32 operand. On the H200 (2026-12-01): at most 1.9e-6 from DeepGEMM, which sits 1.5e-7-2.4e-6 from
 the rounded products and 5e-6-1.2e-5 from the exact ones.
 
-    python dsv4_lab/beds/mhc_check.py [--out mhc_check.json]
+    python -m dsv4_lab.beds.mhc_check [--out mhc_check.json]
 """
 
 from __future__ import annotations

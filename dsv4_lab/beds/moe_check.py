@@ -4,11 +4,11 @@ expert layer runs on the same seeded inputs (hidden states and a fixed top-k rou
 method SGLang built for it, and is compared with the float64 reference computed from the checkpoint's
 bytes (dsv4_sm80/kernels/w4a8_moe_ref.py) and, with --compare, with another run's outputs.
 
-    ENABLE_SGLANG_DSV4_A100_PATCH=0 python dsv4_lab/beds/moe_check.py --out $OUT/moe-native.pt
+    ENABLE_SGLANG_DSV4_A100_PATCH=0 python -m dsv4_lab.beds.moe_check --out $OUT/moe-native.pt
     ENABLE_SGLANG_DSV4_A100_PATCH=1 SGLANG_DSV4_MXFP4_MOE_BACKEND=marlin \
-        python dsv4_lab/beds/moe_check.py --out $OUT/moe-marlin.pt --compare $OUT/moe-native.pt
+        python -m dsv4_lab.beds.moe_check --out $OUT/moe-marlin.pt --compare $OUT/moe-native.pt
     ENABLE_SGLANG_DSV4_A100_PATCH=1 SGLANG_DSV4_MXFP4_MOE_BACKEND=mxfp4_int8 \
-        python dsv4_lab/beds/moe_check.py --out $OUT/moe-int8.pt --compare $OUT/moe-native.pt
+        python -m dsv4_lab.beds.moe_check --out $OUT/moe-int8.pt --compare $OUT/moe-native.pt
 
 Outputs are compared after the routed scaling factor: SGLang's MXFP4 Marlin method leaves it to DeepseekV2MoE
 (`maybe_fuse_routed_scale_and_shared_add`), the W4A8 method applies it itself, so the Marlin outputs are scaled here

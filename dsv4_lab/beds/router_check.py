@@ -1,7 +1,7 @@
 """Two servers behind SGLang's router (smg) on one GPU, lab mode: requests reach both; one server killed, the router
 keeps answering from the other and says which worker it dropped.
 
-    DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 python dsv4_lab/beds/router_check.py --out router.json
+    DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 python -m dsv4_lab.beds.router_check --out router.json
 
 Each server is `python -m dsv4_sm80 serve` on loopback (the embedded tiny checkpoint, a third of the GPU each); the
 router is `python -m smg launch` with round-robin routing and health checks every 2 s. Which server answered is read

@@ -1,7 +1,7 @@
 """Soak the patched server (lab mode, tiny checkpoint, loopback only), bounded in time and count.
 
-    DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 python dsv4_lab/beds/soak.py --minutes 5 --out soak.json [--dspark]
-    python dsv4_lab/beds/soak.py --native --minutes 5 --out soak-native.json     (the same load on native SGLang)
+    DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 python -m dsv4_lab.beds.soak --minutes 5 --out soak.json [--dspark]
+    python -m dsv4_lab.beds.soak --native --minutes 5 --out soak-native.json     (the same load on native SGLang)
 
 64 concurrent streams of `/generate` (streaming, with logprobs): random prompt lengths up to the context
 limit, random max_tokens, a third of the prompts sharing long prefixes (radix-cache hits), one in ten

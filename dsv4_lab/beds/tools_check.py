@@ -1,6 +1,6 @@
 """Tool calls, reasoning and structured output through the SM80 path over HTTP (lab mode).
 
-    DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 python dsv4_lab/beds/tools_check.py --out tools.json \\
+    DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 python -m dsv4_lab.beds.tools_check --out tools.json \\
         [--model-path CKPT]
 
 Starts `python -m dsv4_sm80 serve` on loopback (the embedded tiny checkpoint, or --model-path, e.g. the trained

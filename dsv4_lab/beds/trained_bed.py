@@ -1,8 +1,8 @@
 """GPU test bed for the trained tiny checkpoint (`dsv4_lab/train`): one serving path, one record.
 
-    ENABLE_SGLANG_DSV4_A100_PATCH=0 python dsv4_lab/beds/trained_bed.py --ckpt CKPT --out native.json
+    ENABLE_SGLANG_DSV4_A100_PATCH=0 python -m dsv4_lab.beds.trained_bed --ckpt CKPT --out native.json
     ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_CC=9.0 DSV4_SM80_LAB_GPU_COUNT=1 \\
-        python dsv4_lab/beds/trained_bed.py --ckpt CKPT --out sm80.json [--speculative-algorithm DSPARK]
+        python -m dsv4_lab.beds.trained_bed --ckpt CKPT --out sm80.json [--speculative-algorithm DSPARK]
 
 Every prompt is held-out text of this machine's Python library (`dsv4_lab.train.data.held_out_prompts`), stored
 in the record so the scorer (`python -m dsv4_lab.train score`) reads the same ids. What it records:

@@ -4,7 +4,7 @@ every vision weight and every layer's bias_vl arrived as stored, and that the im
 images has one finite row per block slot.
 
     ENABLE_SGLANG_DSV4_A100_PATCH=1 DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 \
-        python dsv4_lab/beds/vision_check.py --out vision.json
+        python -m dsv4_lab.beds.vision_check --out vision.json
 """
 
 from __future__ import annotations
