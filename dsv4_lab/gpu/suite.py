@@ -58,7 +58,7 @@ def _trained(path: str, dspark: bool) -> Job:
     name = f"trained-{path}" + ("-dspark" if dspark else "")
     spec = ("--speculative-algorithm", "DSPARK") if dspark else ()
     return Job(name, "core", 240 if dspark else 180,
-               ("{py}", "dsv4_lab/beds/trained_bed.py", "--ckpt", "{ckpt}", "--out", "{res}/" + name + ".json",
+               ("{py}", "-m", "dsv4_lab.beds.trained_bed", "--ckpt", "{ckpt}", "--out", "{res}/" + name + ".json",
                 "--mem-fraction", "0.85", "--max-total-tokens", str(BED_TOKENS), *spec),
                env=env, needs=("unpack",), gpu_share=0.2, records=(name + ".json",),
                what=f"the trained checkpoint on the {'native' if path == 'native' else 'SM80 default'} path"
@@ -71,7 +71,7 @@ def _env(env: dict) -> str:
 
 # moe_check on native, then each SM80 expert backend against native's outputs (the native runs first: --compare)
 MOE = " && ".join(
-    f"env {_env(e)} {{py}} -u dsv4_lab/beds/moe_check.py{tok} --out {{res}}/moe-{name}.pt{cmp}"
+    f"env {_env(e)} {{py}} -u -m dsv4_lab.beds.moe_check{tok} --out {{res}}/moe-{name}.pt{cmp}"
     for name, e, tok, cmp in (
         ("native", NATIVE, "", ""),
         *((b, {**LAB, "SGLANG_DSV4_MXFP4_MOE_BACKEND": b}, "", " --compare {res}/moe-native.pt")
@@ -82,15 +82,15 @@ MOE = " && ".join(
          " --compare {res}/moe-native-1024.pt")))
 # every JIT cache resolves under HOME; what the cold start built is merged into the real HOME afterwards (nothing
 # there overwritten), so later jobs start warm
-COLD = ("rm -rf /tmp/coldhome && mkdir -p /tmp/coldhome && HOME=/tmp/coldhome {py} dsv4_lab/beds/engine_bed.py "
+COLD = ("rm -rf /tmp/coldhome && mkdir -p /tmp/coldhome && HOME=/tmp/coldhome {py} -m dsv4_lab.beds.engine_bed "
         "--out {res}/cold.json --lengths 20,300 --watchdog-timeout 300; rc=$?; "
         "for d in .triton .cache .tilelang; do [ -d /tmp/coldhome/$d ] && cp -an /tmp/coldhome/$d ~/; done; exit $rc")
 # the gate at its production GPU count (4): no DSV4_SM80_LAB_GPU_COUNT override
 LAB_TP4 = {"ENABLE_SGLANG_DSV4_A100_PATCH": "1", "DSV4_SM80_LAB": "1", "DSV4_SM80_LAB_CC": "9.0",
            "DSV4_SM80_TRIPWIRE": "1"}
 _T4 = "--tp 4 --cuda-graph --cuda-graph-max-bs 8 --lengths 20,300,3000"
-_BED = "{py} dsv4_lab/beds/engine_bed.py"
-_CMP = "{py} dsv4_lab/beds/compare.py"
+_BED = "{py} -m dsv4_lab.beds.engine_bed"
+_CMP = "{py} -m dsv4_lab.beds.compare"
 TP4 = "; ".join((
     "set -e",
     "{py} -c \"import torch; assert torch.cuda.device_count() >= 4, 'tp4 needs 4 GPUs'\"",
@@ -107,8 +107,8 @@ TP4 = "; ".join((
 PATHS = ("native", "sm80")
 JOBS: tuple[Job, ...] = (
     Job("jit-seed", "core", 10,
-        ("bash", "-c", f"{{py}} dsv4_lab/beds/jit_seed.py build --seed {SEED}/tvm-ffi.json.xz && "
-                       f"{{py}} dsv4_lab/beds/jit_seed.py build --seed {SEED}/flashinfer.json.xz"),
+        ("bash", "-c", f"{{py}} -m dsv4_lab.beds.jit_seed build --seed {SEED}/tvm-ffi.json.xz && "
+                       f"{{py}} -m dsv4_lab.beds.jit_seed build --seed {SEED}/flashinfer.json.xz"),
         timeout_s=900, what="SGLang's and FlashInfer's JIT modules built on every core (a cold host: minutes)"),
     Job("unpack", "core", 20, ("{py}", "-m", "dsv4_lab.train", "unpack", "{res}"),
         records=(), what="the committed trained checkpoint in its served shape"),
@@ -127,17 +127,17 @@ JOBS: tuple[Job, ...] = (
          "--refs", "R_q,R_x", "--device", "cuda", "--out", "{res}/acc/ref.json"),
         needs=("unpack", "acc-prompts"), gpu_share=0.3, what="the references R_q and R_x on the prompts"),
     Job("acc-native", "core", 200,
-        ("{py}", "dsv4_lab/beds/accuracy_bed.py", "--ckpt", "{ckpt}", "--prompts", "{res}/acc/prompts.json",
+        ("{py}", "-m", "dsv4_lab.beds.accuracy_bed", "--ckpt", "{ckpt}", "--prompts", "{res}/acc/prompts.json",
          "--out-dir", "{res}/acc", "--runs", "native,native-reversed"),
         env=NATIVE, needs=("unpack", "acc-prompts"), gpu_share=0.2,
         what="native teacher-forced on the prompts, and in reverse batch order (the negative control)"),
     Job("acc-sm80", "core", 200,
-        ("{py}", "dsv4_lab/beds/accuracy_bed.py", "--ckpt", "{ckpt}", "--prompts", "{res}/acc/prompts.json",
+        ("{py}", "-m", "dsv4_lab.beds.accuracy_bed", "--ckpt", "{ckpt}", "--prompts", "{res}/acc/prompts.json",
          "--out-dir", "{res}/acc", "--runs", ",".join(["sm80", *(f"mutant-{m}" for m in RUNTIME_MUTANTS)])),
         env={**LAB, "DSV4_SM80_TRIPWIRE": "1", "DSV4_SM80_LAB_MUTANT": "runtime"}, needs=("unpack", "acc-prompts"),
         gpu_share=0.2, what="the SM80 default path, then each run-time mutant switched on in the same engine"),
     Job("acc-sm80-dense", "core", 180,
-        ("{py}", "dsv4_lab/beds/accuracy_bed.py", "--ckpt", "{ckpt}", "--prompts", "{res}/acc/prompts.json",
+        ("{py}", "-m", "dsv4_lab.beds.accuracy_bed", "--ckpt", "{ckpt}", "--prompts", "{res}/acc/prompts.json",
          "--out-dir", "{res}/acc", "--runs", f"mutant-{LOAD_MUTANT}"),
         env={**LAB, "DSV4_SM80_LAB_MUTANT": LOAD_MUTANT}, needs=("unpack", "acc-prompts"), gpu_share=0.2,
         what="the dense-stage mutant, a bug in the loaded weights: an engine of its own"),
@@ -150,14 +150,14 @@ JOBS: tuple[Job, ...] = (
         needs=("acc-ref", "acc-native", "acc-sm80", "acc-sm80-dense"), records=("accuracy.json",),
         what="the rule against R_q: the SM80 path passes, the control passes, every mutant is caught"),
     Job("tools", "core", 240,
-        ("{py}", "-u", "dsv4_lab/beds/tools_check.py", "--model-path", "{ckpt}", "--out", "{res}/tools.json"),
+        ("{py}", "-u", "-m", "dsv4_lab.beds.tools_check", "--model-path", "{ckpt}", "--out", "{res}/tools.json"),
         env=LAB, needs=("unpack",), gpu_share=0.4, records=("tools.json",),
         what="tool calls, streamed reasoning, JSON-schema and regex output, a bad schema: the trained checkpoint"),
     Job("tools-tiny", "core", 200,
-        ("{py}", "-u", "dsv4_lab/beds/tools_check.py", "--port", "30134", "--out", "{res}/tools-tiny.json"),
+        ("{py}", "-u", "-m", "dsv4_lab.beds.tools_check", "--port", "30134", "--out", "{res}/tools-tiny.json"),
         env=LAB, gpu_share=0.4, records=("tools-tiny.json",), what="the same on serve's embedded tiny checkpoint"),
     Job("attention-kit", "core", 200,
-        ("{py}", "-u", "dsv4_lab/beds/attention_kit.py", "--out", "{res}/attention_kit.json"),
+        ("{py}", "-u", "-m", "dsv4_lab.beds.attention_kit", "--out", "{res}/attention_kit.json"),
         env={**LAB, "DSV4_SM80_TRIPWIRE": "1"}, gpu_share=0.2, records=("attention_kit.json",),
         what="SGLang 0.5.16's DSV4 attention kit on the SM80 backend and BF16 pool"),
     Job("kernels", "core", 240,
@@ -166,7 +166,7 @@ JOBS: tuple[Job, ...] = (
          "--junitxml", "{res}/kernels.xml"),
         env={"DISABLE_MMA_V3": "1"}, gpu_share=0.1, records=("kernels.xml",),
         what="the kernel tests compiled on the GPU (mma.sync only, as on an A800) against their references"),
-    Job("http", "core", 200, ("{py}", "-u", "dsv4_lab/beds/http_check.py", "--out", "{res}/http.json"),
+    Job("http", "core", 200, ("{py}", "-u", "-m", "dsv4_lab.beds.http_check", "--out", "{res}/http.json"),
         env=LAB, gpu_share=0.4, records=("http.json",),
         what="serve in lab mode: OpenAI and native endpoints, the API key, bad requests 4xx, refused launches"),
     # full
@@ -176,27 +176,28 @@ JOBS: tuple[Job, ...] = (
                        "--out {res}/e2e.json"),
         gpu_share=1.0, timeout_s=1500, records=("e2e.json",),
         what="full depth: decode ids/s and TTFT, native vs SM80, batch 1/16/64 (alone on the GPU)"),
-    Job("router", "full", 300, ("{py}", "-u", "dsv4_lab/beds/router_check.py", "--out", "{res}/router.json"),
+    Job("router", "full", 300, ("{py}", "-u", "-m", "dsv4_lab.beds.router_check", "--out", "{res}/router.json"),
         env=LAB, gpu_share=0.7, records=("router.json",),
         what="two servers behind SGLang's router (smg): both answer; one killed, the other keeps answering"),
-    Job("hygiene", "full", 300, ("{py}", "dsv4_lab/beds/hygiene.py", "--out", "{res}/hygiene.json"),
+    Job("hygiene", "full", 300, ("{py}", "-m", "dsv4_lab.beds.hygiene", "--out", "{res}/hygiene.json"),
         env={**LAB, "DSV4_SM80_TRIPWIRE": "1"}, gpu_share=0.3, records=("hygiene.json",),
         what="page hygiene: pools poisoned after every flush, outputs equal and finite"),
-    Job("soak", "full", 480, ("{py}", "dsv4_lab/beds/soak.py", "--minutes", "6", "--out", "{res}/soak.json"),
+    Job("soak", "full", 480, ("{py}", "-m", "dsv4_lab.beds.soak", "--minutes", "6", "--out", "{res}/soak.json"),
         env=LAB, gpu_share=1.0, timeout_s=720, records=("soak.json",),
         what="64 streaming clients: errors, pages back to idle, memory growth"),
     Job("vision-ab", "full", 300,
-        ("bash", "-c", "{py} -u dsv4_lab/beds/http_check.py --vision --port 30223 --out {res}/http-vision.json && "
-                       "ENABLE_SGLANG_DSV4_A100_PATCH=0 {py} -u dsv4_lab/beds/http_check.py --vision --port 30223 "
+        ("bash", "-c", "{py} -u -m dsv4_lab.beds.http_check --vision --port 30223 --out {res}/http-vision.json && "
+                       "ENABLE_SGLANG_DSV4_A100_PATCH=0 {py} -u -m dsv4_lab.beds.http_check --vision --port 30223 "
                        "--native --out {res}/http-vision-native.json --compare {res}/http-vision.json"),
         env={**LAB, "DSV4_SM80_TRIPWIRE": "1"}, gpu_share=0.3, records=("http-vision.json", "http-vision-native.json"),
         what="the same image requests on the SM80 server and on native with the vision overlay alone"),
     Job("hygiene-dspark", "full", 300,
-        ("{py}", "dsv4_lab/beds/hygiene.py", "--dspark", "--out", "{res}/hygiene-dspark.json"),
+        ("{py}", "-m", "dsv4_lab.beds.hygiene", "--dspark", "--out", "{res}/hygiene-dspark.json"),
         env={**LAB, "DSV4_SM80_TRIPWIRE": "1"}, gpu_share=0.3, records=("hygiene-dspark.json",),
         what="page hygiene with DSPARK's draft pools"),
     # ModelRunner in-process beds take mem_fraction_static 0.6 (vision 0.5) of the GPU with an uncapped KV pool
-    *(Job(f"dense-{m}", "full", 150, ("{py}", "-u", "dsv4_lab/beds/dense_check.py", "--out", f"{{res}}/dense-{m}.json"),
+    *(Job(f"dense-{m}", "full", 150,
+          ("{py}", "-u", "-m", "dsv4_lab.beds.dense_check", "--out", f"{{res}}/dense-{m}.json"),
           env={**LAB, "SGLANG_DSV4_A100_DENSE": m}, gpu_share=0.6, records=(f"dense-{m}.json",),
           what=f"every dense linear after load in {m} mode: method, weight and output against the exact reference"
                + (" (a cold Marlin build takes most of the limit)" if m == "fp8_marlin" else ""))
@@ -206,13 +207,13 @@ JOBS: tuple[Job, ...] = (
                                                    "mxfp4_int8-1024")),
         what="every expert layer on seeded inputs: native, then marlin and mxfp4_int8 against native and the "
              "float64 reference; 1,024 tokens too (the W4A8 32x64 shift tile)"),
-    Job("mhc-check", "full", 60, ("{py}", "dsv4_lab/beds/mhc_check.py", "--out", "{res}/mhc_check.json"),
+    Job("mhc-check", "full", 60, ("{py}", "-m", "dsv4_lab.beds.mhc_check", "--out", "{res}/mhc_check.json"),
         gpu_share=0.1, timeout_s=300, records=("mhc_check.json",),
         what="the SM80 hc pre-norm GEMM against DeepGEMM's own kernel (SM90) at DSV4-Flash's shape"),
-    Job("vision", "full", 120, ("{py}", "-u", "dsv4_lab/beds/vision_check.py", "--out", "{res}/vision.json"),
+    Job("vision", "full", 120, ("{py}", "-u", "-m", "dsv4_lab.beds.vision_check", "--out", "{res}/vision.json"),
         env=LAB, gpu_share=0.5, timeout_s=400, records=("vision.json",),
         what="the Vision-Exp class loads the tiny --vision checkpoint in SGLang's ModelRunner"),
-    Job("fault", "full", 120, ("{py}", "-u", "dsv4_lab/beds/fault_kill.py", "--out", "{res}/fault.json"),
+    Job("fault", "full", 120, ("{py}", "-u", "-m", "dsv4_lab.beds.fault_kill", "--out", "{res}/fault.json"),
         env=LAB, gpu_share=0.5, timeout_s=400, records=("fault.json",),
         what="a scheduler SIGKILLed mid-request: the server exits non-zero and the client's stream ends"),
     Job("jit-sm80", "full", 300,

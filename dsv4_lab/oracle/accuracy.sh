@@ -41,12 +41,12 @@ bed() {  # bed NAME ENV... -- ENGINE_BED_ARGS...: an engine_bed record on the re
   local envs=()
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done
   shift
-  run "$name" "${envs[@]}" -- $PY -u dsv4_lab/beds/engine_bed.py --ckpt "$CKPT" --lengths "$LENGTHS" "${PROMPT_ARGS[@]}" \
+  run "$name" "${envs[@]}" -- $PY -u -m dsv4_lab.beds.engine_bed --ckpt "$CKPT" --lengths "$LENGTHS" "${PROMPT_ARGS[@]}" \
     --teacher-from "$OUT/sequences.json" --token-ids-logprob "$OUT/ids.json" --out "$OUT/$name.json" "$@"
 }
 
 # 1. the sequences (native SGLang's greedy continuations), then the references on them and their support ids
-run sequences $NATIVE_ENV -- $PY -u dsv4_lab/beds/engine_bed.py --ckpt "$CKPT" --lengths "$LENGTHS" \
+run sequences $NATIVE_ENV -- $PY -u -m dsv4_lab.beds.engine_bed --ckpt "$CKPT" --lengths "$LENGTHS" \
   "${PROMPT_ARGS[@]}" --out "$OUT/sequences.json"
 run ref -- $PY -u -m dsv4_lab.oracle score --ckpt "$CKPT" --record "$OUT/sequences.json" --out "$OUT/ref.json" \
   --support-out "$OUT/ids.json"

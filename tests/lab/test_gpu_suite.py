@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -45,11 +46,20 @@ def test_core_tier_is_declared_whole():
     assert len(names) == len(set(names))
     assert {"trained-native", "trained-sm80", "trained-native-dspark", "trained-sm80-dspark", "trained-score",
             "attention-kit", "kernels", "http"} <= set(names)
+    beds = set()
     for j in suite.JOBS:
         assert all(n in suite.BY_NAME for n in j.needs), j.name
         assert 0.0 <= j.gpu_share <= 1.0 and j.estimate_s <= j.timeout_s
         scripts = [a for a in j.argv if a.endswith(".py") and "/" in a and not a.startswith("{")]
         assert all((REPO / s).is_file() for s in scripts), (j.name, scripts)
+        # beds run as modules (python -m), also inside `bash -c` strings: each names a file of dsv4_lab/beds
+        line = " ".join(j.argv)
+        assert not re.search(r"dsv4_lab/beds/\w+\.py", line), (j.name, line)
+        modules = re.findall(r"(?<!\S)-m (dsv4_lab\.beds\.\w+)", line)
+        assert all((REPO / (m.replace(".", "/") + ".py")).is_file() for m in modules), (j.name, modules)
+        beds |= set(modules)
+    assert {"dsv4_lab.beds.trained_bed", "dsv4_lab.beds.engine_bed", "dsv4_lab.beds.moe_check",
+            "dsv4_lab.beds.jit_seed"} <= beds  # the scan finds them, in argv and in bash strings
     # the core tier fits a 25-minute window with the engines side by side (estimates on a built cache)
     assert runner.makespan(core) <= 25 * 60 < sum(j.estimate_s for j in core)
     assert {j.name for j in suite.tier("full")} > set(names)

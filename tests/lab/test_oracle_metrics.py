@@ -1,6 +1,7 @@
 """The oracle's metric functions on hand-made distributions, the acceptance rule, and `compare` end to end
 on hand-made records (no model)."""
 
+import importlib
 import json
 import math
 import subprocess
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, load_script
+from conftest import REPO
 from dsv4_lab.oracle import metrics as M
 
 LN = math.log
@@ -166,7 +167,7 @@ def test_accuracy_script_steps_use_existing_options(tmp_path):
                           timeout=60, cwd=REPO, env=dict(os.environ, DRY="1", MUTANTS="m1 m2"))
     assert proc.returncode == 0, proc.stderr
     steps = [line[2:] for line in proc.stdout.splitlines() if line.startswith("+ ")]
-    beds = [s for s in steps if "dsv4_lab/beds/engine_bed.py" in s]
+    beds = [s for s in steps if "-m dsv4_lab.beds.engine_bed " in s]
     # sequences, native x2, four modes, the KV/indexer roundings (alone, both), alone/chunked/prefix-hit, mutants
     assert len(beds) == 1 + 2 + 4 + 3 + 3 + 2
     bed_src = open(os.path.join(REPO, "dsv4_lab/beds/engine_bed.py")).read()
@@ -179,7 +180,7 @@ def test_accuracy_script_steps_use_existing_options(tmp_path):
 
 
 def test_engine_bed_token_ids_logprob_rows(tmp_path):
-    bed = load_script("dsv4_lab/beds/engine_bed.py", "engine_bed_oracle")
+    bed = importlib.import_module("dsv4_lab.beds.engine_bed")
     assert bed.logprob_ids(None, 10, 2) is None
     assert bed.logprob_ids("all", 3, 2) == [[0, 1, 2], [0, 1, 2]]
     one, per_seq = tmp_path / "one.json", tmp_path / "per.json"
