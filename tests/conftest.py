@@ -32,7 +32,7 @@ def dev(*tensors):
 
 
 def load_script(relpath, name):
-    """A repository script that is no package module (bench/*.py, dsv4_lab/beds/*.py), imported as `name`."""
+    """A repository script that is no package module (bench/*.py), imported as `name`."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, relpath))

@@ -1,15 +1,10 @@
 """dsv4_lab/beds/compare.py: the teacher-forced comparison, on hand-made records."""
 
 import math
-import os
-import sys
 
 import pytest
 
-from conftest import REPO
-
-sys.path.insert(0, os.path.join(REPO, "dsv4_lab", "beds"))
-import compare  # noqa: E402
+from dsv4_lab.beds import compare
 
 
 def record(tops, seq=(1, 2, 3)):
@@ -115,7 +110,7 @@ def test_http_teacher_record_feeds_compare(tmp_path, capsys):
     id, text), input_top_logprobs per position, None first) becomes compare.py's record, tops largest first."""
     import json
 
-    import http_check
+    from dsv4_lab.beds import http_check
 
     meta = {"input_token_logprobs": [[None, 0, None], [-0.5, 7, None], [-2.0, 9, None]],
             "input_top_logprobs": [None, [[-1.5, 8, None], [-0.5, 7, None]], [[-0.1, 9, None], [-3.0, 4, None]]]}

@@ -107,11 +107,7 @@ def test_server_flags_are_known_options():
 def test_http_check_refused_start_harness():
     """http_check's refused-start check on this CPU machine, where the gate refuses every start (no GPU): a
     refusal naming the wanted check passes, one naming another check fails and says what it found."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(REPO, "dsv4_lab", "beds"))
-    import http_check
+    from dsv4_lab.beds import http_check
 
     lab = {"DSV4_SM80_LAB_GPU_COUNT": "1", "DSV4_SM80_LAB_CC": "9.0"}
     good, line = http_check.refused_start(30999, ["--api-key", "k"], "FAIL gpu.count", lab, timeout=240)

@@ -9,10 +9,7 @@ import types
 
 import pytest
 
-from conftest import REPO
-
-sys.path.insert(0, os.path.join(REPO, "dsv4_lab", "beds"))
-import soak  # noqa: E402
+from dsv4_lab.beds import soak
 
 
 def test_process_tree_finds_children_and_grandchildren():
@@ -76,7 +73,6 @@ def test_growth_over_the_second_half_catches_a_steady_climb():
 
 
 def test_memlog_lines_and_what_grew(tmp_path):
-    sys.path.insert(0, REPO)
     from dsv4_lab import memlog as lab_memlog
 
     path = str(tmp_path / "m.jsonl")
@@ -114,7 +110,6 @@ def test_memlog_lines_and_what_grew(tmp_path):
 def test_the_memory_log_says_whether_the_flush_gave_the_growth_back():
     """The H200 soaks' shape (2026-12-01: native and patched both +25 MiB/min, inside the allocator's live tensors):
     summarize's `released` compares the live tensors at the first line after the flush with the run's start."""
-    sys.path.insert(0, REPO)
     from dsv4_lab import memlog as lab_memlog
 
     M = lab_memlog.MIB
@@ -154,7 +149,6 @@ def test_leak_check_holds_live_tensors_after_a_collection_to_before_the_load():
 
 
 def test_memlog_caught_up_waits_for_every_process_and_role():
-    sys.path.insert(0, REPO)
     from dsv4_lab import memlog as lab_memlog
 
     target = [{"t": t, "pid": 1, "role": "target"} for t in (0, 10, 20)]

@@ -3,9 +3,7 @@ call SGLang's `load_jit` makes; C++ only here, no nvcc), packed, rebuilt in para
 found there by `load_inline` without a rebuild (the `.so` untouched: the restored build.ninja and sources are what
 tvm-ffi itself writes for that directory)."""
 
-import importlib.util
-import os
-import sys
+import importlib
 from pathlib import Path
 
 import pytest
@@ -15,10 +13,7 @@ from dsv4_lab.gpu.suite import BY_NAME
 
 tvm_cpp = pytest.importorskip("tvm_ffi.cpp", reason="tvm-ffi comes with sglang==0.5.16 (CI installs it)")
 
-spec = importlib.util.spec_from_file_location("jit_seed", os.path.join(REPO, "dsv4_lab", "beds", "jit_seed.py"))
-jit_seed = importlib.util.module_from_spec(spec)
-sys.modules["jit_seed"] = jit_seed
-spec.loader.exec_module(jit_seed)
+jit_seed = importlib.import_module("dsv4_lab.beds.jit_seed")
 
 SRC = r"""
 #include <tvm/ffi/function.h>

@@ -1,7 +1,5 @@
 """Page hygiene (lab): the pool poison of dsv4_lab.hygiene; the GPU run is dsv4_lab/beds/hygiene.py."""
 
-from conftest import REPO
-
 
 def test_poison_fills_every_pool_buffer_of_target_and_draft(monkeypatch):
     """dsv4_lab.hygiene on pool-shaped objects (the attribute names of sglang 0.5.16's
@@ -52,14 +50,9 @@ def _run(rounds):
 def test_gpu_hygiene_verdict_holds_the_poisoned_run_to_the_clean_floor():
     """dsv4_lab/beds/hygiene.py's comparison: exact where two clean processes are exact, at most twice their own
     difference where they are not, and any NaN fails."""
-    import importlib.util
     import math
-    import os
 
-    path = os.path.join(REPO, "dsv4_lab", "beds", "hygiene.py")
-    spec = importlib.util.spec_from_file_location("gpu_hygiene", path)
-    H = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(H)
+    from dsv4_lab.beds import hygiene as H
     clean = _run([[([5, 6], [-1.0, -2.0], [-0.5, -0.6]), ([7, 8], [-1.0, -3.0], [-0.1, -0.2])]])
     clean2 = _run([[([5, 6], [-1.0, -2.0], [-0.5, -0.6]), ([7, 9], [-1.0, -3.1], [-0.1, -0.2])]])
     floor = H.compare(clean, clean2)
