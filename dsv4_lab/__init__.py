@@ -6,12 +6,9 @@ never imports this package; the image does not contain it.
 
   knobs.py     the lab's environment knobs (LAB_KNOBS)
   seams.py     the lab's seam table (LAB_SEAMS)
-  rounding.py  native SGLang's FP8 roundings replayed on the SM80 datapath (parity experiments)
   tripwire.py  every SM90/SM100-only entry point raises
   hygiene.py   KV pools poisoned after each cache flush
   memlog.py    GPU memory inside a serving process over time
-  trace.py     every module's inputs and outputs of one forward, and their comparison
-  perturb.py   a rounding-level perturbation of native's embedding (a second noise floor)
   routes.py    the Vision-Exp routing trace
   beds/        the GPU test beds
   gpu/         the GPU suite that runs them as jobs (python -m dsv4_lab.gpu)

@@ -26,20 +26,6 @@ LAB_ROUTE_TRACE = Knob(
     "serving.",
 )
 
-LAB_NATIVE_ROUNDING = Knob(
-    "DSV4_SM80_LAB_NATIVE_ROUNDING", "0",
-    ("0", "kv", "act", "gemm", "idx", "kv,act", "kv,gemm", "kv,idx", "act,idx", "gemm,idx", "kv,act,idx",
-     "kv,gemm,idx"),
-    "Lab (parity): replay native SGLang's FP8 roundings on the SM80 path (dsv4_lab/rounding.py), to "
-    "separate those precision choices from errors in an end-to-end comparison with native: kv = every stored "
-    "key row's nope part as FP8 e4m3 with a power-of-two scale per 64 values; act = the input of every BF16 "
-    "block linear as FP8 per token and 128 columns with an fp32 scale; gemm = instead of act, every such "
-    "linear through native's own FP8 block linear (SGLang's DeepGEMM dispatch on the checkpoint's FP8 weight), "
-    "and the mHC pre-norm GEMM through DeepGEMM's own (SM90: H200 only, tripwire off); idx = the indexer "
-    "through SGLang's own FP8 query and store kernels (SM90: H200 only) and fp32 logits. Comma-joined in that "
-    "order. Eager runs only; never for serving.",
-)
-
 LAB_MEMLOG = Knob(
     "DSV4_SM80_LAB_MEMLOG", "", (),
     "Lab (soak): append one JSON line every 10 s per model runner to this file, from the end of start-up: GPU "
@@ -55,7 +41,7 @@ LAB_MEMSITES = Knob(
     "Slows every allocation; never for serving.",
 )
 
-LAB_KNOBS = (TRIPWIRE, LAB_POISON, LAB_ROUTE_TRACE, LAB_NATIVE_ROUNDING, LAB_MEMLOG, LAB_MEMSITES)
+LAB_KNOBS = (TRIPWIRE, LAB_POISON, LAB_ROUTE_TRACE, LAB_MEMLOG, LAB_MEMSITES)
 
 # MUTANTS: the mutation knob joins here once dsv4_lab/mutants.py exists (it exports MUTANT_KNOB).
 try:

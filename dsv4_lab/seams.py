@@ -27,45 +27,7 @@ def _tripwire(name: str, target: str, reason: str, upstream: str, *when: str) ->
                 reason=reason, upstream=upstream, when=(PATCH_ON, "DSV4_SM80_TRIPWIRE=1", *when), overlay="lab")
 
 
-_POOL = "sglang.srt.mem_cache.deepseek_v4_memory_pool"
 _INDEXER = "sglang.srt.layers.attention.dsv4.indexer"
-
-# native-rounding replay (rounding.py; DSV4_SM80_LAB_NATIVE_ROUNDING picks kv / act / gemm / idx, read inside)
-ROUNDING = (
-    _lab("rounding.set_key_buffer", f"{_POOL}:DeepSeekV4SingleKVPool.set_key_buffer", "around",
-         "dsv4_lab.rounding:set_key_buffer",
-         "kv: the main key rows' nope part as native's FP8 store leaves it, before the BF16 row store.",
-         "srt/mem_cache/deepseek_v4_memory_pool.py:126-137", PATCH_ON),
-    _lab("rounding.set_key_buffer_fused", f"{_POOL}:DeepSeekV4SingleKVPool.set_key_buffer_fused", "around",
-         "dsv4_lab.rounding:set_key_buffer",
-         "kv: the same for the fused row store.",
-         "srt/mem_cache/deepseek_v4_memory_pool.py:139-150", PATCH_ON),
-    _lab("rounding.swa_store", f"{_POOL}:DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope",
-         "around", "dsv4_lab.rounding:swa_norm_rope_store",
-         "kv: SWA rows recomputed in fp32 and quantized from fp32 as native's store does (no BF16 rounding first).",
-         "srt/mem_cache/deepseek_v4_memory_pool.py:1177-1196", PATCH_ON),
-    _lab("rounding.compress_store", "sglang.srt.layers.attention.dsv4.compressor_v2:compress_norm_rope_store",
-         "around", "dsv4_lab.rounding:compress_store",
-         "kv: compressed main rows rounded after the BF16 store; idx: SGLang's own FP8 index store (SM90).",
-         "srt/layers/attention/dsv4/compressor_v2.py:11", PATCH_ON),
-    _lab("rounding.indexer_q", f"{_INDEXER}:fused_q_indexer_rope_hadamard_quant", "around",
-         "dsv4_lab.rounding:indexer_q",
-         "idx: the indexer query through SGLang's own FP8 kernel (SM90) instead of the INT8 one.",
-         "srt/layers/attention/dsv4/indexer.py:11", PATCH_ON),
-    _lab("rounding.indexer_logits", f"{_INDEXER}:fp8_paged_mqa_logits_torch", "around",
-         "dsv4_lab.rounding:indexer_logits",
-         "idx: fp32 logits over the FP8 index cache, as DeepGEMM computes them.",
-         "srt/layers/attention/dsv4/indexer.py:55-118", PATCH_ON),
-    _lab("rounding.hc_prenorm_gemm", "sglang.srt.layers.deep_gemm_wrapper.entrypoint:tf32_hc_prenorm_gemm",
-         "around", "dsv4_lab.rounding:hc_prenorm_gemm",
-         "gemm: the mHC pre-norm GEMM through DeepGEMM's own (SM90, tripwire off).",
-         "srt/layers/deep_gemm_wrapper/entrypoint.py:214-223", PATCH_ON),
-    _lab("rounding.linear", "sglang.srt.layers.quantization.fp8:Fp8Config.get_quant_method", "around",
-         "dsv4_lab.rounding:linear_method",
-         ("act / gemm: the BF16 linear method rounds its input as native does, or runs native's FP8 block linear "
-          "on the checkpoint's FP8 weight, which it keeps beside the BF16 one at load."),
-         "srt/layers/quantization/fp8.py:336-399", PATCH_ON),
-)
 
 # tripwire (tripwire.py): SM90/SM100-only entry points raise, naming themselves
 TRIPWIRE = (
@@ -125,7 +87,7 @@ OBSERVERS = (
          "srt/layers/moe/hash_topk.py:180", "DSV4_SM80_VISION=1"),
 )
 
-LAB_SEAMS: tuple[Seam, ...] = (*ROUNDING, *TRIPWIRE, *OBSERVERS)
+LAB_SEAMS: tuple[Seam, ...] = (*TRIPWIRE, *OBSERVERS)
 
 # MUTANTS: dsv4_lab/mutants.py's MUTANT_SEAMS join the table here once that module exists.
 try:
