@@ -5,8 +5,9 @@ Verdicts (`verdicts.py`) read those records and hold them to fixed thresholds; `
 verdicts under pytest, and `python -m dsv4_lab.gpu run` runs the jobs inside a time budget and resumes a cut run.
 
 - core: what a change must pass. The trained checkpoint on native SGLang and on the SM80 default path, each
-  with and without DSPARK, scored against the oracle; SGLang's own DSV4 attention kit on the SM80 backend; the
-  kernel tests compiled on the GPU; `serve` in lab mode over HTTP.
+  with and without DSPARK, scored against the oracle; the accuracy rule on its held-out text (the SM80 path, the
+  negative control, mutants of four stages); SGLang's own DSV4 attention kit on the SM80 backend; the kernel tests
+  compiled on the GPU; `serve` in lab mode over HTTP; tool calls, reasoning and structured output.
 - full: what a longer window adds: the accuracy table on the trained checkpoint, full depth, soak, page hygiene,
   vision (A/B over HTTP, the VL class), the dense and MoE stages after load, the mHC GEMM against DeepGEMM, a
   killed scheduler, the sm_80 JIT builds, a cold first start, and TP4 (a four-GPU host only).
