@@ -45,11 +45,14 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--allowed-errors", type=int, default=2)
     args = ap.parse_args(argv)
-    serve = ["--api-key", KEY, "--context-length", "4096", "--mem-fraction-static", "0.3", "--disable-cuda-graph"]
+    # SGLang sizes a server's pool from the fraction of the whole GPU less what is in use when it starts: the
+    # second server, started after the first, asks for the first's share plus its own
+    serve = [["--api-key", KEY, "--context-length", "4096", "--mem-fraction-static", f, "--disable-cuda-graph"]
+             for f in ("0.3", "0.6")]
     logs = [args.out.removesuffix(".json") + f".server{i}.log" for i in range(2)]
     router_log = args.out.removesuffix(".json") + ".router.log"
     with contextlib.ExitStack() as stack:
-        servers = [stack.enter_context(lab_server(p, serve, log))[0] for p, log in zip(WORKERS, logs)]
+        servers = [stack.enter_context(lab_server(p, a, log))[0] for p, a, log in zip(WORKERS, serve, logs)]
         rlog = stack.enter_context(open(router_log, "w"))
         router = subprocess.Popen([sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port",
                                    str(ROUTER), "--worker-urls", *(f"http://127.0.0.1:{p}" for p in WORKERS),

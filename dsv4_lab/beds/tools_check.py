@@ -119,7 +119,7 @@ def checks(port: int, n: int) -> list[dict]:
             "model": "default", "messages": [{"role": "user", "content": f"A color and a truth value, {i}."}],
             "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}},
             "max_tokens": 64, "temperature": 0.7, "seed": i})
-        text = resp["choices"][0]["message"]["content"] if status == 200 else f"HTTP {status}: {resp}"
+        text = (resp["choices"][0]["message"]["content"] or "") if status == 200 else f"HTTP {status}: {resp}"
         try:
             good = status == 200 and valid(json.loads(text), SCHEMA)
         except json.JSONDecodeError:
