@@ -53,8 +53,10 @@ def main(argv=None) -> int:
                     help="serve with this --chunked-prefill-size (with --vision: image blocks cut across chunks)")
     args = ap.parse_args(argv)
 
+    # beside other engines on one GPU: SGLang sizes a pool against the whole GPU less what is in use, so a capped
+    # pool under a high fraction leaves the others room (a bare 0.6 takes all it can)
     serve_args = ["--api-key", KEY, "--context-length", str(args.context), "--moe-runner-backend", "marlin",
-                  "--mem-fraction-static", "0.6", "--disable-cuda-graph"]
+                  "--mem-fraction-static", "0.85", "--max-total-tokens", "65536", "--disable-cuda-graph"]
     extra_env = {}
     if args.chunked_prefill_size:
         serve_args += ["--chunked-prefill-size", str(args.chunked_prefill_size)]

@@ -3,7 +3,7 @@ keeps answering from the other and says which worker it dropped.
 
     DSV4_SM80_LAB_GPU_COUNT=1 DSV4_SM80_LAB_CC=9.0 python -m dsv4_lab.beds.router_check --out router.json
 
-Each server is `python -m dsv4_sm80 serve` on loopback (the embedded tiny checkpoint, a third of the GPU each); the
+Each server is `python -m dsv4_sm80 serve` on loopback (the embedded tiny checkpoint, each KV pool capped); the
 router is `python -m smg launch` with round-robin routing and health checks every 2 s. Which server answered is read
 from each server's own access log. Exit 1 unless both servers answered before the kill and no request failed after
 it beyond --allowed-errors (requests the router sent before its health check caught the dead worker).
@@ -45,14 +45,13 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--allowed-errors", type=int, default=2)
     args = ap.parse_args(argv)
-    # SGLang sizes a server's pool from the fraction of the whole GPU less what is in use when it starts: the
-    # second server, started after the first, asks for the first's share plus its own
-    serve = [["--api-key", KEY, "--context-length", "4096", "--mem-fraction-static", f, "--disable-cuda-graph"]
-             for f in ("0.3", "0.6")]
+    # a capped pool under a high fraction: the second server keeps room beside the first (see http_check)
+    serve = ["--api-key", KEY, "--context-length", "4096", "--mem-fraction-static", "0.85", "--max-total-tokens",
+             "65536", "--disable-cuda-graph"]
     logs = [args.out.removesuffix(".json") + f".server{i}.log" for i in range(2)]
     router_log = args.out.removesuffix(".json") + ".router.log"
     with contextlib.ExitStack() as stack:
-        servers = [stack.enter_context(lab_server(p, a, log))[0] for p, a, log in zip(WORKERS, serve, logs)]
+        servers = [stack.enter_context(lab_server(p, serve, log))[0] for p, log in zip(WORKERS, logs)]
         rlog = stack.enter_context(open(router_log, "w"))
         router = subprocess.Popen([sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port",
                                    str(ROUTER), "--worker-urls", *(f"http://127.0.0.1:{p}" for p in WORKERS),

@@ -152,8 +152,9 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--startup-timeout", type=int, default=500)
     args = ap.parse_args(argv)
-    serve = ["--api-key", KEY, "--context-length", "4096", "--mem-fraction-static", "0.6", "--disable-cuda-graph",
-             "--tool-call-parser", "deepseekv4", "--reasoning-parser", "deepseek-v4",
+    # a capped pool under a high fraction: other engines on the GPU keep their room (see http_check)
+    serve = ["--api-key", KEY, "--context-length", "4096", "--mem-fraction-static", "0.85", "--max-total-tokens",
+             "65536", "--disable-cuda-graph", "--tool-call-parser", "deepseekv4", "--reasoning-parser", "deepseek-v4",
              *(["--model-path", args.model_path] if args.model_path else [])]
     log = args.out.removesuffix(".json") + ".server.log"
     with lab_server(args.port, serve, log, timeout=args.startup_timeout) as (_, startup):
