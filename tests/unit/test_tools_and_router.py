@@ -1,6 +1,6 @@
 """What users run besides plain chat, held on the CPU: DeepSeek-V4's tool-call and reasoning parsers pass the gate
 and exist in SGLang 0.5.16; a tools request's prompt builds with SGLang's DSV4 encoding and the stand-in tokenizer;
-the README's router command uses only flags the installed router takes. The requests themselves run in the GPU
+the router command in docs/serving.md uses only flags the installed router takes. The requests themselves run in the GPU
 suite (`dsv4_lab/beds/tools_check.py`)."""
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import pytest
 from tests.unit.test_gate import facts  # the gate tests' good host
 
 pytestmark = pytest.mark.sglang
-README = (__import__("pathlib").Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+README = (REPO / "README.md").read_text(encoding="utf-8")
+SERVING = (REPO / "docs" / "serving.md").read_text(encoding="utf-8")
 TOOL_PARSER, REASONING_PARSER = "deepseekv4", "deepseek-v4"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
@@ -76,9 +78,10 @@ def test_a_tools_prompt_builds_with_the_dsv4_encoding_and_the_stand_in_tokenizer
     assert ids[0] == 0  # BOS is id 0, as config.json says
 
 
-def test_the_readme_router_command_uses_flags_the_router_takes():
+def test_the_router_command_uses_flags_the_router_takes():
     pytest.importorskip("smg", reason="the router (smg) is in the test extra")
-    block = README.split("### More than one box", 1)[1].split("```", 2)[1]
+    assert "docs/serving.md" in README
+    block = SERVING.split("## More than one box", 1)[1].split("```", 2)[1]
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", block))
     assert {"--worker-urls", "--policy", "--health-check-endpoint"} <= flags
     help_text = subprocess.run([sys.executable, "-m", "smg", "launch", "--help"], capture_output=True, text=True,
