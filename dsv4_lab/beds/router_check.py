@@ -21,8 +21,9 @@ import sys
 import time
 import urllib.request
 
+from dsv4_lab.beds.http_check import KEY
 from dsv4_lab.beds.lab_server import descendants, lab_server
-from dsv4_lab.beds.tools_check import KEY, post
+from dsv4_lab.beds.tools_check import post
 
 WORKERS = (30141, 30142)
 ROUTER = 30140

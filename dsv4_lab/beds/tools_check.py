@@ -20,12 +20,10 @@ import argparse
 import json
 import re
 import sys
-import urllib.error
-import urllib.request
 
+from dsv4_lab.beds.http_check import KEY, call
 from dsv4_lab.beds.lab_server import lab_server
 
-KEY = "lab-key-1"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -42,21 +40,14 @@ REGEX = r"(yes|no), [0-9]{2}"
 
 
 def post(port: int, path: str, body: dict, stream: bool = False):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST")
-    req.add_header("Content-Type", "application/json")
-    req.add_header("Authorization", f"Bearer {KEY}")
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            if not stream:
-                return r.status, json.loads(r.read().decode())
-            chunks = []
-            for line in r:
-                line = line.decode().strip()
-                if line.startswith("data:") and line != "data: [DONE]":
-                    chunks.append(json.loads(line[5:]))
-            return r.status, chunks
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")[:300]
+    """(status, the answer's JSON, or for a stream its chunks' JSON); on an error status, the body's start."""
+    status, text = call(port, path, body)
+    if status != 200:
+        return status, text[:300]
+    if not stream:
+        return status, json.loads(text)
+    return status, [json.loads(ln[5:]) for ln in text.splitlines() if ln.startswith("data:")
+                    and ln.strip() != "data: [DONE]"]
 
 
 def valid(value, schema: dict) -> bool:

@@ -53,10 +53,10 @@ def main(argv=None) -> int:
         run.run(args.budget, retry_failed=args.retry_failed)
         if args.jit_save and args.export:
             runner.jit_save(args.export)
-    print("\n".join(["jobs:", *run.status_lines(), "verdicts:",
-                     *[f"  {v}" for v in verdicts.collect(args.res, run.state)]]))
+    found = verdicts.collect(args.res, run.state)
+    print("\n".join(["jobs:", *run.status_lines(), "verdicts:", *[f"  {v}" for v in found]]))
     done = all(run.done(j) for j in jobs)
-    failed = any(v.ok is False for v in verdicts.collect(args.res, run.state))
+    failed = any(v.ok is False for v in found)
     return 1 if failed else (0 if done else 3)
 
 

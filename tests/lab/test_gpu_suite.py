@@ -315,3 +315,15 @@ def test_tools_check_validates_what_it_is_sent():
     assert not T.tool_call_ok({"choices": [{"message": {"content": "sunny"}}]}, [T.WEATHER], None)[0]
     rec = {"results": [{"check": "a", "ok": True}, {"check": "b", "ok": False}]}
     assert verdicts.tools(rec, "x").ok is False and "failing: b" in verdicts.tools(rec, "x").figure
+
+
+def test_tools_check_reads_answers_and_streams(monkeypatch):
+    from dsv4_lab.beds import tools_check as T
+
+    sse = 'data: {"a": 1}\n\ndata: {"a": 2}\n\ndata: [DONE]\n\n'
+    monkeypatch.setattr(T, "call", lambda port, path, body: (200, sse))
+    assert T.post(1, "/v1/chat/completions", {}, stream=True) == (200, [{"a": 1}, {"a": 2}])
+    monkeypatch.setattr(T, "call", lambda port, path, body: (200, '{"text": "yes, 42"}'))
+    assert T.post(1, "/generate", {}) == (200, {"text": "yes, 42"})
+    monkeypatch.setattr(T, "call", lambda port, path, body: (400, "bad schema " * 50))
+    assert T.post(1, "/v1/chat/completions", {}) == (400, ("bad schema " * 50)[:300])
