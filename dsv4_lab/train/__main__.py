@@ -33,6 +33,8 @@ def main(argv=None) -> int:
                    "simulated roundings are on (0: throughout)")
     t.add_argument("--device", default="cpu")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--stop-after", type=float, default=None, help="stop cleanly after this many seconds of this "
+                   "call (state saved, exit 75): the same command continues; for machines lent in short calls")
     c = sub.add_parser("check", help="gate checks + oracle load of an archive; optional held-out bits per byte")
     c.add_argument("archive")
     c.add_argument("--windows", type=int, default=0, help="held-out windows to score (trained_bed's default 8)")
@@ -133,13 +135,19 @@ def main(argv=None) -> int:
     if a.cmd == "tiny":
         import os
 
-        from .train import run
+        from .train import Stopped, run
 
         os.makedirs(a.out, exist_ok=True)
-        run(a.out, preset=a.preset, steps=a.steps, draft_steps=a.draft_steps, seq=a.seq, device=a.device,
-            seed=a.seed, short=a.short, short_batch=a.batch, long_every=a.long_every, long_batch=a.long_batch,
-            corpus=a.corpus, budget_s=a.budget, draft_budget_s=a.draft_budget, qat_from=a.qat_from,
-            command="python -m dsv4_lab.train " + " ".join(sys.argv[1:] if argv is None else argv))
+        try:
+            run(a.out, preset=a.preset, steps=a.steps, draft_steps=a.draft_steps, seq=a.seq, device=a.device,
+                seed=a.seed, short=a.short, short_batch=a.batch, long_every=a.long_every, long_batch=a.long_batch,
+                corpus=a.corpus, budget_s=a.budget, draft_budget_s=a.draft_budget, qat_from=a.qat_from,
+                command="python -m dsv4_lab.train " + " ".join(sys.argv[1:] if argv is None else argv),
+                stop_after_s=a.stop_after)
+        except Stopped as e:
+            print(f"dsv4-lab train: stopped at {e} after --stop-after {a.stop_after:.0f} s, state saved in "
+                  f"{os.path.join(a.out, 'state.pt')}; run the same command again to continue")
+            return 75
         return 0
     from .check import check
 

@@ -43,10 +43,15 @@ def degeneracy(ids: list[int]) -> list[str]:
         out.append(f"a run of {best} equal ids (at most {MAX_RUN})")
     if len(set(ids)) < MIN_DISTINCT:
         out.append(f"{len(set(ids))} distinct ids (at least {MIN_DISTINCT})")
+    # occurrences that do not overlap (as str.count counts them): one indent of 20 spaces is one 16-space
+    # string, not five
     counts: dict[tuple, int] = {}
+    ends: dict[tuple, int] = {}
     for k in range(len(ids) - REPEAT_LEN + 1):
         key = tuple(ids[k:k + REPEAT_LEN])
-        counts[key] = counts.get(key, 0) + 1
+        if k >= ends.get(key, 0):
+            counts[key] = counts.get(key, 0) + 1
+            ends[key] = k + REPEAT_LEN
     worst = max(counts.values(), default=0)
     if worst > MAX_REPEATS:
         out.append(f"a {REPEAT_LEN}-id string {worst} times (at most {MAX_REPEATS})")

@@ -26,13 +26,17 @@ WARMUP = 50  # steps of linear warm-up; a --budget run sets its step count once 
 SAVE_EVERY_S = 60.0
 
 
+class Stopped(Exception):
+    """The run's wall-clock limit (`stop_at`) came first; the state is saved and the same command continues."""
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def _loop(name, params, step_fn, steps, budget_s, state, save, log, peak_lr=2e-3, weight_decay=0.1):
+def _loop(name, params, step_fn, steps, budget_s, state, save, log, peak_lr=2e-3, weight_decay=0.1, stop_at=None):
     """AdamW over step_fn(step) -> (loss to minimise, figure to log, ids in the batch), resumable from `state`
     (a dict `save(state)` persists). With budget_s, `steps` is an upper bound and the count is fixed once the
     warm-up steps are timed, to end near budget_s seconds of stepping (counted over every resumed part)."""
@@ -75,17 +79,20 @@ def _loop(name, params, step_fn, steps, budget_s, state, save, log, peak_lr=2e-3
             st["logged"].append([step, round(st["losses"][-1], 4)])
             log(f"{name} step {step}/{st['steps'] or '?'} loss {st['losses'][-1]:.4f} "
                 f"({st['ids'] / max(st['seconds'], 1e-9):.0f} ids/s)")
-        if now - last_save > SAVE_EVERY_S:
+        stop = stop_at is not None and now >= stop_at
+        if now - last_save > SAVE_EVERY_S or stop:
             st["opt"] = opt.state_dict()
             save(st)
             last_save = now
+        if stop and st["step"] != st["steps"]:
+            raise Stopped(f"{name} step {st['step']}/{st['steps']}")
     st["opt"] = opt.state_dict()
     save(st)
     return st
 
 
 def train_target(model, batches, steps, device, log=print, budget_s=None, state=None, save=lambda s: None,
-                 qat_from: float = 0.0, peak_lr: float = 2e-3):
+                 qat_from: float = 0.0, peak_lr: float = 2e-3, stop_at=None):
     """The target's loop; the QAT roundings on from step qat_from * steps (0: throughout)."""
     state = {} if state is None else state
     if "model" in state:
@@ -105,13 +112,14 @@ def train_target(model, batches, steps, device, log=print, budget_s=None, state=
         st["model"] = model.state_dict()
         save(st)
 
-    state = _loop("target", list(model.parameters()), step_fn, steps, budget_s, state, keep, log, peak_lr)
+    state = _loop("target", list(model.parameters()), step_fn, steps, budget_s, state, keep, log, peak_lr,
+                  stop_at=stop_at)
     model.eval()
     return state
 
 
 def train_draft(draft, target, batches, steps, device, anchors_per_row=64, log=print, seed=0, budget_s=None,
-                state=None, save=lambda s: None, peak_lr: float = 2e-3):
+                state=None, save=lambda s: None, peak_lr: float = 2e-3, stop_at=None):
     state = {} if state is None else state
     if "model" in state:
         draft.load_state_dict(state["model"])
@@ -135,7 +143,8 @@ def train_draft(draft, target, batches, steps, device, anchors_per_row=64, log=p
         st["model"] = draft.state_dict()
         save(st)
 
-    return _loop("draft", list(draft.parameters()), step_fn, steps, budget_s, state, keep, log, peak_lr)
+    return _loop("draft", list(draft.parameters()), step_fn, steps, budget_s, state, keep, log, peak_lr,
+                 stop_at=stop_at)
 
 
 def write_checkpoint(out_dir, cfg, target, draft, seed, log=print) -> dict:
@@ -146,10 +155,10 @@ def write_checkpoint(out_dir, cfg, target, draft, seed, log=print) -> dict:
                     log=log)
 
 
-def pack(ckpt_dir: str, archive: str) -> int:
+def pack(ckpt_dir: str, archive: str, name: str = "dsv4-lab-tiny") -> int:
     with tarfile.open(archive, "w:xz", preset=9) as tar:
-        for name in sorted(os.listdir(ckpt_dir)):
-            tar.add(os.path.join(ckpt_dir, name), arcname=os.path.join("dsv4-lab-tiny", name))
+        for leaf in sorted(os.listdir(ckpt_dir)):
+            tar.add(os.path.join(ckpt_dir, leaf), arcname=os.path.join(name, leaf))
     size = os.path.getsize(archive)
     if size > ARCHIVE_LIMIT:
         raise RuntimeError(f"archive size: {archive} is {size / 2**20:.1f} MiB, expected <= 32 MiB; use a smaller "
@@ -164,10 +173,12 @@ def sha256(path: str) -> str:
 
 def run(out, preset="tiny", steps=2000, draft_steps=None, seq=4096, device="cpu", seed=0, short=512,
         short_batch=16, long_every=4, long_batch=1, corpus=None, budget_s=None, draft_budget_s=None,
-        qat_from=0.0, log=print, command=None) -> dict:
+        qat_from=0.0, log=print, command=None, stop_after_s=None) -> dict:
     """Train, export and pack under out. Resumable: the state of the phase in flight is kept in out/state.pt
-    (every minute and at each phase's end); the same command run again continues from it."""
+    (every minute, at each phase's end, and when stop_after_s seconds of this call have passed: then it raises
+    Stopped); the same command run again continues from it."""
     t0 = time.time()
+    stop_at = t0 + stop_after_s if stop_after_s else None
     torch.manual_seed(seed)
     # training needs no exact fp32 products (the oracle, loading the result, turns TF32 back off)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -196,14 +207,14 @@ def run(out, preset="tiny", steps=2000, draft_steps=None, seq=4096, device="cpu"
 
     target = build(cfg, seed).to(device)
     tstate = train_target(target, batches, steps, device, log=log, budget_s=budget_s,
-                          state=state.get("target"), save=save("target"), qat_from=qat_from)
+                          state=state.get("target"), save=save("target"), qat_from=qat_from, stop_at=stop_at)
     draft = Draft(cfg)
     init_draft(draft, seed)
     draft.to(device)
     dbatches = data.Batches(stream, seed + 1, short, short_batch, short, 0)
     dsteps = draft_steps if draft_steps is not None else max(1, steps // 4)
     dstate = train_draft(draft, target, dbatches, dsteps, device, log=log, seed=seed, budget_s=draft_budget_s,
-                         state=state.get("draft"), save=save("draft"))
+                         state=state.get("draft"), save=save("draft"), stop_at=stop_at)
     ckpt = os.path.join(out, "dsv4-lab-tiny")
     summary = write_checkpoint(ckpt, cfg, target.cpu(), draft.cpu(), seed, log=log)
     archive = os.path.join(out, "dsv4-lab-tiny.tar.xz")

@@ -236,3 +236,18 @@ def test_draft_acceptance_estimate_is_bounded_by_its_per_position_hits(trained):
     got = draft_acceptance(model, load_draft(out), data.held_out_prompts([24, 24]), 6)
     assert got["positions"] == 12 and len(got["block_top1"]) == draft.gamma
     assert 1.0 <= got["accept_length_mean"] <= 1.0 + sum(got["block_top1"]) + 1e-9
+
+
+def test_degeneracy_counts_repeats_that_do_not_overlap():
+    """One deep indent is one 16-space string, not one per offset; a line repeated four times is a loop."""
+    from dsv4_lab.train.data import encode
+    from dsv4_lab.train.record import degeneracy
+
+    def ids(text):
+        return encode(text.encode())[1:].tolist()
+
+    nested = "if x:\n" + " " * 20 + "return self._run(a, b)\n" + " " * 16 + "y = 2\n"
+    assert degeneracy(ids(nested)) == []
+    loop = "self.assertEqual(a, 1)\n" * 4
+    assert degeneracy(ids(loop)) == ["a 16-id string 4 times (at most 3)"]
+    assert "2 distinct ids (at least 12)" in degeneracy(ids("ab" * 40))
