@@ -36,6 +36,12 @@ Where each lives (file:line in SGLang 0.5.16, relative to the sglang package):
                            positions where the token ids go, so hash layers look up tid2eid[position]
   sinkhorn_19              kernels/ops/layernorm/mhc.py:782 (mhc_pre, also the load-time prewarm): 19
                            Sinkhorn iterations instead of the config's hc_sinkhorn_iters (20)
+  image_patches_transposed srt/managers/mm_utils.py:1194 (general_mm_embed_routine): each image's patches
+                           reach the ViT column by column while its grid says row by row
+  image_window_one_short   srt/models/deepseek_v4.py:2250 (DeepseekV4Model.forward): the image spans of the
+                           bidirectional window end one token early
+  bias_vl_on_text_rows     srt/layers/moe/topk.py:484 and hash_topk.py:180: text rows of a batch with images
+                           route by bias_vl too
 """
 
 from __future__ import annotations
@@ -290,6 +296,75 @@ def compressed_rope_theta(original, *args, **kwargs):
     return _call(original, args, kwargs, config=wrong)
 
 
+# --- Vision-Exp (the backport's seams underneath; DSV4_SM80_VISION=1) --------------------------------------
+
+class _ColumnMajorPatches:
+    """An image item whose patches come column by column while its grid still says rows of n_vit_w."""
+
+    def __init__(self, item):
+        self._item = item
+
+    def __getattr__(self, name):
+        return getattr(self._item, name)
+
+    @property
+    def feature(self):
+        f, h, w = self._item.feature, self._item.n_vit_h, self._item.n_vit_w
+        return f.reshape(h, w, *f.shape[1:]).transpose(0, 1).reshape(f.shape)
+
+
+@_bug("image_patches_transposed")
+def patches_transposed(original, *args, **kwargs):
+    """Around mm_utils.general_mm_embed_routine: the image embedding function gets each item's patches in
+    column-major order (a square grid is the image transposed: left/right becomes top/bottom)."""
+    bound = _bind(original, args, kwargs)
+    funcs = dict(bound.arguments.get("data_embedding_funcs") or {})
+    for modality, fn in funcs.items():
+        funcs[modality] = lambda items, _fn=fn: _fn([_ColumnMajorPatches(it) for it in items])
+    bound.arguments["data_embedding_funcs"] = funcs
+    return original(*bound.args, **bound.kwargs)
+
+
+@_bug("image_window_one_short")
+def image_window_one_short(original, *args, **kwargs):
+    """Around DeepseekV4Model.forward: the image spans the bidirectional window reads end one token early, so
+    no image query sees its block's last token (IMAGE_END) unless it is that token's own causal key."""
+    fb = _bind(original, args, kwargs).arguments["forward_batch"]
+    spans = getattr(fb, "dsv4_image_spans", None)
+    if not spans:
+        return original(*args, **kwargs)
+    fb.dsv4_image_spans = [[(s, e - 1) for s, e in req or ()] for req in spans]
+    try:
+        return original(*args, **kwargs)
+    finally:
+        fb.dsv4_image_spans = spans
+
+
+def _all_rows_image(original, args, kwargs):
+    from vision_backport import routing
+
+    mask = routing._IMAGE_MASK
+    if mask is None:
+        return original(*args, **kwargs)
+    routing._IMAGE_MASK = torch.ones_like(mask)
+    try:
+        return original(*args, **kwargs)
+    finally:
+        routing._IMAGE_MASK = mask
+
+
+@_bug("bias_vl_on_text_rows")
+def bias_vl_all_rows_topk(original, *args, **kwargs):
+    """Around TopK.forward_cuda: in a batch with image rows, the text rows route by bias_vl too."""
+    return _all_rows_image(original, args, kwargs)
+
+
+@_bug("bias_vl_on_text_rows")
+def bias_vl_all_rows_hash(original, *args, **kwargs):
+    """Around HashTopK.forward: the same on the hash layers (text rows leave the token table for bias_vl)."""
+    return _all_rows_image(original, args, kwargs)
+
+
 # --- the table -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -304,7 +379,8 @@ class Mutant:
 # per-call wrappers on targets no other runtime mutant wraps; load- and init-time bugs (weights, RoPE tables, the
 # runner config) and the second SWA width need an engine of their own
 _RUNTIME = {"swa_window_127", "compressed_visibility_off_by_one", "indexer_topk_511", "kv_store_skip_last",
-            "attn_sink_dropped", "router_bias_on_weights", "tid2eid_by_position", "sinkhorn_19"}
+            "attn_sink_dropped", "router_bias_on_weights", "tid2eid_by_position", "sinkhorn_19",
+            "image_patches_transposed", "image_window_one_short", "bias_vl_on_text_rows"}
 
 
 def _seam(mutant: str, part: str, target: str, replacement, reason: str, upstream: str) -> Seam:
@@ -388,6 +464,24 @@ _LIST = (
             ("", "sglang.kernels.ops.layernorm.mhc:mhc_pre", sinkhorn_19,
              "hc_pre (TileLang path, the SM80 default) and the load-time prewarm call this module global.",
              "kernels/ops/layernorm/mhc.py:782-988")),
+    _mutant("image_patches_transposed", "vision",
+            "image patches column-major over a row-major ViT grid (general_mm_embed_routine's embedding function)",
+            ("", "sglang.srt.managers.mm_utils:general_mm_embed_routine", patches_transposed,
+             "The VL model hands its image embedding function to this module global (vision_backport/model.py).",
+             "srt/managers/mm_utils.py:1194-1290")),
+    _mutant("image_window_one_short", "vision",
+            "the bidirectional image window ends one token before IMAGE_END (the spans DeepseekV4Model.forward sees)",
+            ("", f"{_V4}:DeepseekV4Model.forward", image_window_one_short,
+             "The attention layers under this forward read the spans the VL model put on the batch.",
+             "srt/models/deepseek_v4.py:2250-2300")),
+    _mutant("bias_vl_on_text_rows", "vision",
+            "bias_vl applied to the text rows of a batch with images too (TopK.forward_cuda, HashTopK.forward)",
+            ("topk", "sglang.srt.layers.moe.topk:TopK.forward_cuda", bias_vl_all_rows_topk,
+             "The non-hash layers' top-k; the backport's vision.topk re-routes the image rows under it.",
+             "srt/layers/moe/topk.py:484-500"),
+            ("hash", "sglang.srt.layers.moe.hash_topk:HashTopK.forward", bias_vl_all_rows_hash,
+             "The hash layers' top-k; the backport's vision.hash_topk re-routes the image rows under it.",
+             "srt/layers/moe/hash_topk.py:180-200")),
 )
 
 MUTANTS: dict[str, Mutant] = {m.name: m for m in _LIST}

@@ -45,6 +45,7 @@ FINGERPRINTS = {
     "srt/layers/quantization/marlin_utils_fp8.py": "dYUVX6bEbV0_U3ZDNWL8fcWiyYErxT8BVKqf9gEefOw",
     "srt/layers/quantization/mxfp4_flashinfer_trtllm_moe.py": "6gJrhQkXqAWYxYFD8So3hdR2MjdlPZAzjB2Qqq5y1l4",
     "srt/layers/quantization/mxfp4_marlin_moe.py": "w9uHsqUAuVALQFbXaO4q5ORUzktr5Y00k5swfRjXL8s",
+    "srt/managers/mm_utils.py": "TqvqZqm_CLVuBwMy_Qi3Dkkunbx8Y69LjPCokhFExjo",
     "srt/managers/multimodal_processor.py": "q2x9N76GFGH0tXdxudJK0eHmFs0fBXVEi2M8LI8S43o",
     "srt/managers/schedule_batch.py": "J-IJCClMnXbQqK4RmeysQ3kjJTKHgBNASotPsIhCrEM",
     "srt/managers/schedule_policy.py": "2KXMlDXvXpRu9vBQ11uwHi3VDgWpEqxjZrtBNL9m6as",

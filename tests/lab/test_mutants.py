@@ -19,7 +19,8 @@ pytestmark = pytest.mark.sglang
 KNOB = "DSV4_SM80_LAB_MUTANT"
 NAMED = ("routed_scaling_dropped", "e8m0_exponent_off", "mxfp4_nibble_swap", "swa_window_127", "swa_window_129",
          "compressed_visibility_off_by_one", "indexer_topk_511", "kv_store_skip_last", "attn_sink_dropped",
-         "compressed_rope_theta", "router_bias_on_weights", "tid2eid_by_position", "sinkhorn_19")
+         "compressed_rope_theta", "router_bias_on_weights", "tid2eid_by_position", "sinkhorn_19",
+         "image_patches_transposed", "image_window_one_short", "bias_vl_on_text_rows")
 
 
 @pytest.fixture
@@ -482,3 +483,71 @@ def test_the_switch_file_is_read_at_every_call(tmp_path, monkeypatch):
         tmp.replace(switch)  # as the accuracy bed writes it: whole, then renamed
         assert M.active() == name
         assert _replacement(seam)(original, sinkhorn_repeat=20) is sentinel and calls[-1] == want
+
+
+# --- Vision-Exp -----------------------------------------------------------------------------------------
+
+def test_image_patches_transposed(knob):
+    """The embedding function sees each item's patches column by column; the grid it reads is unchanged."""
+    from sglang.srt.managers.mm_utils import general_mm_embed_routine
+
+    h, w = 2, 3
+    item = SimpleNamespace(feature=torch.arange(h * w, dtype=torch.float32).view(h * w, 1, 1, 1), n_vit_h=h,
+                           n_vit_w=w)
+    seen = []
+
+    def routine(input_ids, forward_batch, language_model, multimodal_model=None, data_embedding_funcs=None,
+                placeholder_tokens=None, use_deepstack={}, **kwargs):
+        fn = data_embedding_funcs["image"]
+        return fn([item])
+
+    assert list(inspect.signature(routine).parameters)[:5] == list(inspect.signature(general_mm_embed_routine)
+                                                                   .parameters)[:5]
+    embed = lambda items: seen.append([(it.feature.flatten().tolist(), it.n_vit_h, it.n_vit_w) for it in items])  # noqa: E731
+    knob(_other("image_patches_transposed"))
+    M.patches_transposed(routine, None, None, None, data_embedding_funcs={"image": embed})
+    knob("image_patches_transposed")
+    M.patches_transposed(routine, None, None, None, data_embedding_funcs={"image": embed})
+    assert seen[0] == [([0, 1, 2, 3, 4, 5], 2, 3)]
+    assert seen[1] == [([0, 3, 1, 4, 2, 5], 2, 3)]  # column by column: (0,0) (1,0) (0,1) (1,1) (0,2) (1,2)
+
+
+def test_image_window_one_short(knob):
+    from sglang.srt.models.deepseek_v4 import DeepseekV4Model
+
+    fb = SimpleNamespace(dsv4_image_spans=[[(3, 20), (40, 60)], []])
+    seen = []
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors=None):
+        return seen.append(forward_batch.dsv4_image_spans)
+
+    assert list(inspect.signature(forward).parameters) == list(inspect.signature(DeepseekV4Model.forward).parameters)
+    knob(_other("image_window_one_short"))
+    M.image_window_one_short(forward, None, None, None, fb, None)
+    knob("image_window_one_short")
+    M.image_window_one_short(forward, None, None, None, forward_batch=fb, input_embeds=None)
+    assert seen == [[[(3, 20), (40, 60)], []], [[(3, 19), (40, 59)], []]]
+    assert fb.dsv4_image_spans == [[(3, 20), (40, 60)], []]  # restored after the call
+
+
+def test_bias_vl_on_text_rows(knob):
+    """Under the backport's top-k hooks, every row of a batch with images is re-chosen by bias_vl."""
+    from vision_backport import routing
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0]])
+    ids = torch.tensor([[0, 1], [0, 1]], dtype=torch.int32)
+    weights = torch.full((2, 2), 0.5)
+    bias_vl = torch.tensor([0.0, 0.0, 50.0, 50.0])
+
+    def topk(*_a, **_k):  # the backport's re-routing of the rows the mask marks, as its hook does it
+        m = routing._mask_for(logits)
+        return routing.with_image_rows(weights, ids, logits, m, bias_vl, True, 1.0)[1].tolist()
+
+    with routing.image_rows(torch.tensor([True, False])):
+        knob(_other("bias_vl_on_text_rows"))
+        assert M.bias_vl_all_rows_topk(topk) == [[2, 3], [0, 1]] == M.bias_vl_all_rows_hash(topk)
+        knob("bias_vl_on_text_rows")
+        assert sorted(M.bias_vl_all_rows_topk(topk)[1]) == [2, 3] and sorted(M.bias_vl_all_rows_hash(topk)[1]) == [2, 3]
+        assert routing._IMAGE_MASK.tolist() == [True, False]  # restored
+    knob("bias_vl_on_text_rows")
+    assert M.bias_vl_all_rows_topk(lambda: "untouched") == "untouched"  # no images: nothing to change
