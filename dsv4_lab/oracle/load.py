@@ -25,8 +25,10 @@ def exact_arithmetic() -> None:
     torch.set_float32_matmul_precision("highest")
 
 
-def load_reference(ckpt: str, device: str = "cpu"):
-    """transformers' model of `ckpt` in fp32 on `device`, eval mode, weights exactly dequantized."""
+def load_reference(ckpt: str, device: str = "cpu", read_elsewhere=None):
+    """transformers' model of `ckpt` in fp32 on `device`, eval mode, weights exactly dequantized.
+    read_elsewhere(key) -> True for checkpoint keys the caller loads itself (the library would call them
+    unexpected): `dsv4_lab.vision.load` passes the Vision-Exp ones."""
     if not os.path.isfile(os.path.join(ckpt, "config.json")):
         raise ReferenceLoadError(f"oracle load: no config.json in {ckpt!r}; expected an official-format "
                                  "DeepSeek-V4 checkpoint directory (make one with `python -m dsv4_sm80 make-tiny`)")
@@ -37,7 +39,8 @@ def load_reference(ckpt: str, device: str = "cpu"):
     model, info = DeepseekV4ForCausalLM.from_pretrained(
         ckpt, quantization_config=quant, dtype=torch.float32, output_loading_info=True)
     bad = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    bad["unexpected_keys"] = [k for k in bad["unexpected_keys"] if not k.startswith("mtp.")]
+    bad["unexpected_keys"] = [k for k in bad["unexpected_keys"]
+                              if not k.startswith("mtp.") and not (read_elsewhere and read_elsewhere(k))]
     if any(bad.values()):
         raise ReferenceLoadError(
             f"oracle load: transformers loaded {ckpt!r} with {', '.join(f'{k} {v[:5]}' for k, v in bad.items() if v)}; "
