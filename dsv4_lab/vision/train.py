@@ -109,8 +109,11 @@ def forward(model, tower, examples, g: Geometry, device: str, rounding: bool = T
     ids, labels, mask, rows, spans = collate(enc, device)
     ctx = qat(model) if rounding else torch.enable_grad()
     with ctx, VisionText(model, mask, spans, rows=rows):
-        out = model(input_ids=ids, labels=labels)
-    return out.loss, int((labels != -100).sum())
+        hidden = model.model(input_ids=ids).last_hidden_state
+    # the LM head only where an answer id is predicted: the vocabulary is 129,280 wide, the answers a few ids
+    b, t = (labels[:, 1:] != -100).nonzero(as_tuple=True)
+    logits = model.lm_head(hidden[b, t])
+    return torch.nn.functional.cross_entropy(logits.float(), labels[b, t + 1]), int(b.numel())
 
 
 @torch.no_grad()
