@@ -7,8 +7,10 @@ verdicts under pytest, and `python -m dsv4_lab.gpu run` runs the jobs inside a t
 - core: what a change must pass. The trained checkpoint on native SGLang and on the SM80 default path, each
   with and without DSPARK, scored against the oracle; the accuracy rule on its held-out text (the SM80 path, the
   negative control, mutants of four stages); SGLang's own DSV4 attention kit on the SM80 backend; the kernel tests
-  compiled on the GPU; `serve` in lab mode over HTTP; tool calls, reasoning and structured output.
-- full: what a longer window adds: the accuracy table on the trained checkpoint, full depth, soak, page hygiene,
+  compiled on the GPU; `serve` in lab mode over HTTP; tool calls, reasoning and structured output; the trained
+  Vision-Exp's held-out picture questions on both paths, scored against the vision oracle, with one mutant.
+- full: what a longer window adds: the accuracy table on the trained checkpoint, the trained Vision-Exp's 200
+  questions per path with every vision mutant and chunked prefill, full depth, soak, page hygiene,
   vision (A/B over HTTP, the VL class), the dense and MoE stages after load, the mHC GEMM against DeepGEMM, a
   killed scheduler, the sm_80 JIT builds, a cold first start, and TP4 (a four-GPU host only).
 
@@ -171,6 +173,26 @@ JOBS: tuple[Job, ...] = (
         env=LAB, gpu_share=0.4, records=("http.json",),
         what="serve in lab mode: OpenAI and native endpoints, the API key, bad requests 4xx, refused launches"),
     # full
+    # the trained Vision-Exp through the backport: 20 held-out questions of each kind on each path, one mutant
+    Job("vision-unpack", "core", 20, ("{py}", "-m", "dsv4_lab.vision", "unpack", "{res}/vl"),
+        what="the committed trained Vision-Exp in its served shape (and the trained shape for the oracle)"),
+    Job("vision-sm80", "core", 240,
+        ("{py}", "-u", "-m", "dsv4_lab.beds.vision_trained", "--ckpt", "{res}/vl/dsv4-lab-tiny-vl", "--port", "30251",
+         "--per-kind", "20", "--mutants", "image_patches_transposed", "--out", "{res}/vision-sm80.json"),
+        env={**LAB, "DSV4_SM80_TRIPWIRE": "1"}, needs=("vision-unpack",), gpu_share=0.2,
+        records=("vision-sm80.json",), what="held-out picture questions on the SM80 path, then with a mutant"),
+    Job("vision-native", "core", 240,
+        ("{py}", "-u", "-m", "dsv4_lab.beds.vision_trained", "--ckpt", "{res}/vl/dsv4-lab-tiny-vl", "--port", "30252",
+         "--per-kind", "20", "--native", "--out", "{res}/vision-native.json"),
+        env={**LAB, **NATIVE}, needs=("vision-unpack",), gpu_share=0.2, records=("vision-native.json",),
+        what="the same questions on native SGLang with the vision overlay alone"),
+    Job("vision-score", "core", 60,
+        ("bash", "-c", "{py} -m dsv4_lab.vision unpack {res}/vl-trained --as-trained && {py} -m dsv4_lab.vision "
+                       "score --ckpt {res}/vl-trained/dsv4-lab-tiny-vl --device cuda --record native="
+                       "{res}/vision-native.json --record sm80={res}/vision-sm80.json --json-out "
+                       "{res}/vision-trained.json"),
+        needs=("vision-sm80", "vision-native"), gpu_share=0.1, records=("vision-trained.json",),
+        what="answers against the vision oracle: accuracy per kind, the rule, the mutant -> vision-trained.json"),
     Job("e2e-bench", "full", 900,
         ("bash", "-c", "[ -f /tmp/dsv4-wide/config.json ] || {py} -m dsv4_sm80 make-tiny /tmp/dsv4-wide --preset "
                        "wide --head-scale 4.243; {py} bench/e2e.py --ckpt /tmp/dsv4-wide --preset full "
@@ -192,6 +214,18 @@ JOBS: tuple[Job, ...] = (
                        "--native --out {res}/http-vision-native.json --compare {res}/http-vision.json"),
         env={**LAB, "DSV4_SM80_TRIPWIRE": "1"}, gpu_share=0.3, records=("http-vision.json", "http-vision-native.json"),
         what="the same image requests on the SM80 server and on native with the vision overlay alone"),
+    Job("vision-full", "full", 900,
+        ("bash", "-c", "{py} -m dsv4_lab.vision unpack {res}/vl && {py} -m dsv4_lab.vision unpack {res}/vl-trained "
+                       "--as-trained && B='{py} -u -m dsv4_lab.beds.vision_trained --ckpt {res}/vl/dsv4-lab-tiny-vl "
+                       "--per-kind 50 --port 30253' && $B --out {res}/vision-full-sm80.json --mutants "
+                       "image_patches_transposed,image_window_one_short,bias_vl_on_text_rows && "
+                       "$B --out {res}/vision-full-chunked.json --chunked-prefill-size 256 && "
+                       "ENABLE_SGLANG_DSV4_A100_PATCH=0 $B --native --out {res}/vision-full-native.json && "
+                       "{py} -m dsv4_lab.vision score --ckpt {res}/vl-trained/dsv4-lab-tiny-vl --device cuda "
+                       "--record native={res}/vision-full-native.json --record sm80={res}/vision-full-sm80.json "
+                       "--record chunked={res}/vision-full-chunked.json --json-out {res}/vision-trained-full.json"),
+        env={**LAB, "DSV4_SM80_TRIPWIRE": "1"}, gpu_share=0.3, timeout_s=1500, records=("vision-trained-full.json",),
+        what="200 held-out questions per path, all three vision mutants, image blocks across 256-token chunks"),
     Job("hygiene-dspark", "full", 300,
         ("{py}", "-m", "dsv4_lab.beds.hygiene", "--dspark", "--out", "{res}/hygiene-dspark.json"),
         env={**LAB, "DSV4_SM80_TRIPWIRE": "1"}, gpu_share=0.3, records=("hygiene-dspark.json",),

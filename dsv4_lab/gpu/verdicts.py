@@ -10,7 +10,10 @@ is `not measured` (never a pass). The thresholds:
   native's. The DSPARK speed-up is recorded, never asserted (engines share the GPU);
 - the accuracy rule (`dsv4_lab.oracle.metrics`) against R_q on held-out text: the SM80 default path passes, the
   negative control passes, and every mutant is caught, mutants of at least MUTANT_STAGES stages among them;
-- the attention kit, the kernel tests, the HTTP check and the tools check: every case of their record passed.
+- the attention kit, the kernel tests, the HTTP check and the tools check: every case of their record passed;
+- the trained Vision-Exp (`vision-trained.json`, `python -m dsv4_lab.vision score`): on each path colour naming
+  accuracy at least COLOUR_MIN and split, shape and two-image accuracy at least LAYOUT_MIN on held-out pictures,
+  the SM80 path passes the accuracy rule against native on the answers, and every vision mutant run is caught.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ DRIFT_MARGIN = 0.10
 ACCEPT_MIN = 1.5
 ACCEPT_VS_NATIVE = 0.95
 MUTANT_STAGES = 4
+COLOUR_MIN = 0.95
+LAYOUT_MIN = 0.90
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,28 @@ def tools(record: dict | None, which: str) -> Verdict:
                    + (f"; failing: {', '.join(bad)}" if bad else ""))
 
 
+def vision(record: dict | None) -> list[Verdict]:
+    """Verdicts of `vision-trained.json`: accuracy per path and question kind, the rule, the mutants."""
+    if record is None:
+        return [_missing("trained Vision-Exp: held-out picture questions", "no vision-trained.json")]
+    out = []
+    for path, row in sorted(record["paths"].items()):
+        low = [f"{k[:-9]} {v:.3f}" for k, v in row.items() if k.endswith("_accuracy")
+               and v < (COLOUR_MIN if k == "color_accuracy" else LAYOUT_MIN)]
+        out.append(Verdict(f"trained Vision-Exp on {path}: color >= {COLOUR_MIN}, split/shape/two >= {LAYOUT_MIN}",
+                           not low, " ".join(f"{k[:-9]} {v:.3f}" for k, v in row.items() if k.endswith("_accuracy"))))
+        if path != "native":
+            v = row["rule"]["verdict"]
+            out.append(Verdict(f"trained Vision-Exp on {path}: the accuracy rule on the answers against native",
+                               v["passes"], f"KL x{v['kl_ratio']:.2f} of native's" + (
+                                   f"; {v['reasons'][0]}" if v["reasons"] else "")))
+    for name, m in sorted(record.get("mutants", {}).items()):
+        out.append(Verdict(f"vision mutant {name} caught", m["caught"],
+                           f"rule {'fails' if not m['rule']['verdict']['passes'] else 'passes'}, accuracy drop "
+                           + " ".join(f"{k} {d:+.2f}" for k, d in m["drop"].items())))
+    return out
+
+
 def _read(res: Path, name: str, parse=json.loads):
     p = Path(res) / name
     return parse(p.read_text()) if p.is_file() else None
@@ -178,7 +205,7 @@ def collect(res: Path, state: dict | None = None) -> list[Verdict]:
         http(_read(res, "http.json")),
         tools(_read(res, "tools.json"), "trained checkpoint"),
         tools(_read(res, "tools-tiny.json"), "tiny checkpoint"),
-    ]
+    ] + vision(_read(res, "vision-trained.json"))
     jobs = (state or {}).get("jobs", {})
     failed = [f"{n}: {e.get('error', '')}" for n, e in jobs.items() if e.get("status") == "failed"]
     return out + [Verdict(f"job {f.split(':')[0]} failed", False, f.split(": ", 1)[1]) for f in failed]

@@ -10,3 +10,9 @@ the forward of a tiny trainable Vision-Exp model.
 
 Conventions and their sources: docs/vision.md.
 """
+
+import os
+
+# the committed trained tiny Vision-Exp (trained shape) and its record; `python -m dsv4_lab.vision unpack DIR`
+TRAINED_ARCHIVE = os.path.join(os.path.dirname(__file__), "dsv4-lab-tiny-vl.tar.xz")
+TRAINED_REPORT = os.path.join(os.path.dirname(__file__), "dsv4-lab-tiny-vl.json")

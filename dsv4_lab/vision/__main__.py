@@ -1,4 +1,6 @@
-"""python -m dsv4_lab.vision train OUT [--device cuda --steps N --budget S --batch B --stop-after S]"""
+"""python -m dsv4_lab.vision train OUT [--device cuda --steps N --budget S --batch B --stop-after S]
+python -m dsv4_lab.vision unpack DIR [--archive A] [--as-trained]
+python -m dsv4_lab.vision score --ckpt DIR --record native=F --record sm80=F [--json-out F]"""
 
 from __future__ import annotations
 
@@ -21,7 +23,45 @@ def main(argv=None) -> int:
     t.add_argument("--eval-per-kind", type=int, default=20)
     t.add_argument("--device", default="cpu")
     t.add_argument("--seed", type=int, default=0)
+    u = sub.add_parser("unpack", help="unpack the trained Vision-Exp archive (served shape unless --as-trained)")
+    u.add_argument("dir")
+    u.add_argument("--archive", default=None)
+    u.add_argument("--as-trained", action="store_true")
+    s = sub.add_parser("score", help="score vision_trained records against the vision oracle")
+    s.add_argument("--ckpt", required=True, help="the trained-shape checkpoint (unpack --as-trained)")
+    s.add_argument("--record", action="append", default=[], metavar="NAME=FILE")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--json-out")
     a = ap.parse_args(argv)
+    if a.cmd == "unpack":
+        from dsv4_lab.train.check import unpack
+
+        from . import TRAINED_ARCHIVE
+
+        os.makedirs(a.dir, exist_ok=True)
+        print(unpack(a.archive or TRAINED_ARCHIVE, a.dir, served=not a.as_trained))
+        return 0
+    if a.cmd == "score":
+        import json
+
+        from dsv4_lab.oracle.__main__ import named
+
+        from .score import score
+
+        records = {}
+        for name, path in named(a.record, "vision score"):
+            with open(path) as f:
+                records[name] = json.load(f)
+        out = score(a.ckpt, records, a.device)
+        for name, row in out["paths"].items():
+            print(f"vision score {name}: " + " ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("accuracy"))
+                  + f" rule {'PASS' if row['rule']['verdict']['passes'] else 'FAIL'}")
+        for name, row in out["mutants"].items():
+            print(f"vision score mutant {name}: {'caught' if row['caught'] else 'NOT caught'}")
+        if a.json_out:
+            with open(a.json_out, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
     from dsv4_lab.train.train import Stopped
 
     from .train import run

@@ -327,3 +327,20 @@ def test_tools_check_reads_answers_and_streams(monkeypatch):
     assert T.post(1, "/generate", {}) == (200, {"text": "yes, 42"})
     monkeypatch.setattr(T, "call", lambda port, path, body: (400, "bad schema " * 50))
     assert T.post(1, "/v1/chat/completions", {}) == (400, ("bad schema " * 50)[:300])
+
+
+def vision_fixture(color=0.97, split=0.93, rule=True, caught=True):
+    row = {"color_accuracy": color, "split_accuracy": split, "shape_accuracy": 0.91, "two_accuracy": 0.95}
+    verdict = {"passes": rule, "kl_ratio": 1.02 if rule else 3.0, "reasons": [] if rule else ["KL mean 3 > 1.1 x"]}
+    return {"paths": {"native": dict(row), "sm80": dict(row, rule={"verdict": verdict})},
+            "mutants": {"image_patches_transposed": {"caught": caught, "rule": {"verdict": {"passes": not caught}},
+                                                     "drop": {"split": 0.4 if caught else 0.0}}}}
+
+
+def test_vision_verdicts_hold_accuracy_rule_and_mutants():
+    assert all(v.ok for v in verdicts.vision(vision_fixture()))
+    assert [v.ok for v in verdicts.vision(vision_fixture(color=0.9))] == [False, False, True, True]
+    assert [v.ok for v in verdicts.vision(vision_fixture(split=0.85))] == [False, False, True, True]
+    assert [v.ok for v in verdicts.vision(vision_fixture(rule=False))] == [True, True, False, True]
+    assert [v.ok for v in verdicts.vision(vision_fixture(caught=False))] == [True, True, True, False]
+    assert [v.ok for v in verdicts.vision(None)] == [None]

@@ -100,3 +100,51 @@ def test_export_is_a_vision_exp_checkpoint_the_gate_passes_and_the_oracle_loads(
     theirs = bias_vl_weights(ref)
     for name, p in bias_vl_weights(model).items():
         assert torch.equal(theirs[name], p), name
+
+
+def test_score_judges_a_path_by_the_rule_and_catches_a_mutant(toy, monkeypatch):
+    """score() against records shaped like the bed's: the oracle's own answers pass; a path whose answer
+    distributions are shifted fails the rule; the mutant run on it is caught."""
+    import copy
+
+    from dsv4_lab.beds.vision_trained import accuracy
+    from dsv4_lab.vision import score as S
+
+    cfg, model, tower, tmp = toy
+    if not (tmp / "ck").is_dir():
+        from dsv4_lab.vision.train import export_weights
+        from dsv4_sm80.tiny.generate import generate
+
+        generate(str(tmp / "ck"), cfg, weights=export_weights(model, tower, cfg), log=lambda *_: None)
+    two = data.held_out(1)[::2]  # a colour and a shape question
+    monkeypatch.setattr(S.data, "held_out", lambda n: two)
+    from dsv4_lab.vision.load import load_vl_reference
+
+    ref_model, ref_tower = load_vl_reference(str(tmp / "ck"))
+    exact = S.oracle_teacher(ref_model, ref_tower, two)
+    answers = [{"kind": ex.kind, "right": True} for ex in two]
+    native = {"per_kind": 1, "accuracy": accuracy(answers), **copy.deepcopy(exact)}
+    shifted = copy.deepcopy(exact)
+    for entry in shifted["teacher"]:
+        entry["top"] = [[[i, lp - (3.0 if k == 0 else 0.0)] for k, (i, lp) in enumerate(top)] for top in entry["top"]]
+    wrong = [dict(a, right=False) for a in answers]
+    sm80 = {"per_kind": 1, "accuracy": accuracy(answers), **copy.deepcopy(exact),
+            "mutants": {"image_patches_transposed": {"accuracy": accuracy(wrong), **shifted}}}
+    out = S.score(str(tmp / "ck"), {"native": native, "sm80": sm80})
+    assert out["paths"]["sm80"]["rule"]["verdict"]["passes"]
+    assert out["paths"]["sm80"]["color_accuracy"] == 1.0
+    m = out["mutants"]["image_patches_transposed"]
+    assert m["caught"] and not m["rule"]["verdict"]["passes"] and m["drop"]["shape"] == 1.0
+
+
+def test_bed_record_keeps_the_answer_positions():
+    from dsv4_lab.beds.vision_trained import teacher_entry
+
+    # input positions: ... </think>(5) r(128) e(115) d(114) EOS(1); top lists as SGLang returns them
+    toks = [[None, 0, None], [-0.1, 5, None], [-0.2, 128, None], [-0.3, 115, None], [-0.4, 114, None],
+            [-0.5, 1, None]]
+    tops = [None] + [[[-0.1, 7, None], [-2.0, 9, None]]] * 5
+    e = teacher_entry({"input_token_logprobs": toks, "input_top_logprobs": tops}, n_answer=4)
+    assert e["sequence"] == [5, 128, 115, 114, 1]
+    assert e["input_logprobs"] == [None, -0.2, -0.3, -0.4, -0.5]
+    assert e["top"][0] == [] and e["top"][1] == [[7, -0.1], [9, -2.0]]
