@@ -38,8 +38,14 @@ def main(argv=None) -> int:
 
         from . import TRAINED_ARCHIVE
 
+        archive = a.archive or TRAINED_ARCHIVE
+        if not os.path.isfile(archive):
+            print(f"dsv4-lab vision unpack: no archive at {archive}; train one on a GPU: python -m dsv4_lab.vision "
+                  "train OUT --device cuda --batch 32 --steps 100000 --budget 400 (then OUT/dsv4-lab-tiny-vl.tar.xz "
+                  "and OUT/train-vl.json are the archive and its record)", file=sys.stderr)
+            return 2
         os.makedirs(a.dir, exist_ok=True)
-        print(unpack(a.archive or TRAINED_ARCHIVE, a.dir, served=not a.as_trained))
+        print(unpack(archive, a.dir, served=not a.as_trained))
         return 0
     if a.cmd == "score":
         import json
