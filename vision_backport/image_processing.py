@@ -100,8 +100,9 @@ def plan_image(width: int, height: int, g: Geometry = Geometry()) -> ImagePlan:
         w, h = float(int(w * s)), float(int(h * s))
     p = g.patch_size
     best_h, best_w = math.ceil(h / p) * p, math.ceil(w / p) * p
-    budget = g.max_n_token - 3
-    while _tokens(best_h, best_w, g) > budget:
+    # the block (alignment pad aside) must fit the fixed limit; only the solver's budget shrinks per try
+    limit = budget = g.max_n_token - 3
+    while _tokens(best_h, best_w, g) > limit:
         best_h, best_w = _fit(h, w, budget, g)
         budget -= 1
     n_llm_h, n_llm_w = llm_grid(best_h, best_w, g)

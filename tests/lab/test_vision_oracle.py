@@ -136,17 +136,19 @@ def test_plan_sweep_matches_backport():
         assert plan_tuple(I.plan(w, h)) == plan_tuple(B.plan_image(w, h)), (w, h)
 
 
-def test_plan_shrink_test_differs_off_release():
-    """The release's loop tests the block against the fixed max_n_token - 3; the backport tests it against
-    the budget it just solved for, one smaller each try. Every block length (alignment pad excluded) is 2 mod
-    4 and the solver overshoots its budget by at most 2, so at the release's 384 both stop at the same try;
-    with max_n_token = 1 mod 4 (limit = 2 mod 4) a block of exactly the limit is kept by the release and
-    shrunk again by the backport."""
+def test_plan_shrink_test_holds_the_fixed_limit_off_release():
+    """The block is tested against the fixed max_n_token - 3 while only the solver's budget shrinks per try. At
+    the release's 384 a loop testing the shrinking budget stops at the same try (every block length, alignment
+    pad aside, is 2 mod 4 and the solver overshoots by at most 2); with max_n_token = 1 mod 4 it would shrink a
+    block of exactly the limit once more (188 x 1, 378 tokens, instead of 190 x 1, 382)."""
     g, bg = I.Geometry(max_n_token=385), B.Geometry(max_n_token=385)
     ours, theirs = I.plan(16, 7857, g), B.plan_image(16, 7857, bg)
     assert (ours.height, ours.n_llm_h, I.grid_len(ours.n_llm_h, ours.n_llm_w)) == (7980, 190, 382)
-    assert (theirs.height, theirs.n_llm_h, B.grid_block_len(theirs.n_llm_h, theirs.n_llm_w)) == (7896, 188, 378)
-    assert plan_tuple(I.plan(16, 7857)) == plan_tuple(B.plan_image(16, 7857))
+    assert plan_tuple(ours) == plan_tuple(theirs)
+    for n in (65, 69, 381, 389):
+        g, bg = I.Geometry(max_n_token=n), B.Geometry(max_n_token=n)
+        for w, h in ((16, 7857), (7857, 1000), (300, 4000)):
+            assert plan_tuple(I.plan(w, h, g)) == plan_tuple(B.plan_image(w, h, bg)), (n, w, h)
 
 
 def noise_image(width, height, seed):
