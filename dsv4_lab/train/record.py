@@ -33,7 +33,7 @@ def compressed_bpb(ids: list[int]) -> dict:
 
 def degeneracy(ids: list[int]) -> list[str]:
     """Why a continuation is degenerate ([] when it is not): a run of one id longer than MAX_RUN, fewer than
-    MIN_DISTINCT distinct ids, or a REPEAT_LEN-id string occurring more than MAX_REPEATS times."""
+    MIN_DISTINCT distinct ids, or a REPEAT_LEN-id string of more than one id occurring more than MAX_REPEATS times."""
     out = []
     run = best = 0
     for k, x in enumerate(ids):
@@ -43,15 +43,13 @@ def degeneracy(ids: list[int]) -> list[str]:
         out.append(f"a run of {best} equal ids (at most {MAX_RUN})")
     if len(set(ids)) < MIN_DISTINCT:
         out.append(f"{len(set(ids))} distinct ids (at least {MIN_DISTINCT})")
-    # occurrences that do not overlap (as str.count counts them): one indent of 20 spaces is one 16-space
-    # string, not five
+    # a string of one repeated id is a run, judged by MAX_RUN: counted here, one 20-space indent would be five
+    # occurrences of the 16-space string
     counts: dict[tuple, int] = {}
-    ends: dict[tuple, int] = {}
     for k in range(len(ids) - REPEAT_LEN + 1):
         key = tuple(ids[k:k + REPEAT_LEN])
-        if k >= ends.get(key, 0):
+        if len(set(key)) > 1:
             counts[key] = counts.get(key, 0) + 1
-            ends[key] = k + REPEAT_LEN
     worst = max(counts.values(), default=0)
     if worst > MAX_REPEATS:
         out.append(f"a {REPEAT_LEN}-id string {worst} times (at most {MAX_REPEATS})")

@@ -238,8 +238,9 @@ def test_draft_acceptance_estimate_is_bounded_by_its_per_position_hits(trained):
     assert 1.0 <= got["accept_length_mean"] <= 1.0 + sum(got["block_top1"]) + 1e-9
 
 
-def test_degeneracy_counts_repeats_that_do_not_overlap():
-    """One deep indent is one 16-space string, not one per offset; a line repeated four times is a loop."""
+def test_degeneracy_leaves_runs_to_the_run_check():
+    """A deep indent is a run (judged by its length), not a 16-space string repeated at every offset; a phrase
+    repeated with a period under 16 bytes, or a line repeated four times, is a loop."""
     from dsv4_lab.train.data import encode
     from dsv4_lab.train.record import degeneracy
 
@@ -251,3 +252,5 @@ def test_degeneracy_counts_repeats_that_do_not_overlap():
     loop = "self.assertEqual(a, 1)\n" * 4
     assert degeneracy(ids(loop)) == ["a 16-id string 4 times (at most 3)"]
     assert "2 distinct ids (at least 12)" in degeneracy(ids("ab" * 40))
+    assert any("16-id string" in r for r in degeneracy(ids("x = the command by the command by the command by the "
+                                                            "command by the end\n")))
