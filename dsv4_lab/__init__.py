@@ -10,6 +10,10 @@ never imports this package; the image does not contain it.
   hygiene.py   KV pools poisoned after each cache flush
   memlog.py    GPU memory inside a serving process over time
   routes.py    the Vision-Exp routing trace
+  mutants.py   named fault injections the accuracy runs must catch
+  oracle/      the reference oracle (transformers' DeepSeek-V4, exact dequantization) and its metrics
+  train/       a tiny DeepSeek-V4 trained on real text, and its draft
+  vision/      a Vision-Exp oracle written from the release's ports, and a tiny trainable Vision-Exp
   beds/        the GPU test beds
   gpu/         the GPU suite that runs them as jobs (python -m dsv4_lab.gpu)
 """
