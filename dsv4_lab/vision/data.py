@@ -136,8 +136,8 @@ def data_url(img) -> str:
 
 # The chat encoding of one user turn and its answer, as SGLang's `encoding_dsv4.encode_messages(...,
 # thinking_mode="chat")` renders it (a CPU test holds the two equal), so training needs no SGLang.
-BOS_TEXT, USER, ASSISTANT, END_THINK, EOS_TEXT = ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "</think>",
-                                                  "<｜end▁of▁sentence｜>")
+BOS_TEXT, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+END_THINK, EOS_TEXT = "</think>", "<｜end▁of▁sentence｜>"
 PLACEHOLDER = "<｜deepseek_image｜>"
 PLACEHOLDER_ID = 129264
 
@@ -149,9 +149,8 @@ def chat_text(ex: Example, with_answer: bool) -> str:
 
 def encode(text: str) -> list[int]:
     """The stand-in tokenizer's ids of `text` (special tokens whole, every other byte as BYTE_BASE + byte)."""
-    from dsv4_sm80.tiny.tokenizer import SPECIALS
-
     from dsv4_lab.train.data import BYTE_BASE
+    from dsv4_sm80.tiny.tokenizer import SPECIALS
 
     specials = {t: i for i, t in enumerate(SPECIALS)}
     specials[PLACEHOLDER] = PLACEHOLDER_ID

@@ -7,8 +7,6 @@ import glob
 import json
 import os
 
-import torch
-
 from .text import load_bias_vl
 from .tower import Tower
 

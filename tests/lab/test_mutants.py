@@ -497,7 +497,7 @@ def test_image_patches_transposed(knob):
     seen = []
 
     def routine(input_ids, forward_batch, language_model, multimodal_model=None, data_embedding_funcs=None,
-                placeholder_tokens=None, use_deepstack={}, **kwargs):
+                placeholder_tokens=None, use_deepstack=None, **kwargs):
         fn = data_embedding_funcs["image"]
         return fn([item])
 

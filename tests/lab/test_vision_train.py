@@ -23,7 +23,8 @@ def test_chat_encoding_is_sglangs_and_the_tokenizers(tmp_path):
     rng = random.Random(0)
     for kind in data.KINDS:
         ex = data.make(rng, kind)
-        msgs = [{"role": "user", "content": ex.user_text(data.PLACEHOLDER)}, {"role": "assistant", "content": ex.answer}]
+        msgs = [{"role": "user", "content": ex.user_text(data.PLACEHOLDER)},
+                {"role": "assistant", "content": ex.answer}]
         text = encoding_dsv4.encode_messages(msgs, thinking_mode="chat")
         assert text == data.chat_text(ex, with_answer=True)
         assert data.encode(text) == tok.encode(text, add_special_tokens=False).ids
