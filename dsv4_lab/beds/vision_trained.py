@@ -81,11 +81,14 @@ def main(argv=None) -> int:
     examples = data.held_out(args.per_kind)
     switch = os.path.join(tempfile.mkdtemp(prefix="dsv4-vision-mutant-"), "mutant")
     open(switch, "w").close()
-    env = {"DSV4_SM80_VISION": "1"}
+    # every pass computes its images and prompts afresh: SGLang would otherwise reuse the clean pass's image
+    # embeddings (its multimodal cache, keyed by the image) and KV (the radix cache) under a mutant
+    env = {"DSV4_SM80_VISION": "1", "SGLANG_VLM_CACHE_SIZE_MB": "0"}
     if args.mutants:
         env.update(DSV4_SM80_LAB_MUTANT="runtime", DSV4_SM80_LAB_MUTANT_FILE=switch)
     serve = ["--model-path", args.ckpt, "--api-key", KEY, "--context-length", "4096", "--moe-runner-backend",
-             "marlin", "--mem-fraction-static", "0.85", "--max-total-tokens", "65536", "--disable-cuda-graph"]
+             "marlin", "--mem-fraction-static", "0.85", "--max-total-tokens", "65536", "--disable-cuda-graph",
+             "--disable-radix-cache"]
     if args.chunked_prefill_size:
         serve += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
     record = {"path": "native" if args.native else "sm80", "per_kind": args.per_kind,
