@@ -112,10 +112,14 @@ def make(rng: random.Random, kind: str | None = None, small: bool = True) -> Exa
     raise ValueError(f"synthetic example: kind {kind!r}, expected one of {', '.join(KINDS)}")
 
 
-def held_out(n_per_kind: int, seed: int = 1_000_003, small: bool = True) -> list[Example]:
-    """Examples from a seed no training run uses (training draws from `seed` + step)."""
-    rng = random.Random(seed)
+def held_out(n_per_kind: int, seed: int = 0, small: bool = True) -> list[Example]:
+    """Examples from a stream no training run draws from (`training_rng` seeds by another string)."""
+    rng = random.Random(f"held-out {seed}")
     return [make(rng, kind, small) for kind in KINDS for _ in range(n_per_kind)]
+
+
+def training_rng(seed: int, step: int) -> random.Random:
+    return random.Random(f"train {seed} {step}")
 
 
 def judge(answer: str, ex: Example) -> bool:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import time
 
 import torch
@@ -161,7 +160,7 @@ def run(out: str, steps: int = 600, batch: int = 16, device: str = "cpu", seed: 
         stop_after_s=None, eval_per_kind: int = 20, preset: str = "tiny", log=print, command=None) -> dict:
     """Train, evaluate on held-out examples (greedy answers, R_q), export and pack under out; resumable from
     out/state.pt as `dsv4_lab.train`."""
-    from dsv4_lab.train.train import Stopped, _loop, pack, sha256
+    from dsv4_lab.train.train import _loop, pack, sha256
     from dsv4_sm80.tiny.generate import generate
 
     t0 = time.time()
@@ -179,7 +178,7 @@ def run(out: str, steps: int = 600, batch: int = 16, device: str = "cpu", seed: 
     model.train()
 
     def step_fn(step):
-        rng = random.Random(seed * 1_000_003 + step)
+        rng = data.training_rng(seed, step)
         examples = [data.make(rng) for _ in range(batch)]
         loss, n = forward(model, tower, examples, g, device)
         return loss, loss.detach(), n
@@ -190,10 +189,7 @@ def run(out: str, steps: int = 600, batch: int = 16, device: str = "cpu", seed: 
         os.replace(state_path + ".part", state_path)
 
     params = [p for p in model.parameters() if p.requires_grad] + list(tower.parameters())
-    try:
-        st = _loop("vision", params, step_fn, steps, budget_s, state, save, log, stop_at=stop_at)
-    except Stopped:
-        raise
+    st = _loop("vision", params, step_fn, steps, budget_s, state, save, log, stop_at=stop_at)
     model.eval()
     held = data.held_out(eval_per_kind)
     rows = []

@@ -149,3 +149,11 @@ def test_bed_record_keeps_the_answer_positions():
     assert e["sequence"] == [5, 128, 115, 114, 1]
     assert e["input_logprobs"] == [None, -0.2, -0.3, -0.4, -0.5]
     assert e["top"][0] == [] and e["top"][1] == [[7, -0.1], [9, -2.0]]
+
+
+def test_training_never_draws_the_held_out_stream():
+    import random
+
+    held = random.Random("held-out 0").random()
+    assert data.held_out(1)[0].images[0].size == data.make(random.Random("held-out 0"), "colour").images[0].size
+    assert all(data.training_rng(seed, step).random() != held for seed in range(4) for step in range(2000))
