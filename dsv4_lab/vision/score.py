@@ -26,20 +26,14 @@ NAMES = {"colour": "color"}  # the record's field names (color_accuracy)
 @torch.no_grad()
 def oracle_teacher(model, tower, examples, device: str = "cpu") -> dict:
     """The oracle's record (R_q) at each example's answer positions, in the serving record's shape."""
-    from dsv4_lab.oracle.numerics import NUMERICS, applied
-
-    from .text import VisionText
-    from .train import VOCAB, encode_example
+    from .train import encode_example, rq_logits
 
     g = Geometry.from_config(model.config)
     out = []
     for ex in examples:
         ids, labels, rows, spans = encode_example(ex, tower, g, device)
         a = next(i for i, x in enumerate(labels) if x != -100)
-        t = torch.tensor([ids], device=device)
-        with applied(model, NUMERICS["R_q"]), VisionText(model, t >= VOCAB, [spans],
-                                                         rows=torch.cat(rows) if rows else None):
-            lp = torch.log_softmax(model(input_ids=t).logits[0].float(), -1)
+        lp = torch.log_softmax(rq_logits(model, ids, rows, spans).float(), -1)
         entry = {"sequence": ids[a - 1:], "input_logprobs": [None], "top": [[]]}
         for pos in range(a - 1, len(ids) - 1):
             v, i = lp[pos].topk(TOP)

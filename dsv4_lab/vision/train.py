@@ -116,18 +116,25 @@ def forward(model, tower, examples, g: Geometry, device: str, rounding: bool = T
 
 
 @torch.no_grad()
-def answer(model, tower, ex: data.Example, g: Geometry, device: str, max_new: int = 8) -> str:
-    """Greedy answer text (until end of sentence) under the training forward (R_q roundings)."""
+def rq_logits(model, ids: list[int], rows, spans) -> torch.Tensor:
+    """[S, vocab] logits of one sequence (vocab_size + type at image positions) under R_q, image rows given."""
     from dsv4_lab.oracle.numerics import NUMERICS, applied
 
+    device = next(model.parameters()).device
+    t = torch.tensor([ids], device=device)
+    with applied(model, NUMERICS["R_q"]), VisionText(model, t >= VOCAB, [spans],
+                                                     rows=torch.cat(rows) if rows else None):
+        return model(input_ids=t).logits[0]
+
+
+@torch.no_grad()
+def answer(model, tower, ex: data.Example, g: Geometry, device: str, max_new: int = 8) -> str:
+    """Greedy answer text (until end of sentence) under the training forward (R_q roundings)."""
     ids, _, rows, spans = encode_example(ex, tower, g, device, with_answer=False)
     ids = list(ids)
-    rows = torch.cat(rows) if rows else None
     out = []
     for _ in range(max_new):
-        t = torch.tensor([ids], device=device)
-        with applied(model, NUMERICS["R_q"]), VisionText(model, t >= VOCAB, [spans], rows=rows):
-            nxt = int(model(input_ids=t).logits[0, -1].argmax())
+        nxt = int(rq_logits(model, ids, rows, spans)[-1].argmax())
         if nxt == 1:  # end of sentence
             break
         out.append(nxt)
