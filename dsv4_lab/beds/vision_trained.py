@@ -21,7 +21,7 @@ import json
 import os
 import tempfile
 
-from dsv4_lab.beds.http_check import call
+from dsv4_lab.beds.http_check import call, teacher_record
 from dsv4_lab.beds.lab_server import lab_server
 from dsv4_lab.vision import data
 
@@ -30,14 +30,13 @@ TOP = 20
 
 
 def teacher_entry(meta: dict, n_answer: int) -> dict:
-    """The record's entry for one teacher-forced request: the last n_answer input positions (the answer and its
-    end of sentence) after one position of context, in `dsv4_lab.oracle.metrics`' shape (position 0 empty)."""
-    toks, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
-    keep = range(len(toks) - n_answer - 1, len(toks))
-    return {"sequence": [int(toks[i][1]) for i in keep],
-            "input_logprobs": [None] + [toks[i][0] for i in keep][1:],
-            "top": [[]] + [sorted(([int(x[1]), float(x[0])] for x in tops[i]), key=lambda y: -y[1])
-                           for i in keep][1:]}
+    """The record's entry for one teacher-forced request (`http_check.teacher_record`'s shape): the last n_answer
+    input positions (the answer and its end of sentence) after one position of context, which stays empty."""
+    full = teacher_record([meta])["teacher"][0]
+    keep = slice(len(full["sequence"]) - n_answer - 1, None)
+    entry = {k: v[keep] for k, v in full.items()}
+    entry["input_logprobs"][0], entry["top"][0] = None, []
+    return entry
 
 
 def ask(port: int, examples) -> tuple[list, list]:

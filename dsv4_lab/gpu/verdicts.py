@@ -176,10 +176,10 @@ def vision(record: dict | None) -> list[Verdict]:
         return [_missing("trained Vision-Exp: held-out picture questions", "no vision-trained.json")]
     out = []
     for path, row in sorted(record["paths"].items()):
-        low = [f"{k[:-9]} {v:.3f}" for k, v in row.items() if k.endswith("_accuracy")
-               and v < (COLOUR_MIN if k == "color_accuracy" else LAYOUT_MIN)]
+        acc = {k[:-len("_accuracy")]: v for k, v in row.items() if k.endswith("_accuracy")}
+        low = [k for k, v in acc.items() if v < (COLOUR_MIN if k == "color" else LAYOUT_MIN)]
         out.append(Verdict(f"trained Vision-Exp on {path}: color >= {COLOUR_MIN}, split/shape/two >= {LAYOUT_MIN}",
-                           not low, " ".join(f"{k[:-9]} {v:.3f}" for k, v in row.items() if k.endswith("_accuracy"))))
+                           not low, " ".join(f"{k} {v:.3f}" for k, v in acc.items())))
         if path != "native":
             v = row["rule"]["verdict"]
             out.append(Verdict(f"trained Vision-Exp on {path}: the accuracy rule on the answers against native",
