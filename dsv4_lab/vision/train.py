@@ -144,23 +144,18 @@ def answer(model, tower, ex: data.Example, g: Geometry, device: str, max_new: in
 
 def export_weights(model, tower, cfg) -> dict:
     from dsv4_sm80.checkpoint import format as fmt
+    from dsv4_sm80.tiny.generate import given_shape
 
     weights = official_weights(model)
     for spec in fmt.inventory(cfg):  # the untrained draft: norms one, everything else zero (stored as nothing)
         if spec.name.startswith("mtp.") and spec.init != "pair":
-            shape = fmt_dense_shape(spec)
+            shape = given_shape(spec)
             weights[spec.name] = torch.ones(shape) if spec.init == "ones" else torch.zeros(shape)
     for i in range(int(cfg["num_hash_layers"])):  # the release ships the (unused) correction bias on hash layers
         weights.setdefault(f"layers.{i}.ffn.gate.bias", torch.zeros(int(cfg["n_routed_experts"])))
     weights.update({k: v.detach() for k, v in tower.state_dict().items()})
     return {k: v.detach().float().cpu() for k, v in weights.items()}
 
-
-def fmt_dense_shape(spec):
-    """The full-precision shape the writer takes for a tensor of the inventory (experts: unpacked)."""
-    from dsv4_sm80.tiny.generate import _dense_shape
-
-    return _dense_shape(spec) if spec.init in ("fp8", "mxfp4") else spec.shape
 
 
 def run(out: str, steps: int = 600, batch: int = 16, device: str = "cpu", seed: int = 0, budget_s=None,

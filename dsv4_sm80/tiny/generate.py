@@ -272,7 +272,7 @@ def generate(out_dir: str, config, seed: int = 0, head_scale: float = 1.0, log=p
 
 
 def _check_given(specs, weights) -> None:
-    wanted = {s.name: (_dense_shape(s) if s.init in ("fp8", "mxfp4") else s.shape) for s in specs if s.init != "pair"}
+    wanted = {s.name: given_shape(s) for s in specs if s.init != "pair"}
     missing = sorted(set(wanted) - set(weights))
     extra = sorted(set(weights) - set(wanted))
     wrong = sorted(k for k in set(wanted) & set(weights) if tuple(weights[k].shape) != tuple(wanted[k]))
@@ -286,6 +286,11 @@ def _check_given(specs, weights) -> None:
 def _given(spec: fmt.TensorSpec, t: torch.Tensor) -> torch.Tensor:
     dtype = {"BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64}[spec.dtype]
     return t.detach().cpu().to(dtype).contiguous()
+
+
+def given_shape(spec: fmt.TensorSpec) -> tuple:
+    """The shape `generate(weights=...)` takes for a spec: full precision, quantized weights unpacked."""
+    return _dense_shape(spec) if spec.init in ("fp8", "mxfp4") else tuple(spec.shape)
 
 
 def _dense_shape(spec: fmt.TensorSpec) -> tuple:
