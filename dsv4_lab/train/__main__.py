@@ -35,6 +35,10 @@ def main(argv=None) -> int:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--stop-after", type=float, default=None, help="stop cleanly after this many seconds of this "
                    "call (state saved, exit 75): the same command continues; for machines lent in short calls")
+    t.add_argument("--init", default=None, help="start from this official-format checkpoint's target and draft "
+                   "(the target's own phase is skipped)")
+    t.add_argument("--ul-steps", type=int, default=0, help="unlikelihood steps after the target's (0: none)")
+    t.add_argument("--ul-budget", type=float, default=None, help="seconds of unlikelihood steps, as --budget")
     c = sub.add_parser("check", help="gate checks + oracle load of an archive; optional held-out bits per byte")
     c.add_argument("archive")
     c.add_argument("--windows", type=int, default=0, help="held-out windows to score (trained_bed's default 8)")
@@ -143,7 +147,7 @@ def main(argv=None) -> int:
                 seed=a.seed, short=a.short, short_batch=a.batch, long_every=a.long_every, long_batch=a.long_batch,
                 corpus=a.corpus, budget_s=a.budget, draft_budget_s=a.draft_budget, qat_from=a.qat_from,
                 command="python -m dsv4_lab.train " + " ".join(sys.argv[1:] if argv is None else argv),
-                stop_after_s=a.stop_after)
+                stop_after_s=a.stop_after, init=a.init, ul_steps=a.ul_steps, ul_budget_s=a.ul_budget)
         except Stopped as e:
             print(f"dsv4-lab train: stopped at {e} after --stop-after {a.stop_after:.0f} s, state saved in "
                   f"{os.path.join(a.out, 'state.pt')}; run the same command again to continue")

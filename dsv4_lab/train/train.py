@@ -147,6 +147,84 @@ def train_draft(draft, target, batches, steps, device, anchors_per_row=64, log=p
                  stop_at=stop_at)
 
 
+LOOP_RUN = 24  # a run of one id longer than this is marked in unlikelihood training (the check allows 32)
+
+
+def loop_positions(ids: list[int], n: int, run_from: int = LOOP_RUN) -> list[int]:
+    """The positions where a continuation extends a loop: the n-id string ending there (of more than one id)
+    occurred earlier in it, or the run of one id there is longer than run_from."""
+    out, seen, run = [], set(), 0
+    for k, x in enumerate(ids):
+        run = run + 1 if k and x == ids[k - 1] else 1
+        hit = run > run_from
+        if k >= n - 1:
+            key = tuple(ids[k - n + 1:k + 1])
+            if len(set(key)) > 1:
+                hit = hit or key in seen
+                seen.add(key)
+        if hit:
+            out.append(k)
+    return out
+
+
+def train_unlikelihood(model, batches, prompts, steps, device, new=128, pool_every=8, alpha=1.0, log=print,
+                       budget_s=None, state=None, save=lambda s: None, peak_lr=5e-4, stop_at=None,
+                       repeat_len=None):
+    """Sequence-level unlikelihood training (Welleck et al., "Neural Text Generation with Unlikelihood
+    Training", 2020): each step is the usual loss on a batch of text plus alpha x -log(1 - p) of every id of
+    the model's own greedy continuations that extends a loop (`loop_positions`), normalised by the
+    continuations' length. The continuations (of `prompts(step)`, windows of training text, under the
+    roundings) are made again every `pool_every` steps; repeat_len: the loop strings' length (default the
+    degeneracy check's)."""
+    from .record import REPEAT_LEN
+    from .score import greedy
+
+    state = {} if state is None else state
+    if "model" in state:
+        model.load_state_dict(state["model"])
+    pool: dict = {}
+
+    def make_pool(step):
+        heads = prompts(step)
+        model.eval()
+        with torch.no_grad(), qat(model):
+            conts = greedy(model, heads.tolist(), new, device)
+        model.train()
+        mask = torch.zeros(len(conts), new)
+        for r, c in enumerate(conts):
+            mask[r, loop_positions(c, repeat_len or REPEAT_LEN)] = 1.0
+        pool.update(seqs=torch.cat([heads, torch.tensor(conts)], dim=1).to(device), mask=mask.to(device),
+                    plen=heads.shape[1])
+        log(f"unlikelihood step {step}: {int(mask.sum())} of {mask.numel()} continuation ids extend a loop, "
+            f"{int((mask.sum(1) > 0).sum())} of {len(conts)} continuations")
+
+    def step_fn(step):
+        if step % pool_every == 0 or not pool:
+            make_pool(step)
+        ids = batches(step).to(device)
+        with qat(model), indexer_distillation(model) as kl:
+            mle = model(input_ids=ids, labels=ids).loss
+        index_kl = torch.stack(kl).mean() if kl else torch.zeros((), device=ids.device)
+        seqs, mask, plen = pool["seqs"], pool["mask"], pool["plen"]
+        with qat(model):
+            logits = model(input_ids=seqs).logits[:, plen - 1:-1].float()
+        p = torch.softmax(logits, -1).gather(-1, seqs[:, plen:, None])[..., 0]
+        ul = -(torch.log1p(-p.clamp(max=1 - 1e-6)) * mask).sum() / mask.numel()
+        return mle + index_kl + alpha * ul, mle.detach(), ids.numel() + seqs.numel()
+
+    def keep(st):
+        st["model"] = model.state_dict()
+        save(st)
+
+    model.train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    state = _loop("unlikelihood", list(model.parameters()), step_fn, steps, budget_s, state, keep, log, peak_lr,
+                  stop_at=stop_at)
+    model.eval()
+    return state
+
+
 def write_checkpoint(out_dir, cfg, target, draft, seed, log=print) -> dict:
     """The official-format checkpoint (project writer, stand-in tokenizer) of the trained weights."""
     weights = official_weights(target)
@@ -173,10 +251,14 @@ def sha256(path: str) -> str:
 
 def run(out, preset="tiny", steps=2000, draft_steps=None, seq=4096, device="cpu", seed=0, short=512,
         short_batch=16, long_every=4, long_batch=1, corpus=None, budget_s=None, draft_budget_s=None,
-        qat_from=0.0, log=print, command=None, stop_after_s=None) -> dict:
+        qat_from=0.0, log=print, command=None, stop_after_s=None, init=None, ul_steps=0, ul_budget_s=None,
+        ul_prompts=64, ul_prompt_len=256) -> dict:
     """Train, export and pack under out. Resumable: the state of the phase in flight is kept in out/state.pt
     (every minute, at each phase's end, and when stop_after_s seconds of this call have passed: then it raises
-    Stopped); the same command run again continues from it."""
+    Stopped); the same command run again continues from it. init: an official-format checkpoint of this
+    preset whose target and draft weights start the run (its target phase is skipped). ul_steps / ul_budget_s:
+    an unlikelihood phase (`train_unlikelihood`) after the target's, on ul_prompts greedy continuations of
+    training windows of ul_prompt_len ids."""
     t0 = time.time()
     stop_at = t0 + stop_after_s if stop_after_s else None
     torch.manual_seed(seed)
@@ -205,12 +287,28 @@ def run(out, preset="tiny", steps=2000, draft_steps=None, seq=4096, device="cpu"
             os.replace(state_path + ".part", state_path)
         return put
 
-    target = build(cfg, seed).to(device)
-    tstate = train_target(target, batches, steps, device, log=log, budget_s=budget_s,
-                          state=state.get("target"), save=save("target"), qat_from=qat_from, stop_at=stop_at)
+    target = build(cfg, seed)
     draft = Draft(cfg)
     init_draft(draft, seed)
+    if init:
+        from dsv4_lab.oracle.load import load_reference
+
+        from .draft import load_draft
+
+        target.load_state_dict(load_reference(init).state_dict())
+        draft.load_state_dict(load_draft(init).state_dict())
+        torch.backends.cuda.matmul.allow_tf32 = True  # the oracle's load turned it off
+    target.to(device)
     draft.to(device)
+    tstate = None if init else train_target(target, batches, steps, device, log=log, budget_s=budget_s,
+                                            state=state.get("target"), save=save("target"), qat_from=qat_from,
+                                            stop_at=stop_at)
+    ustate = None
+    if ul_steps or ul_budget_s:
+        prompts = data.Batches(stream, seed + 2, ul_prompt_len, ul_prompts, ul_prompt_len, 0)
+        ustate = train_unlikelihood(target, batches, prompts, ul_steps or 100000, device, log=log,
+                                    budget_s=ul_budget_s, state=state.get("unlikelihood"),
+                                    save=save("unlikelihood"), stop_at=stop_at)
     dbatches = data.Batches(stream, seed + 1, short, short_batch, short, 0)
     dsteps = draft_steps if draft_steps is not None else max(1, steps // 4)
     dstate = train_draft(draft, target, dbatches, dsteps, device, log=log, seed=seed, budget_s=draft_budget_s,
@@ -221,6 +319,8 @@ def run(out, preset="tiny", steps=2000, draft_steps=None, seq=4096, device="cpu"
     size = pack(ckpt, archive)
 
     def phase(st):
+        if st is None:
+            return None
         return {"steps": st["step"], "ids_seen": st["ids"], "seconds": round(st["seconds"], 1),
                 "ids_per_s": round(st["ids"] / max(st["seconds"], 1e-9), 1),
                 "loss_first": st["losses"][0] if st["losses"] else None,
@@ -236,11 +336,12 @@ def run(out, preset="tiny", steps=2000, draft_steps=None, seq=4096, device="cpu"
               else None,
               "python": python, "torch": torch.__version__, "threads": torch.get_num_threads(),
               "train_files": n_train, "held_out_files": n_held, "train_ids": int(stream.numel()),
-              "target": phase(tstate), "draft": phase(dstate),
+              "init": init, "target": phase(tstate), "unlikelihood": phase(ustate), "draft": phase(dstate),
               "checkpoint": ckpt, "archive_bytes": size, "archive_sha256": sha256(archive),
               "tensors": summary["tensors"], "command": command,
               "seconds": round(time.time() - t0, 1)}
     with open(os.path.join(out, "train.json"), "w") as f:
         json.dump(report, f, indent=2)
-    log(f"dsv4-lab train: {json.dumps({k: v for k, v in report.items() if k not in ('target', 'draft')})}")
+    phases = ("target", "unlikelihood", "draft")
+    log(f"dsv4-lab train: {json.dumps({k: v for k, v in report.items() if k not in phases})}")
     return report

@@ -254,3 +254,48 @@ def test_degeneracy_leaves_runs_to_the_run_check():
     assert "2 distinct ids (at least 12)" in degeneracy(ids("ab" * 40))
     assert any("16-id string" in r for r in degeneracy(ids("x = the command by the command by the command by the "
                                                             "command by the end\n")))
+
+
+def test_loop_positions_mark_repeats_and_long_runs_only():
+    from dsv4_lab.train.train import LOOP_RUN, loop_positions
+
+    ids = [1, 2, 3, 1, 2, 3, 1, 2, 3]
+    # 3-id strings: (1,2,3) first ends at 2, again at 5 and 8; (2,3,1), (3,1,2) first at 3, 4, again at 6, 7
+    assert loop_positions(ids, 3) == [5, 6, 7, 8]
+    assert loop_positions([7] * (LOOP_RUN + 3), 3) == [LOOP_RUN, LOOP_RUN + 1, LOOP_RUN + 2]
+    assert loop_positions([1, 2, 3, 4, 5, 6], 3) == []
+
+
+def test_an_unlikelihood_step_lowers_the_marked_ids_probability(trained):
+    """One step of train_unlikelihood (toy, 32 greedy ids a prompt) makes the loop ids of its own continuations
+    less likely, measured under the same roundings."""
+    import copy
+
+    from dsv4_lab.train.model import qat
+    from dsv4_lab.train.score import greedy
+    from dsv4_lab.train.train import loop_positions, train_unlikelihood
+
+    cfg, target, _, _, _, _, batch = trained
+    model = copy.deepcopy(target)
+    # prompts that end inside a loop, so the continuation repeats and is marked
+    heads = torch.tensor([[data.BYTE_BASE + b for b in b"abcdabcdabcdabcd"]] * 2)
+    with torch.no_grad(), qat(model):
+        conts = greedy(model, heads.tolist(), 32, "cpu")
+
+    def marked_p(m):
+        seqs = torch.cat([heads, torch.tensor(conts)], 1)
+        with torch.no_grad(), qat(m):
+            p = torch.softmax(m(input_ids=seqs).logits[:, heads.shape[1] - 1:-1].float(), -1)
+        p = p.gather(-1, seqs[:, heads.shape[1]:, None])[..., 0]
+        mask = torch.zeros_like(p)
+        for r, c in enumerate(conts):
+            mask[r, loop_positions(c, 4)] = 1
+        return float((p * mask).sum() / mask.sum().clamp(min=1)), int(mask.sum())
+
+    before, n = marked_p(model)
+    if n == 0:
+        pytest.skip(f"the toy's continuations {conts} hold no loop")
+    train_unlikelihood(model, lambda step: batch, lambda step: heads, 1, "cpu", new=32, alpha=10.0, peak_lr=3e-3,
+                       log=lambda *_: None, repeat_len=4)
+    after, _ = marked_p(model)
+    assert after < before, (before, after)
