@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     r = sub.add_parser("record", help="the record's held-out figures: windows (bits per byte, gzip, xz), greedy "
                        "continuations and their degeneracy check, the draft's acceptance")
     r.add_argument("--ckpt", required=True)
-    r.add_argument("--parts", default="windows,greedy,acceptance")
+    r.add_argument("--parts", default="windows,foreign,greedy,acceptance")
     r.add_argument("--corpus", default=None, help="the held-out text of a saved corpus instead of this machine's")
     r.add_argument("--windows", type=int, default=8)
     r.add_argument("--window-len", type=int, default=3000)

@@ -134,6 +134,34 @@ class Batches:
         return torch.stack([self.stream[s:s + n] for s in starts.tolist()])
 
 
+# Python the model never saw: sources of the transformers release the oracle pins, a window from each file's middle
+FOREIGN_VERSION = "5.12.1"
+FOREIGN_FILES = ("models/deepseek_v4/modeling_deepseek_v4.py", "generation/utils.py", "tokenization_utils_base.py",
+                 "modeling_utils.py", "trainer.py", "configuration_utils.py", "models/llama/modeling_llama.py",
+                 "pipelines/base.py")
+
+
+def foreign_windows(length: int = 3000) -> list[tuple[str, list[int]]]:
+    """(file, ids) for each of FOREIGN_FILES: `length` byte ids from the first line start at or after the file's
+    middle (past the licence header every file repeats)."""
+    import transformers
+
+    if transformers.__version__ != FOREIGN_VERSION:
+        raise RuntimeError(f"foreign windows: transformers {transformers.__version__} is installed, expected "
+                           f"{FOREIGN_VERSION} (the files are this release's); install transformers=={FOREIGN_VERSION}")
+    root = os.path.dirname(transformers.__file__)
+    out = []
+    for rel in FOREIGN_FILES:
+        with open(os.path.join(root, rel), "rb") as f:
+            raw = f.read()
+        start = raw.index(b"\n", len(raw) // 2) + 1
+        if len(raw) - start < length:
+            raise RuntimeError(f"foreign windows: {rel} has {len(raw) - start} bytes after its middle, expected "
+                               f"at least {length}")
+        out.append((rel, encode(raw[start:start + length])[1:].tolist()))
+    return out
+
+
 def held_out_prompts(lengths: list[int], root: str | None = None, corpus: str | None = None) -> list[list[int]]:
     """One window of held-out text per length, spread evenly over the held-out files' ids (in file order), so
     prompts of one run do not overlap: prompt k of n starts at k / n of the stream. corpus: a saved corpus's

@@ -2,6 +2,8 @@
 
 - `windows`: per held-out window (trained_bed's: 8 of 3,000 ids), bits per byte under R_q and R_x, and what
   gzip -9 and xz -9e make of the same window's bytes compressed alone (8 x compressed bytes / bytes).
+- `foreign`: the same figures on Python it never saw (`data.foreign_windows`: a window of 3,000 ids from the
+  middle of each of 8 transformers source files).
 - `greedy`: 16 held-out prompts of 400 ids continued greedily for 128 under R_q, each as text, with the
   degeneracy check's findings (`degeneracy`).
 - `acceptance`: the draft's reference-side acceptance estimate (`score.draft_acceptance`) on the greedy
@@ -127,6 +129,14 @@ def measure(ckpt: str, device: str, parts: tuple[str, ...], corpus: str | None =
         out["windows"] = rows
         for k in ("R_q", "R_x", "gzip_9", "xz_9e"):
             log(f"record: held-out bits per byte {k}: " + " ".join(f"{r[k]:.4f}" for r in rows))
+    if "foreign" in parts:
+        named = data.foreign_windows(window_len)
+        rows = windows_part(model, [w for _, w in named], device)
+        for (name, _), row in zip(named, rows):
+            row["file"] = name
+        out["foreign"] = rows
+        for k in ("R_q", "R_x", "gzip_9", "xz_9e"):
+            log(f"record: foreign bits per byte {k}: " + " ".join(f"{r[k]:.4f}" for r in rows))
     if "greedy" in parts or "acceptance" in parts:
         prompts = data.held_out_prompts([GREEDY_PROMPT_LEN] * GREEDY_PROMPTS, corpus=corpus)
         rows = greedy_part(model, prompts, device)
