@@ -168,7 +168,7 @@ def loop_positions(ids: list[int], n: int, run_from: int = LOOP_RUN) -> list[int
 
 
 def train_unlikelihood(model, batches, prompts, steps, device, new=128, pool_every=8, alpha=1.0, log=print,
-                       budget_s=None, state=None, save=lambda s: None, peak_lr=5e-4, stop_at=None,
+                       budget_s=None, state=None, save=lambda s: None, peak_lr=1e-3, stop_at=None,
                        repeat_len=None):
     """Sequence-level unlikelihood training (Welleck et al., "Neural Text Generation with Unlikelihood
     Training", 2020): each step is the usual loss on a batch of text plus alpha x -log(1 - p) of every id of
