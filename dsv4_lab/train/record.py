@@ -33,6 +33,15 @@ def compressed_bpb(ids: list[int]) -> dict:
             "xz_9e": 8 * len(lzma.compress(raw, preset=9 | lzma.PRESET_EXTREME)) / len(raw)}
 
 
+def loop_strings(ids: list[int], n: int = REPEAT_LEN):
+    """(end position, string) of every n-id string of `ids` made of more than one id. A string of one repeated id
+    is a run, judged by its length instead: counted here, one 20-space indent would be five 16-space strings."""
+    for k in range(n - 1, len(ids)):
+        key = tuple(ids[k - n + 1:k + 1])
+        if len(set(key)) > 1:
+            yield k, key
+
+
 def degeneracy(ids: list[int]) -> list[str]:
     """Why a continuation is degenerate ([] when it is not): a run of one id longer than MAX_RUN, fewer than
     MIN_DISTINCT distinct ids, or a REPEAT_LEN-id string of more than one id occurring more than MAX_REPEATS times."""
@@ -45,13 +54,9 @@ def degeneracy(ids: list[int]) -> list[str]:
         out.append(f"a run of {best} equal ids (at most {MAX_RUN})")
     if len(set(ids)) < MIN_DISTINCT:
         out.append(f"{len(set(ids))} distinct ids (at least {MIN_DISTINCT})")
-    # a string of one repeated id is a run, judged by MAX_RUN: counted here, one 20-space indent would be five
-    # occurrences of the 16-space string
     counts: dict[tuple, int] = {}
-    for k in range(len(ids) - REPEAT_LEN + 1):
-        key = tuple(ids[k:k + REPEAT_LEN])
-        if len(set(key)) > 1:
-            counts[key] = counts.get(key, 0) + 1
+    for _, key in loop_strings(ids):
+        counts[key] = counts.get(key, 0) + 1
     worst = max(counts.values(), default=0)
     if worst > MAX_REPEATS:
         out.append(f"a {REPEAT_LEN}-id string {worst} times (at most {MAX_REPEATS})")
@@ -87,6 +92,11 @@ def windows_part(model, windows: list[list[int]], device: str) -> list[dict]:
         row.update(compressed_bpb(w))
         out.append(row)
     return out
+
+
+def log_figures(label: str, rows: list[dict], log) -> None:
+    for k in ("R_q", "R_x", "gzip_9", "xz_9e"):
+        log(f"record: {label} bits per byte {k}: " + " ".join(f"{r[k]:.4f}" for r in rows))
 
 
 def greedy_part(model, prompts: list[list[int]], device: str) -> list[dict]:
@@ -127,16 +137,14 @@ def measure(ckpt: str, device: str, parts: tuple[str, ...], corpus: str | None =
     if "windows" in parts:
         rows = windows_part(model, data.held_out_prompts([window_len] * windows, corpus=corpus), device)
         out["windows"] = rows
-        for k in ("R_q", "R_x", "gzip_9", "xz_9e"):
-            log(f"record: held-out bits per byte {k}: " + " ".join(f"{r[k]:.4f}" for r in rows))
+        log_figures("held-out", rows, log)
     if "foreign" in parts:
         named = data.foreign_windows(window_len)
         rows = windows_part(model, [w for _, w in named], device)
         for (name, _), row in zip(named, rows):
             row["file"] = name
         out["foreign"] = rows
-        for k in ("R_q", "R_x", "gzip_9", "xz_9e"):
-            log(f"record: foreign bits per byte {k}: " + " ".join(f"{r[k]:.4f}" for r in rows))
+        log_figures("foreign", rows, log)
     if "greedy" in parts or "acceptance" in parts:
         prompts = data.held_out_prompts([GREEDY_PROMPT_LEN] * GREEDY_PROMPTS, corpus=corpus)
         rows = greedy_part(model, prompts, device)

@@ -91,6 +91,15 @@ def _loop(name, params, step_fn, steps, budget_s, state, save, log, peak_lr=2e-3
     return st
 
 
+def text_loss(model, ids, rounding):
+    """The language-model loss on a batch of text under `rounding`, plus the indexer's distillation KL;
+    returns (loss to minimise, the language-model loss detached)."""
+    with rounding, indexer_distillation(model) as kl:
+        loss = model(input_ids=ids, labels=ids).loss
+    index_kl = torch.stack(kl).mean() if kl else torch.zeros((), device=ids.device)
+    return loss + index_kl, loss.detach()
+
+
 def train_target(model, batches, steps, device, log=print, budget_s=None, state=None, save=lambda s: None,
                  qat_from: float = 0.0, peak_lr: float = 2e-3, stop_at=None):
     """The target's loop; the QAT roundings on from step qat_from * steps (0: throughout)."""
@@ -102,11 +111,8 @@ def train_target(model, batches, steps, device, log=print, budget_s=None, state=
     def step_fn(step):
         ids = batches(step).to(device)
         total = state.get("steps") or steps
-        rounding = qat(model) if step >= qat_from * total else contextlib.nullcontext()
-        with rounding, indexer_distillation(model) as kl:
-            loss = model(input_ids=ids, labels=ids).loss
-        index_kl = torch.stack(kl).mean() if kl else torch.zeros((), device=ids.device)
-        return loss + index_kl, loss.detach(), ids.numel()
+        loss, text = text_loss(model, ids, qat(model) if step >= qat_from * total else contextlib.nullcontext())
+        return loss, text, ids.numel()
 
     def keep(st):
         st["model"] = model.state_dict()
@@ -151,20 +157,21 @@ LOOP_RUN = 24  # a run of one id longer than this is marked in unlikelihood trai
 
 
 def loop_positions(ids: list[int], n: int, run_from: int = LOOP_RUN) -> list[int]:
-    """The positions where a continuation extends a loop: the n-id string ending there (of more than one id)
+    """The positions where a continuation extends a loop: the n-id string ending there (`record.loop_strings`)
     occurred earlier in it, or the run of one id there is longer than run_from."""
-    out, seen, run = [], set(), 0
+    from .record import loop_strings
+
+    hits, seen = set(), set()
+    for k, key in loop_strings(ids, n):
+        if key in seen:
+            hits.add(k)
+        seen.add(key)
+    run = 0
     for k, x in enumerate(ids):
         run = run + 1 if k and x == ids[k - 1] else 1
-        hit = run > run_from
-        if k >= n - 1:
-            key = tuple(ids[k - n + 1:k + 1])
-            if len(set(key)) > 1:
-                hit = hit or key in seen
-                seen.add(key)
-        if hit:
-            out.append(k)
-    return out
+        if run > run_from:
+            hits.add(k)
+    return sorted(hits)
 
 
 def train_unlikelihood(model, batches, prompts, steps, device, new=128, pool_every=8, alpha=1.0, log=print,
@@ -202,15 +209,13 @@ def train_unlikelihood(model, batches, prompts, steps, device, new=128, pool_eve
         if step % pool_every == 0 or not pool:
             make_pool(step)
         ids = batches(step).to(device)
-        with qat(model), indexer_distillation(model) as kl:
-            mle = model(input_ids=ids, labels=ids).loss
-        index_kl = torch.stack(kl).mean() if kl else torch.zeros((), device=ids.device)
+        loss, text = text_loss(model, ids, qat(model))
         seqs, mask, plen = pool["seqs"], pool["mask"], pool["plen"]
         with qat(model):
             logits = model(input_ids=seqs).logits[:, plen - 1:-1].float()
         p = torch.softmax(logits, -1).gather(-1, seqs[:, plen:, None])[..., 0]
         ul = -(torch.log1p(-p.clamp(max=1 - 1e-6)) * mask).sum() / mask.numel()
-        return mle + index_kl + alpha * ul, mle.detach(), ids.numel() + seqs.numel()
+        return loss + alpha * ul, text, ids.numel() + seqs.numel()
 
     def keep(st):
         st["model"] = model.state_dict()
@@ -262,8 +267,6 @@ def run(out, preset="tiny", steps=2000, draft_steps=None, seq=4096, device="cpu"
     t0 = time.time()
     stop_at = t0 + stop_after_s if stop_after_s else None
     torch.manual_seed(seed)
-    # training needs no exact fp32 products (the oracle, loading the result, turns TF32 back off)
-    torch.backends.cuda.matmul.allow_tf32 = True
     cfg = official_config(preset)
     if corpus:
         stream, facts = data.load_corpus(corpus)
@@ -297,7 +300,9 @@ def run(out, preset="tiny", steps=2000, draft_steps=None, seq=4096, device="cpu"
 
         target.load_state_dict(load_reference(init).state_dict())
         draft.load_state_dict(load_draft(init).state_dict())
-        torch.backends.cuda.matmul.allow_tf32 = True  # the oracle's load turned it off
+    # training needs no exact fp32 products (set after --init's oracle load, which turns TF32 off, as loading
+    # the result does again)
+    torch.backends.cuda.matmul.allow_tf32 = True
     target.to(device)
     draft.to(device)
     tstate = None if init else train_target(target, batches, steps, device, log=log, budget_s=budget_s,
