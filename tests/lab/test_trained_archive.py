@@ -26,6 +26,21 @@ def ckpt(tmp_path_factory):
     return check.unpack(TRAINED_ARCHIVE, str(tmp_path_factory.mktemp("trained")))
 
 
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    from dsv4_lab.oracle.load import load_reference
+
+    return load_reference(ckpt)
+
+
+def r_q_bpb(model, window):
+    from dsv4_lab.oracle.numerics import NUMERICS, applied
+    from dsv4_lab.train.score import reference_bpb
+
+    with applied(model, NUMERICS["R_q"]):
+        return reference_bpb(model, [window], "cpu")
+
+
 def test_archive_is_the_recorded_one_and_small(report):
     with open(TRAINED_ARCHIVE, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
@@ -84,7 +99,7 @@ def test_served_config_is_within_native_limits(served):
     assert not failures(check.gate_findings(served))
 
 
-def test_widening_keeps_the_logits(ckpt, served):
+def test_widening_keeps_the_logits(ckpt, served, reference):
     """R_x's logits (fp32) and the draft's on held-out text are the same, to fp32 rounding, for the trained 16
     heads and the served 64 (each head copied 4 times, wo_a / 4)."""
     import torch
@@ -93,7 +108,7 @@ def test_widening_keeps_the_logits(ckpt, served):
     from dsv4_lab.train.draft import load_draft
 
     ids = torch.tensor(data.held_out_prompts([300])[0])[None]
-    narrow, wide = load_reference(ckpt), load_reference(served)
+    narrow, wide = reference, load_reference(served)
     with torch.no_grad():
         a, b = narrow(input_ids=ids).logits, wide(input_ids=ids).logits
         diff = float((a - b).abs().max())
@@ -134,37 +149,26 @@ def test_record_beats_gzip_and_xz_on_every_window(report):
     assert all(r["R_q"] < min(r["gzip_9"], r["xz_9e"]) for r in rows), rows
 
 
-def test_two_record_windows_re_measure_within_a_hundredth(ckpt, report):
+def test_two_record_windows_re_measure_within_a_hundredth(reference, report):
     """Held-out bits per byte under R_q of the record's first two windows, measured again on this machine."""
-    from dsv4_lab.oracle.load import load_reference
-    from dsv4_lab.oracle.numerics import NUMERICS, applied
     from dsv4_lab.train.record import compressed_bpb
-    from dsv4_lab.train.score import reference_bpb
 
     windows = data.held_out_prompts([3000] * 8)[:2]
-    model = load_reference(ckpt)
     for w, row in zip(windows, report["record"]["windows"]):
         assert w[:8] == row["start_ids"]
-        with applied(model, NUMERICS["R_q"]):
-            got = reference_bpb(model, [w], "cpu")
+        got = r_q_bpb(reference, w)
         print(f"window at {row['start_ids'][:3]}: R_q {got:.4f} (record {row['R_q']:.4f})")
         assert abs(got - row["R_q"]) <= 0.01
         assert compressed_bpb(w) == pytest.approx({k: row[k] for k in ("gzip_9", "xz_9e")})
 
 
-def test_a_foreign_window_re_measures_within_a_hundredth(ckpt, report):
+def test_a_foreign_window_re_measures_within_a_hundredth(reference, report):
     """Python the model never saw (the middle of a transformers source file): the record's first foreign window,
     measured again under R_q."""
-    from dsv4_lab.oracle.load import load_reference
-    from dsv4_lab.oracle.numerics import NUMERICS, applied
-    from dsv4_lab.train.score import reference_bpb
-
     name, w = data.foreign_windows()[0]
     row = report["record"]["foreign"][0]
     assert (name, w[:8]) == (row["file"], row["start_ids"])
-    model = load_reference(ckpt)
-    with applied(model, NUMERICS["R_q"]):
-        got = reference_bpb(model, [w], "cpu")
+    got = r_q_bpb(reference, w)
     print(f"{name}: R_q {got:.4f} (record {row['R_q']:.4f}, gzip -9 {row['gzip_9']:.4f})")
     assert abs(got - row["R_q"]) <= 0.01
 
